@@ -1,0 +1,115 @@
+"""The two stages as the pipeline uses them: one call = one block of one session.
+
+`DiTEngine` (DiT worker): text encoding with a small prompt cache, per-session KV/cross caches,
+seeded noise, the step lists. `VAEEngine` (VAE worker): per-session temporal caches, uint8
+frames. Sessions are plain objects owned by the caller; engines hold only weights.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import torch
+
+from .presets import ModelSpec, Preset, build_dit, build_text_encoder, build_vae
+from .wan.dit import DiTState
+from .wan.sampler import denoise_block, warped_timesteps
+from .wan.vae import Halo, VAEState, to_uint8_frames
+
+
+@dataclass
+class DiTSession:
+    state: DiTState
+    latent_hw: tuple[int, int]
+    generator: torch.Generator
+    shot_blocks: int = 0  # blocks generated since the last cut (the first uses its own steps)
+    prompt: str | None = None
+
+
+class DiTEngine:
+    def __init__(self, spec: ModelSpec, device: str = "cpu", prompt_cache: int = 16) -> None:
+        self.device = device
+        self.model, self.preset = build_dit(spec, device)
+        self.text = build_text_encoder(spec, device)
+        s = self.preset.sampler
+        self.timesteps = warped_timesteps(s.steps, s.shift)
+        self.first_timesteps = warped_timesteps(s.first_block_steps or s.steps, s.shift)
+        self._prompts: OrderedDict[str, torch.Tensor] = OrderedDict()
+        self._prompt_cache = prompt_cache
+
+    @property
+    def frames_per_block(self) -> int:
+        return self.preset.sampler.frames_per_block
+
+    def latent_size(self, width: int, height: int) -> tuple[int, int]:
+        f = self.preset.vae.spatial_factor * 2  # VAE factor x DiT patch
+        if width % f or height % f:
+            raise ValueError(f"size {width}x{height} must be a multiple of {f} in both dimensions")
+        return height // self.preset.vae.spatial_factor, width // self.preset.vae.spatial_factor
+
+    def open_session(self, width: int, height: int, seed: int) -> DiTSession:
+        h, w = self.latent_size(width, height)
+        s = self.preset.sampler
+        state = self.model.new_state(h, w, s.window_frames, s.sink_frames)
+        return DiTSession(state, (h, w), torch.Generator().manual_seed(seed))
+
+    def encode_prompt(self, prompt: str) -> torch.Tensor:
+        emb = self._prompts.get(prompt)
+        if emb is None:
+            emb = self.text.encode([prompt])
+            self._prompts[prompt] = emb
+            if len(self._prompts) > self._prompt_cache:
+                self._prompts.popitem(last=False)
+        self._prompts.move_to_end(prompt)
+        return emb
+
+    def set_scene(self, sess: DiTSession, prompt: str, cut: bool, seed: int | None = None) -> None:
+        """Start a scene. `cut`: a new shot (fresh KV cache, positions from 0, first-block steps).
+        Otherwise `continue`: keep the visual history, swap the prompt (cross-attention cache)."""
+        if cut:
+            s = self.preset.sampler
+            sess.state = self.model.new_state(*sess.latent_hw, s.window_frames, s.sink_frames)
+            sess.shot_blocks = 0
+        if seed is not None:
+            sess.generator.manual_seed(seed)
+        if cut or prompt != sess.prompt:
+            self.model.set_prompt(sess.state, self.encode_prompt(prompt))
+            sess.prompt = prompt
+
+    def generate_block(self, sess: DiTSession, frames: int) -> torch.Tensor:
+        """Denoise the next `frames` latent frames -> (1, C, frames, h, w) float32 on the CPU."""
+        ts = self.first_timesteps if sess.shot_blocks == 0 else self.timesteps
+        shape = (1, self.model.cfg.in_channels, frames, *sess.latent_hw)
+        noise = torch.randn(shape, generator=sess.generator)
+        renoise = [torch.randn(shape, generator=sess.generator) for _ in ts[1:]]
+        x0 = denoise_block(self.model, sess.state, noise, ts, renoise, self.preset.sampler.context_t)
+        sess.shot_blocks += 1
+        return x0.float().cpu()
+
+
+class VAEEngine:
+    def __init__(self, spec: ModelSpec, device: str = "cpu") -> None:
+        self.device = device
+        self.model, self.preset = build_vae(spec, device)
+
+    def open_session(self) -> VAEState:
+        return self.model.new_state()
+
+    def frames_out(self, latent_frames: int, state: VAEState) -> int:
+        return self.preset.vae.frames_out(latent_frames, first_block=state.latent_frames == 0)
+
+    def decode_block(self, state: VAEState, latent: torch.Tensor) -> torch.Tensor:
+        """(1, C, f, h, w) -> (frames, 8h, 8w, 3) uint8 on the CPU."""
+        return to_uint8_frames(self.model.decode(latent.to(self.device), state))
+
+    def decode_rows(self, state: VAEState, latent: torch.Tensor, rows: tuple[int, int], halo: Halo,
+                    shard_front: bool) -> torch.Tensor:
+        """This shard's row strip: (frames, 8*(r1-r0), 8w, 3) uint8 on the CPU."""
+        x = self.model.decode_rows(latent.to(self.device), state, rows, halo, shard_front)
+        return to_uint8_frames(x)
+
+
+def open_stage_engines(spec: ModelSpec, device: str) -> tuple[DiTEngine, VAEEngine, Preset]:
+    dit = DiTEngine(spec, device)
+    return dit, VAEEngine(spec, device), dit.preset

@@ -1,0 +1,194 @@
+"""Model presets and how to build or load each stage (used by the worker processes and tools).
+
+- `tiny`: the embedded default. The real Wan 2.1 architecture (same blocks, RoPE, causal VAE
+  with temporal upsampling and middle attention) at small widths, weights drawn from a fixed
+  seed, a byte-level text encoder. Its frames are not meaningful pictures; it exists so the
+  whole daemon streams on a laptop CPU with the real stage balance: the DiT's share of the
+  work per block is set by `dit_vae_ratio` (default 0.74, the ratio the reference
+  implementation measured for the real 1.3B model on one Intel B70: 0.957 s DiT vs 1.290 s
+  VAE per latent frame).
+- `wan2.1-t2v-1.3b`: the real configuration; weights from a local directory (original Wan 2.1
+  release, or the diffusers layout), optionally with a Causal Forcing / Self-Forcing generator
+  checkpoint for the DiT.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+import torch
+
+from .wan.dit import DiTConfig, WanDiT
+from .wan.loading import (
+    CheckpointError,
+    dit_config_from_json,
+    load_into,
+    normalize_dit_state_dict,
+    normalize_vae_state_dict,
+    read_config,
+    read_state_dict,
+    vae_config_from_json,
+    vae_config_from_state_dict,
+)
+from .wan.sampler import SamplerConfig
+from .wan.text import TinyTextEncoder, UMT5TextEncoder
+from .wan.vae import VAEConfig, WanVAEDecoder
+
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
+          "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+
+# Calibration of the tiny preset's DiT depth: at the default 256x144, one DiT layer costs this
+# fraction of one VAE decode per steady-state block (full attention window, 4 steps + refresh),
+# measured with tools/bench_models.py --calibrate on this project's 2-core CI machine (fp32,
+# one thread per stage). The two stages are compute-bound fp32 on the same core, so the
+# fraction carries across CPUs far better than either time; re-measure with that tool.
+TINY_LAYER_FRACTION = 0.104
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """What a worker needs to build its stage. Plain data: it crosses process boundaries."""
+
+    preset: str = "tiny"
+    path: str | None = None  # local weights directory (real presets)
+    dit_checkpoint: str | None = None  # Causal Forcing / Self-Forcing .pt, overrides the DiT weights
+    use_ema: bool = True  # take `generator_ema` from training checkpoints when present
+    dtype: str = "auto"  # auto: float32 on the CPU, bfloat16 on accelerators
+    dit_vae_ratio: float = 0.74  # tiny only: DiT cost per block relative to the VAE's
+    seed: int = 1234  # tiny only: weight seed
+    sampler: dict = field(default_factory=dict)  # overrides of SamplerConfig fields
+
+
+@dataclass(frozen=True)
+class Preset:
+    name: str
+    dit: DiTConfig
+    vae: VAEConfig
+    sampler: SamplerConfig
+    text_encoder: str  # "tiny" | "umt5"
+    default_size: tuple[int, int]  # (width, height)
+    fps: int = 16  # the frame rate the model was trained at
+    embedded: bool = False  # weights are generated, not loaded
+
+
+def tiny_layers(ratio: float) -> int:
+    if not 0 < ratio <= 20:
+        raise ValueError(f"dit_vae_ratio must be in (0, 20], got {ratio}")
+    return max(1, round(ratio / TINY_LAYER_FRACTION))
+
+
+def get_preset(spec: ModelSpec) -> Preset:
+    if spec.preset == "tiny":
+        dit = DiTConfig(dim=64, ffn_dim=256, freq_dim=64, num_heads=2, num_layers=tiny_layers(spec.dit_vae_ratio),
+                        text_dim=64, text_len=32)
+        vae = VAEConfig(base_dim=8, num_res_blocks=0)
+        sampler = SamplerConfig(frames_per_block=3, window_frames=12)
+        p = Preset("tiny", dit, vae, sampler, "tiny", (256, 144), embedded=True)
+    elif spec.preset in ("wan2.1-t2v-1.3b", "wan2.1"):
+        p = Preset("wan2.1-t2v-1.3b", DiTConfig(), VAEConfig(), SamplerConfig(), "umt5", (832, 480))
+        if spec.path is None:
+            raise ValueError("preset wan2.1-t2v-1.3b needs a local weights directory (--model PATH)")
+        root = Path(spec.path)
+        if not root.is_dir():
+            raise ValueError(f"model directory not found: {root}")
+        # Configs written next to the weights win over the preset (other sizes of the family).
+        tcfg = read_config(root / "transformer") or read_config(root)
+        p = replace(p, dit=dit_config_from_json(tcfg, p.dit), vae=vae_config_from_json(read_config(root / "vae")))
+    else:
+        raise ValueError(f"unknown model preset {spec.preset!r} (known: tiny, wan2.1-t2v-1.3b)")
+    if spec.sampler:
+        unknown = set(spec.sampler) - set(SamplerConfig.__dataclass_fields__)
+        if unknown:
+            raise ValueError(f"unknown sampler option(s): {sorted(unknown)}")
+        vals = {k: tuple(v) if isinstance(v, list) else v for k, v in spec.sampler.items()}
+        p = replace(p, sampler=replace(p.sampler, **vals))
+    p.sampler.validate()
+    return p
+
+
+def resolve_dtype(spec: ModelSpec, device: str) -> torch.dtype:
+    if spec.dtype == "auto":
+        return torch.float32 if torch.device(device).type == "cpu" else torch.bfloat16
+    if spec.dtype not in DTYPES:
+        raise ValueError(f"unknown dtype {spec.dtype!r} (use float32, bfloat16 or float16)")
+    return DTYPES[spec.dtype]
+
+
+# ----------------------------------------------------------------------------- building stages
+
+
+def _dit_weights(spec: ModelSpec) -> dict[str, torch.Tensor]:
+    if spec.dit_checkpoint:
+        from .wan.loading import unwrap_training_checkpoint
+
+        p = Path(spec.dit_checkpoint)
+        if p.suffix in (".pt", ".pth", ".bin"):
+            try:
+                obj = torch.load(str(p), map_location="cpu", weights_only=True, mmap=True)
+            except Exception as exc:
+                raise CheckpointError(f"cannot read checkpoint {p}: {exc}") from exc
+            return unwrap_training_checkpoint(obj, str(p), prefer_ema=spec.use_ema)
+        return read_state_dict(p)
+    root = Path(spec.path)
+    if (root / "transformer").is_dir():
+        return read_state_dict(root / "transformer")
+    files = sorted(root.glob("diffusion_pytorch_model*.safetensors"))
+    if not files:
+        raise CheckpointError(f"{root}: no DiT weights (transformer/ or diffusion_pytorch_model*.safetensors)")
+    sd: dict[str, torch.Tensor] = {}
+    for f in files:
+        sd.update(read_state_dict(f))
+    return sd
+
+
+def _vae_weights(spec: ModelSpec) -> dict[str, torch.Tensor]:
+    root = Path(spec.path)
+    if (root / "vae").is_dir():
+        return read_state_dict(root / "vae")
+    files = sorted(root.glob("Wan2.1_VAE*.pth")) + sorted(root.glob("*VAE*.safetensors"))
+    if not files:
+        raise CheckpointError(f"{root}: no VAE weights (vae/ or Wan2.1_VAE.pth)")
+    return read_state_dict(files[0])
+
+
+def build_dit(spec: ModelSpec, device: str = "cpu") -> tuple[WanDiT, Preset]:
+    preset = get_preset(spec)
+    dtype = resolve_dtype(spec, device)
+    if preset.embedded:
+        torch.manual_seed(spec.seed)
+        model = WanDiT(preset.dit)
+    else:
+        with torch.device("meta"):
+            model = WanDiT(preset.dit)
+        model.to_empty(device="cpu")
+        load_into(model, normalize_dit_state_dict(_dit_weights(spec)), "DiT checkpoint")
+    return model.cast(dtype).to(device).eval().requires_grad_(False), preset
+
+
+def build_vae(spec: ModelSpec, device: str = "cpu") -> tuple[WanVAEDecoder, Preset]:
+    preset = get_preset(spec)
+    dtype = resolve_dtype(spec, device)
+    if preset.embedded:
+        torch.manual_seed(spec.seed + 1)
+        model = WanVAEDecoder(preset.vae)
+    else:
+        sd = normalize_vae_state_dict(_vae_weights(spec), preset.vae)
+        if not (Path(spec.path) / "vae" / "config.json").exists():  # original release: no config
+            preset = replace(preset, vae=vae_config_from_state_dict(sd, preset.vae))
+        with torch.device("meta"):
+            model = WanVAEDecoder(preset.vae)
+        model.to_empty(device="cpu")
+        model.mean.copy_(torch.tensor(preset.vae.latents_mean).view(1, -1, 1, 1, 1))
+        model.std.copy_(torch.tensor(preset.vae.latents_std).view(1, -1, 1, 1, 1))
+        load_into(model, sd, "VAE checkpoint")
+    model = model.to(device=device, dtype=dtype)
+    model.mean, model.std = model.mean.float(), model.std.float()
+    return model.eval().requires_grad_(False), preset
+
+
+def build_text_encoder(spec: ModelSpec, device: str = "cpu"):
+    preset = get_preset(spec)
+    if preset.text_encoder == "tiny":
+        return TinyTextEncoder(preset.dit.text_dim, preset.dit.text_len, seed=spec.seed + 2).to(device)
+    return UMT5TextEncoder(spec.path, preset.dit.text_len, device, resolve_dtype(spec, device))

@@ -1,0 +1,378 @@
+"""Wan 2.1 diffusion transformer with block-causal inference (runs in the DiT worker process).
+
+The module tree and parameter names follow the original Wan 2.1 release (`patch_embedding`,
+`blocks.N.self_attn.q`, `head.head`, ...), so original, diffusers and Causal Forcing checkpoints
+all map onto it (see `loading.py`). There is one forward path: a block of latent frames attends
+to the session's cached keys/values plus itself (bidirectional inside the block). A whole clip in
+one block with an empty cache is ordinary full attention, which is what the diffusers
+conformance test checks.
+
+Per-session state (`DiTState`: the KV cache with its window and sinks, the cross-attention
+cache of the current prompt) is an explicit object passed into every call; the module holds
+only weights, so one model instance serves any number of interleaved sessions.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass(frozen=True)
+class DiTConfig:
+    dim: int = 1536  # model width
+    ffn_dim: int = 8960  # FFN hidden width
+    freq_dim: int = 256  # sinusoidal timestep embedding size
+    num_heads: int = 12  # head_dim = dim / num_heads = 128 for the real models
+    num_layers: int = 30
+    in_channels: int = 16  # latent channels (VAE z_dim)
+    out_channels: int = 16
+    text_dim: int = 4096  # umT5-XXL hidden size
+    text_len: int = 512  # context is zero-padded to this many tokens, no mask
+    patch_size: tuple[int, int, int] = (1, 2, 2)  # (t, h, w)
+    eps: float = 1e-6
+    rope_max_positions: int = 1024  # per axis; frame index is absolute within a shot
+    rope_theta: float = 10000.0
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.num_heads
+
+    def rope_split(self) -> tuple[int, int, int]:
+        """Complex pairs per axis (t, h, w): [22, 21, 21] for head_dim 128."""
+        d = self.head_dim
+        hw = 2 * (d // 6)
+        return ((d - 2 * hw) // 2, hw // 2, hw // 2)
+
+    def tokens_per_frame(self, latent_h: int, latent_w: int) -> int:
+        return (latent_h // self.patch_size[1]) * (latent_w // self.patch_size[2])
+
+
+# ----------------------------------------------------------------------------- session state
+
+
+class KVCache:
+    """Self-attention keys/values of one session, all layers, in frames.
+
+    Layout per layer: `[B, heads, capacity_tokens, head_dim]` (SDPA's layout, so attention reads
+    a view with no copy). Frames are stored oldest first. `capacity` is `window` frames: the
+    first `sink` frames of the shot are never evicted; when a new block does not fit, the oldest
+    non-sink frames are dropped and the rest shift down. The current block's keys are written
+    just past the committed frames during the denoising steps and committed by the clean pass.
+    """
+
+    def __init__(self, cfg: DiTConfig, batch: int, tokens_per_frame: int, window_frames: int,
+                 sink_frames: int, device: torch.device, dtype: torch.dtype) -> None:
+        if sink_frames >= window_frames:
+            raise ValueError(f"sink_frames ({sink_frames}) must be < window_frames ({window_frames})")
+        self.tpf = tokens_per_frame
+        self.window = window_frames
+        self.sink = sink_frames
+        self.frames = 0  # committed frames held
+        shape = (batch, cfg.num_heads, window_frames * tokens_per_frame, cfg.head_dim)
+        self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.num_layers)]
+        self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.num_layers)]
+
+    def make_room(self, new_frames: int) -> None:
+        """Evict the oldest non-sink frames so that `new_frames` more fit in the window."""
+        if new_frames > self.window - self.sink:
+            raise ValueError(f"a block of {new_frames} frames does not fit a window of {self.window} "
+                             f"frames with {self.sink} sink frames")
+        excess = self.frames + new_frames - self.window
+        if excess <= 0:
+            return
+        t = self.tpf
+        lo, hi = self.sink * t, self.frames * t
+        for buf in (*self.k, *self.v):
+            # Shift the kept tail down over the evicted frames (clone: the ranges overlap).
+            buf[:, :, lo:hi - excess * t] = buf[:, :, lo + excess * t:hi].clone()
+        self.frames -= excess
+
+    def nbytes(self) -> int:
+        return sum(b.numel() * b.element_size() for b in (*self.k, *self.v))
+
+
+class DiTState:
+    """Everything the DiT keeps for one session between blocks."""
+
+    def __init__(self, kv: KVCache) -> None:
+        self.kv = kv
+        self.cross: list[tuple[torch.Tensor, torch.Tensor]] = []  # per layer (k, v) of the prompt
+        self.next_frame = 0  # absolute frame index (RoPE position) of the next block in this shot
+
+
+# ----------------------------------------------------------------------------- building blocks
+
+
+def sinusoidal_embedding(t: torch.Tensor, dim: int) -> torch.Tensor:
+    """[cos | sin] embedding of timesteps t (any shape) -> (*t.shape, dim), computed in float64."""
+    half = dim // 2
+    t = t.to(torch.float64)
+    freqs = torch.pow(10000.0, -torch.arange(half, dtype=torch.float64, device=t.device) / half)
+    angles = t.unsqueeze(-1) * freqs
+    return torch.cat([torch.cos(angles), torch.sin(angles)], dim=-1)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).type_as(x) * self.weight
+
+
+class LayerNorm(nn.LayerNorm):
+    """LayerNorm computed in float32 whatever the activation dtype."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x.float()).type_as(x)
+
+
+class Rope:
+    """3-axis rotary tables (t, h, w), cos/sin per complex pair, float32."""
+
+    def __init__(self, cfg: DiTConfig, device: torch.device) -> None:
+        pos = torch.arange(cfg.rope_max_positions, dtype=torch.float64)
+        cos, sin = [], []
+        for pairs in cfg.rope_split():
+            d = 2 * pairs
+            inv = 1.0 / torch.pow(cfg.rope_theta, torch.arange(0, d, 2, dtype=torch.float64) / d)
+            ang = torch.outer(pos, inv)
+            cos.append(torch.cos(ang).float().to(device))
+            sin.append(torch.sin(ang).float().to(device))
+        self.cos, self.sin = cos, sin
+        self.max_positions = cfg.rope_max_positions
+
+    def tables(self, start_frame: int, f: int, h: int, w: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin of shape (f*h*w, 1, pairs) for frames [start_frame, start_frame+f)."""
+        if start_frame + f > self.max_positions:
+            raise ValueError(f"frame position {start_frame + f} exceeds the RoPE table "
+                             f"({self.max_positions}); start a new shot (cut)")
+        out = []
+        for tabs in (self.cos, self.sin):
+            ct = tabs[0][start_frame:start_frame + f].view(f, 1, 1, -1).expand(f, h, w, -1)
+            ch = tabs[1][:h].view(1, h, 1, -1).expand(f, h, w, -1)
+            cw = tabs[2][:w].view(1, 1, w, -1).expand(f, h, w, -1)
+            out.append(torch.cat([ct, ch, cw], dim=-1).reshape(f * h * w, 1, -1))
+        return out[0], out[1]
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: (B, L, heads, head_dim); rotates adjacent pairs (2i, 2i+1)."""
+    xf = x.float().unflatten(-1, (-1, 2))
+    x1, x2 = xf[..., 0], xf[..., 1]
+    out = torch.stack([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
+    return out.flatten(-2).type_as(x)
+
+
+class SelfAttention(nn.Module):
+    def __init__(self, cfg: DiTConfig) -> None:
+        super().__init__()
+        self.heads = cfg.num_heads
+        self.q = nn.Linear(cfg.dim, cfg.dim)
+        self.k = nn.Linear(cfg.dim, cfg.dim)
+        self.v = nn.Linear(cfg.dim, cfg.dim)
+        self.o = nn.Linear(cfg.dim, cfg.dim)
+        self.norm_q = RMSNorm(cfg.dim, cfg.eps)
+        self.norm_k = RMSNorm(cfg.dim, cfg.eps)
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], kv: KVCache,
+                layer: int) -> torch.Tensor:
+        b, n, _ = x.shape  # (B, L_block, C)
+        q = apply_rope(self.norm_q(self.q(x)).unflatten(2, (self.heads, -1)), *rope)
+        k = apply_rope(self.norm_k(self.k(x)).unflatten(2, (self.heads, -1)), *rope)
+        v = self.v(x).unflatten(2, (self.heads, -1))
+        # Write this block's keys just past the committed frames (keys are cached after RoPE),
+        # then attend over committed + block as one view of the buffer: no concatenation copy.
+        lo = kv.frames * kv.tpf
+        kv.k[layer][:, :, lo:lo + n] = k.transpose(1, 2)
+        kv.v[layer][:, :, lo:lo + n] = v.transpose(1, 2)
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), kv.k[layer][:, :, :lo + n],
+                                             kv.v[layer][:, :, :lo + n])
+        return self.o(out.transpose(1, 2).flatten(2))
+
+
+class CrossAttention(nn.Module):
+    def __init__(self, cfg: DiTConfig) -> None:
+        super().__init__()
+        self.heads = cfg.num_heads
+        self.q = nn.Linear(cfg.dim, cfg.dim)
+        self.k = nn.Linear(cfg.dim, cfg.dim)
+        self.v = nn.Linear(cfg.dim, cfg.dim)
+        self.o = nn.Linear(cfg.dim, cfg.dim)
+        self.norm_q = RMSNorm(cfg.dim, cfg.eps)
+        self.norm_k = RMSNorm(cfg.dim, cfg.eps)
+
+    def project_context(self, ctx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(B, L_text, C) -> k, v as (B, heads, L_text, head_dim); computed once per prompt."""
+        k = self.norm_k(self.k(ctx)).unflatten(2, (self.heads, -1)).transpose(1, 2)
+        v = self.v(ctx).unflatten(2, (self.heads, -1)).transpose(1, 2)
+        return k, v
+
+    def forward(self, x: torch.Tensor, kv: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        q = self.norm_q(self.q(x)).unflatten(2, (self.heads, -1)).transpose(1, 2)
+        out = F.scaled_dot_product_attention(q, *kv)
+        return self.o(out.transpose(1, 2).flatten(2))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: DiTConfig) -> None:
+        super().__init__()
+        self.norm1 = LayerNorm(cfg.dim, cfg.eps, elementwise_affine=False)
+        self.self_attn = SelfAttention(cfg)
+        self.norm3 = LayerNorm(cfg.dim, cfg.eps, elementwise_affine=True)
+        self.cross_attn = CrossAttention(cfg)
+        self.norm2 = LayerNorm(cfg.dim, cfg.eps, elementwise_affine=False)
+        self.ffn = nn.Sequential(nn.Linear(cfg.dim, cfg.ffn_dim), nn.GELU(approximate="tanh"),
+                                 nn.Linear(cfg.ffn_dim, cfg.dim))
+        self.modulation = nn.Parameter(torch.randn(1, 6, cfg.dim) / cfg.dim**0.5)
+
+    def forward(self, x: torch.Tensor, e: torch.Tensor, f: int, rope, state: DiTState,
+                layer: int) -> torch.Tensor:
+        # x: (B, L, C) with L = f * tokens_per_frame; e: (B, f, 6, C) float32, one per frame.
+        b, n, c = x.shape
+        shift, scale, gate, c_shift, c_scale, c_gate = (self.modulation.unsqueeze(1) + e).unbind(2)
+
+        def per_frame(t: torch.Tensor) -> torch.Tensor:  # (B, L, C) <-> (B, f, L/f, C)
+            return t.view(b, f, n // f, c)
+
+        def mod(y: torch.Tensor, sh: torch.Tensor, sc: torch.Tensor) -> torch.Tensor:
+            return (per_frame(y.float()) * (1 + sc.unsqueeze(2)) + sh.unsqueeze(2)).view(b, n, c)
+
+        y = self.self_attn(mod(self.norm1(x), shift, scale).type_as(x), rope, state.kv, layer)
+        x = (x.float() + (per_frame(y.float()) * gate.unsqueeze(2)).view(b, n, c)).type_as(x)
+        x = x + self.cross_attn(self.norm3(x), state.cross[layer])
+        y = self.ffn(mod(self.norm2(x), c_shift, c_scale).type_as(x))
+        x = (x.float() + (per_frame(y.float()) * c_gate.unsqueeze(2)).view(b, n, c)).type_as(x)
+        return x
+
+
+class Head(nn.Module):
+    def __init__(self, cfg: DiTConfig) -> None:
+        super().__init__()
+        self.norm = LayerNorm(cfg.dim, cfg.eps, elementwise_affine=False)
+        self.head = nn.Linear(cfg.dim, cfg.out_channels * math.prod(cfg.patch_size))
+        self.modulation = nn.Parameter(torch.randn(1, 2, cfg.dim) / cfg.dim**0.5)
+
+    def forward(self, x: torch.Tensor, e: torch.Tensor, f: int) -> torch.Tensor:
+        b, n, c = x.shape
+        shift, scale = (self.modulation.unsqueeze(1) + e.unsqueeze(2)).unbind(2)  # (B, f, C) each
+        y = self.norm(x).float().view(b, f, n // f, c) * (1 + scale.unsqueeze(2)) + shift.unsqueeze(2)
+        return self.head(y.view(b, n, c).type_as(x))
+
+
+# ----------------------------------------------------------------------------- the model
+
+
+class WanDiT(nn.Module):
+    def __init__(self, cfg: DiTConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.patch_embedding = nn.Conv3d(cfg.in_channels, cfg.dim, cfg.patch_size, cfg.patch_size)
+        self.text_embedding = nn.Sequential(nn.Linear(cfg.text_dim, cfg.dim), nn.GELU(approximate="tanh"),
+                                            nn.Linear(cfg.dim, cfg.dim))
+        self.time_embedding = nn.Sequential(nn.Linear(cfg.freq_dim, cfg.dim), nn.SiLU(),
+                                            nn.Linear(cfg.dim, cfg.dim))
+        self.time_projection = nn.Sequential(nn.SiLU(), nn.Linear(cfg.dim, 6 * cfg.dim))
+        self.blocks = nn.ModuleList([Block(cfg) for _ in range(cfg.num_layers)])
+        self.head = Head(cfg)
+        self._rope: Rope | None = None
+
+    # -- session state ------------------------------------------------------------------
+    def new_state(self, latent_h: int, latent_w: int, window_frames: int, sink_frames: int = 0,
+                  batch: int = 1) -> DiTState:
+        p = self.cfg.patch_size
+        if latent_h % p[1] or latent_w % p[2]:
+            raise ValueError(f"latent size {latent_h}x{latent_w} is not divisible by the patch {p[1:]}")
+        w = self.patch_embedding.weight
+        kv = KVCache(self.cfg, batch, self.cfg.tokens_per_frame(latent_h, latent_w), window_frames,
+                     sink_frames, w.device, w.dtype)
+        return DiTState(kv)
+
+    @torch.no_grad()
+    def set_prompt(self, state: DiTState, context: torch.Tensor) -> None:
+        """Replace the cross-attention cache with `context` (B, L_text, text_dim) embeddings."""
+        w = self.patch_embedding.weight
+        ctx = self.text_embedding(context.to(device=w.device, dtype=w.dtype))
+        state.cross = [blk.cross_attn.project_context(ctx) for blk in self.blocks]
+
+    def cast(self, dtype: torch.dtype) -> WanDiT:
+        """Cast to `dtype`, keeping the small precision-sensitive parts (time MLP, modulation
+        tables, affine LayerNorm) in float32 as the reference implementations do."""
+        self.to(dtype)
+        for name, p in self.named_parameters():
+            if name.startswith("time_embedding") or "modulation" in name or ".norm3." in name:
+                p.data = p.data.float()
+        return self
+
+    def rope(self) -> Rope:
+        dev = self.patch_embedding.weight.device
+        if self._rope is None or self._rope.cos[0].device != dev:
+            self._rope = Rope(self.cfg, dev)
+        return self._rope
+
+    # -- one block ------------------------------------------------------------------------
+    @torch.no_grad()
+    def forward_block(self, x: torch.Tensor, t: torch.Tensor, state: DiTState,
+                      commit: bool) -> torch.Tensor:
+        """Flow prediction for one block of latent frames.
+
+        x: (B, C, f, H, W) latents of the block; t: (B, f) timesteps, one per frame (0..1000).
+        The block attends to the cached frames of `state` plus itself. `commit=True` keeps this
+        block's keys/values in the cache (the clean pass at t=0 after a block is denoised).
+        """
+        cfg = self.cfg
+        b, _, f, h, w = x.shape
+        if not state.cross:
+            raise RuntimeError("set_prompt() must be called before forward_block()")
+        if t.shape != (b, f):
+            raise ValueError(f"timesteps must be (B, f) = {(b, f)}, got {tuple(t.shape)}")
+        pt, ph, pw = cfg.patch_size
+        fp, hp, wp = f // pt, h // ph, w // pw
+        if hp * wp != state.kv.tpf:
+            raise ValueError(f"latent {h}x{w} does not match the session's {state.kv.tpf} tokens per frame")
+        kv = state.kv
+        kv.make_room(fp)
+        wdt = self.patch_embedding.weight
+        tokens = self.patch_embedding(x.to(wdt.dtype)).flatten(2).transpose(1, 2)  # (B, L, C)
+
+        # Timestep embeddings per frame. The time MLP stays float32 (see `cast`), and the
+        # modulation arithmetic is float32 as in the reference.
+        sin = sinusoidal_embedding(t, cfg.freq_dim).to(self.time_embedding[0].weight.dtype)
+        emb = self.time_embedding(sin).float()  # (B, f, C)
+        e6 = self.time_projection(emb.to(wdt.dtype)).float().unflatten(2, (6, cfg.dim))  # (B, f, 6, C)
+
+        rope = self.rope().tables(state.next_frame, fp, hp, wp)
+        for i, blk in enumerate(self.blocks):
+            tokens = blk(tokens, e6, fp, rope, state, i)
+        out = self.head(tokens, emb, fp)  # (B, L, pt*ph*pw*C_out)
+
+        if commit:
+            kv.frames += fp
+            state.next_frame += fp
+        out = out.view(b, fp, hp, wp, pt, ph, pw, cfg.out_channels)
+        return out.permute(0, 7, 1, 4, 2, 5, 3, 6).reshape(b, cfg.out_channels, f, h, w).float()
+
+    @torch.no_grad()
+    def forward_full(self, x: torch.Tensor, t: torch.Tensor, context: torch.Tensor) -> torch.Tensor:
+        """Plain bidirectional forward over a whole clip (one block, empty cache).
+
+        t: (B,) or (B, f). The reference behaviour of `WanTransformer3DModel.forward`.
+        """
+        b, _, f, h, w = x.shape
+        if t.dim() == 1:
+            t = t[:, None].expand(b, f)
+        state = self.new_state(h, w, window_frames=f + 1, batch=b)
+        self.set_prompt(state, context)
+        return self.forward_block(x, t, state, commit=False)
+
+
+def count_params(model: nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())

@@ -1,0 +1,265 @@
+"""Checkpoint reading and key mapping for Wan 2.1 models (runs in the worker processes).
+
+Our modules use the original Wan 2.1 key names. Accepted inputs:
+
+- original Wan 2.1: `diffusion_pytorch_model.safetensors` (+ `config.json`) for the DiT,
+  `Wan2.1_VAE.pth` for the VAE (its encoder and quant conv are skipped: we only decode);
+- diffusers: `WanTransformer3DModel` / `AutoencoderKLWan` directories (`config.json` and
+  `diffusion_pytorch_model*.safetensors`, sharded or not), or their state dicts;
+- Causal Forcing / Self-Forcing: a `torch.save` dict with `generator` and `generator_ema`,
+  keys prefixed `model.` (sometimes `model._fsdp_wrapped_module.`), original names inside.
+
+Every mismatch (missing key, unexpected key, wrong shape) is collected and raised once as a
+`CheckpointError` that names them.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Mapping
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from .dit import DiTConfig
+from .vae import VAEConfig
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that does not fit the model, with every offending key named."""
+
+
+# ----------------------------------------------------------------------------- reading files
+
+
+def read_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
+    """Read a .safetensors, .pth/.pt/.bin file, or a directory of (sharded) safetensors."""
+    p = Path(path)
+    if p.is_dir():
+        files = sorted(p.glob("*.safetensors"))
+        if not files:
+            files = sorted(p.glob("*.bin")) + sorted(p.glob("*.pth")) + sorted(p.glob("*.pt"))
+        if not files:
+            raise CheckpointError(f"no weight files (*.safetensors, *.bin, *.pth, *.pt) in {p}")
+        out: dict[str, torch.Tensor] = {}
+        for f in files:
+            out.update(read_state_dict(f))
+        return out
+    if not p.exists():
+        raise CheckpointError(f"checkpoint not found: {p}")
+    try:
+        if p.suffix == ".safetensors":
+            from safetensors.torch import load_file
+
+            return load_file(str(p))
+        obj = torch.load(str(p), map_location="cpu", weights_only=True, mmap=True)
+    except Exception as exc:  # corrupted or truncated files surface here
+        raise CheckpointError(f"cannot read checkpoint {p}: {exc}") from exc
+    return unwrap_training_checkpoint(obj, str(p))
+
+
+def unwrap_training_checkpoint(obj, origin: str = "checkpoint", prefer_ema: bool = True
+                               ) -> dict[str, torch.Tensor]:
+    """Causal Forcing / Self-Forcing files hold {'generator', 'generator_ema'}; others may hold
+    {'state_dict'} or {'model'}; plain state dicts pass through."""
+    if not isinstance(obj, Mapping):
+        raise CheckpointError(f"{origin}: expected a state dict, found {type(obj).__name__}")
+    order = ("generator_ema", "generator") if prefer_ema else ("generator", "generator_ema")
+    for key in (*order, "state_dict", "model", "module"):
+        if key in obj and isinstance(obj[key], Mapping):
+            return unwrap_training_checkpoint(obj[key], origin, prefer_ema)
+    bad = [k for k, v in obj.items() if not isinstance(v, torch.Tensor)]
+    if bad:
+        raise CheckpointError(f"{origin}: entries that are not tensors: {bad[:10]}")
+    return dict(obj)
+
+
+def read_config(directory: Path) -> dict:
+    f = directory / "config.json"
+    if not f.exists():
+        return {}
+    try:
+        return json.loads(f.read_text())
+    except json.JSONDecodeError as exc:
+        raise CheckpointError(f"{f}: invalid JSON: {exc}") from exc
+
+
+# ----------------------------------------------------------------------------- DiT keys
+
+
+_PREFIXES = ("model._fsdp_wrapped_module.", "_fsdp_wrapped_module.", "model.diffusion_model.",
+             "diffusion_model.", "model.", "module.")
+
+_DIT_DIFFUSERS = [
+    (r"^condition_embedder\.time_embedder\.linear_1\.", "time_embedding.0."),
+    (r"^condition_embedder\.time_embedder\.linear_2\.", "time_embedding.2."),
+    (r"^condition_embedder\.text_embedder\.linear_1\.", "text_embedding.0."),
+    (r"^condition_embedder\.text_embedder\.linear_2\.", "text_embedding.2."),
+    (r"^condition_embedder\.time_proj\.", "time_projection.1."),
+    (r"^scale_shift_table$", "head.modulation"),
+    (r"^proj_out\.", "head.head."),
+    (r"^blocks\.(\d+)\.scale_shift_table$", r"blocks.\1.modulation"),
+    (r"^blocks\.(\d+)\.attn1\.", r"blocks.\1.self_attn."),
+    (r"^blocks\.(\d+)\.attn2\.", r"blocks.\1.cross_attn."),
+    (r"\.to_q\.", ".q."), (r"\.to_k\.", ".k."), (r"\.to_v\.", ".v."), (r"\.to_out\.0\.", ".o."),
+    (r"^blocks\.(\d+)\.norm2\.", r"blocks.\1.norm3."),  # diffusers' norm2 is the cross-attn norm
+    (r"^blocks\.(\d+)\.ffn\.net\.0\.proj\.", r"blocks.\1.ffn.0."),
+    (r"^blocks\.(\d+)\.ffn\.net\.2\.", r"blocks.\1.ffn.2."),
+]
+
+
+def strip_prefixes(sd: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    out = {}
+    for k, v in sd.items():
+        changed = True
+        while changed:
+            changed = False
+            for p in _PREFIXES:
+                if k.startswith(p):
+                    k, changed = k[len(p):], True
+        out[k] = v
+    return out
+
+
+def is_diffusers_dit(keys) -> bool:
+    return any(k.startswith("condition_embedder.") or ".attn1." in k for k in keys)
+
+
+def dit_key_from_diffusers(key: str) -> str:
+    for pat, rep in _DIT_DIFFUSERS:
+        key = re.sub(pat, rep, key)
+    return key
+
+
+def normalize_dit_state_dict(sd: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Any accepted DiT layout -> original Wan 2.1 key names."""
+    sd = strip_prefixes(sd)
+    if is_diffusers_dit(sd):
+        sd = {dit_key_from_diffusers(k): v for k, v in sd.items()}
+    return sd
+
+
+def dit_config_from_json(cfg: dict, base: DiTConfig | None = None) -> DiTConfig:
+    """Read either an original Wan `config.json` or a diffusers transformer `config.json`."""
+    base = base or DiTConfig()
+    if "num_attention_heads" in cfg:  # diffusers
+        heads = cfg["num_attention_heads"]
+        return DiTConfig(dim=heads * cfg.get("attention_head_dim", 128), ffn_dim=cfg["ffn_dim"],
+                         freq_dim=cfg.get("freq_dim", 256), num_heads=heads,
+                         num_layers=cfg["num_layers"], in_channels=cfg.get("in_channels", 16),
+                         out_channels=cfg.get("out_channels", 16), text_dim=cfg.get("text_dim", 4096),
+                         text_len=base.text_len, patch_size=tuple(cfg.get("patch_size", (1, 2, 2))),
+                         eps=cfg.get("eps", 1e-6), rope_max_positions=cfg.get("rope_max_seq_len", 1024))
+    if "dim" in cfg:  # original Wan 2.1
+        return DiTConfig(dim=cfg["dim"], ffn_dim=cfg["ffn_dim"], freq_dim=cfg.get("freq_dim", 256),
+                         num_heads=cfg["num_heads"], num_layers=cfg["num_layers"],
+                         in_channels=cfg.get("in_dim", 16), out_channels=cfg.get("out_dim", 16),
+                         text_dim=cfg.get("text_dim", base.text_dim), text_len=cfg.get("text_len", base.text_len),
+                         patch_size=tuple(cfg.get("patch_size", (1, 2, 2))), eps=cfg.get("eps", 1e-6))
+    return base
+
+
+# ----------------------------------------------------------------------------- VAE keys
+
+
+_RES_DIFFUSERS = {"norm1": "residual.0", "conv1": "residual.2", "norm2": "residual.3",
+                  "conv2": "residual.6", "conv_shortcut": "shortcut"}
+
+
+def vae_key_from_diffusers(key: str, cfg: VAEConfig) -> str | None:
+    """diffusers AutoencoderKLWan key -> original key; None for encoder-side keys we skip."""
+    if key.startswith(("encoder.", "quant_conv.")):
+        return None
+    per_stage = cfg.num_res_blocks + 2  # resnets + one upsampler
+    k = key.replace("post_quant_conv.", "conv2.", 1)
+    k = k.replace("decoder.conv_in.", "decoder.conv1.", 1)
+    k = k.replace("decoder.norm_out.", "decoder.head.0.", 1).replace("decoder.conv_out.", "decoder.head.2.", 1)
+    k = k.replace("decoder.mid_block.attentions.0.", "decoder.middle.1.", 1)
+    m = re.match(r"^decoder\.mid_block\.resnets\.(\d)\.(\w+)\.(.*)$", k)
+    if m:
+        k = f"decoder.middle.{2 * int(m[1])}.{_RES_DIFFUSERS[m[2]]}.{m[3]}"
+    m = re.match(r"^decoder\.up_blocks\.(\d+)\.resnets\.(\d+)\.(\w+)\.(.*)$", k)
+    if m:
+        k = f"decoder.upsamples.{int(m[1]) * per_stage + int(m[2])}.{_RES_DIFFUSERS[m[3]]}.{m[4]}"
+    m = re.match(r"^decoder\.up_blocks\.(\d+)\.upsamplers\.0\.(.*)$", k)
+    if m:
+        k = f"decoder.upsamples.{int(m[1]) * per_stage + cfg.num_res_blocks + 1}.{m[2]}"
+    return k
+
+
+def normalize_vae_state_dict(sd: Mapping[str, torch.Tensor], cfg: VAEConfig) -> dict[str, torch.Tensor]:
+    """Any accepted VAE layout -> original keys of the decoder half (`conv2.*`, `decoder.*`)."""
+    sd = strip_prefixes(sd)
+    diffusers = any(k.startswith(("post_quant_conv.", "decoder.up_blocks.", "decoder.conv_in."))
+                    for k in sd)
+    out = {}
+    for k, v in sd.items():
+        if diffusers:
+            k = vae_key_from_diffusers(k, cfg)
+        elif k.startswith(("encoder.", "conv1.")):
+            k = None  # original encoder half and quant conv: not used for decoding
+        if k is not None:
+            out[k] = v
+    return out
+
+
+def vae_config_from_json(cfg: dict, base: VAEConfig | None = None) -> VAEConfig:
+    base = base or VAEConfig()
+    if not cfg:
+        return base
+    return VAEConfig(base_dim=cfg.get("base_dim", base.base_dim), z_dim=cfg.get("z_dim", base.z_dim),
+                     dim_mult=tuple(cfg.get("dim_mult", base.dim_mult)),
+                     num_res_blocks=cfg.get("num_res_blocks", base.num_res_blocks),
+                     temporal_downsample=tuple(cfg.get("temperal_downsample", base.temporal_downsample)),
+                     latents_mean=tuple(cfg.get("latents_mean", base.latents_mean)),
+                     latents_std=tuple(cfg.get("latents_std", base.latents_std)))
+
+
+def vae_config_from_state_dict(sd: Mapping[str, torch.Tensor], base: VAEConfig) -> VAEConfig:
+    """The original `Wan2.1_VAE.pth` ships without a config: read the widths off the weights
+    (base width from the head norm, latent channels from `conv2`, blocks per stage from the
+    first up stage), keeping the channel multipliers and temporal layout of `base`."""
+    try:
+        base_dim = sd["decoder.head.0.gamma"].shape[0]
+        z_dim = sd["conv2.weight"].shape[0]
+    except KeyError as exc:
+        raise CheckpointError(f"VAE checkpoint lacks {exc.args[0]}: not a Wan 2.1 VAE decoder") from exc
+    first_up = next((i for i in range(64) if f"decoder.upsamples.{i}.resample.1.weight" in sd), None)
+    res_blocks = base.num_res_blocks if first_up is None else first_up - 1
+    return replace(base, base_dim=base_dim, z_dim=z_dim, num_res_blocks=res_blocks)
+
+
+# ----------------------------------------------------------------------------- applying
+
+
+def _summarise(names: list[str], limit: int = 12) -> str:
+    shown = ", ".join(names[:limit])
+    return shown + (f", ... ({len(names) - limit} more)" if len(names) > limit else "")
+
+
+def load_into(model: nn.Module, sd: Mapping[str, torch.Tensor], what: str) -> None:
+    """Strictly copy `sd` into `model` (casting to each parameter's dtype/device), or raise one
+    `CheckpointError` naming every missing key, unexpected key and shape mismatch."""
+    own = model.state_dict()
+    missing = sorted(k for k in own if k not in sd)
+    unexpected = sorted(k for k in sd if k not in own)
+    shapes = sorted(f"{k}: checkpoint {tuple(sd[k].shape)} vs model {tuple(own[k].shape)}"
+                    for k in own if k in sd and tuple(sd[k].shape) != tuple(own[k].shape))
+    problems = []
+    if missing:
+        problems.append(f"{len(missing)} missing: {_summarise(missing)}")
+    if unexpected:
+        problems.append(f"{len(unexpected)} unexpected: {_summarise(unexpected)}")
+    if shapes:
+        problems.append(f"{len(shapes)} with wrong shape: {_summarise(shapes)}")
+    if problems:
+        raise CheckpointError(f"{what} does not match the model config: " + "; ".join(problems))
+    with torch.no_grad():
+        for k, t in own.items():
+            src = sd[k]
+            if not torch.isfinite(src.float()).all():
+                raise CheckpointError(f"{what}: tensor {k} holds NaN or Inf values")
+            t.copy_(src.to(dtype=t.dtype))

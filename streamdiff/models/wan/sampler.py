@@ -1,0 +1,71 @@
+"""Few-step flow-matching sampler for block-causal generation (runs in the DiT worker process).
+
+One call denoises one block of one session (Self-Forcing / Causal Forcing inference): for each
+timestep of the step list, predict the flow v, take x0 = x_t - sigma_t * v, and re-noise x0 to
+the next sigma with fresh noise; then run the model once more on the clean x0 at t = 0 with
+`commit=True`, so the KV cache holds clean keys/values for the blocks that follow.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from .dit import DiTState, WanDiT
+
+
+@dataclass(frozen=True)
+class SamplerConfig:
+    frames_per_block: int = 3  # latent frames per block: 3 chunk-wise, 1 frame-wise
+    steps: tuple[int, ...] = (1000, 750, 500, 250)  # raw step list, warped by `shift`
+    first_block_steps: tuple[int, ...] | None = None  # e.g. 4 steps for 1-step models' first block
+    shift: float = 5.0  # flow-matching timestep shift
+    window_frames: int = 21  # local attention window incl. the current block (KV cache size)
+    sink_frames: int = 0  # frames at the start of a shot never evicted from the window
+    context_t: float = 0.0  # timestep of the clean cache-refresh pass
+
+    def validate(self) -> None:
+        if self.frames_per_block < 1:
+            raise ValueError(f"frames_per_block must be >= 1, got {self.frames_per_block}")
+        for name, steps in (("steps", self.steps), ("first_block_steps", self.first_block_steps or (1,))):
+            if not steps or any(not 0 < s <= 1000 for s in steps):
+                raise ValueError(f"{name} must be a non-empty list of integers in 1..1000, got {steps}")
+        if self.window_frames - self.sink_frames < self.frames_per_block:
+            raise ValueError(f"window_frames ({self.window_frames}) - sink_frames ({self.sink_frames}) "
+                             f"must hold a block of {self.frames_per_block} frames")
+
+
+def warped_timesteps(steps: Sequence[int], shift: float) -> list[float]:
+    """Map raw steps (1000 = pure noise) to shifted timesteps, as Self-Forcing's
+    `warp_denoising_step`: sigma = linspace(1, 0, 1001)[:-1], sigma' = s*sigma/(1+(s-1)*sigma),
+    t = 1000*sigma', and step k selects t[1000 - k]."""
+    sigma = torch.linspace(1.0, 0.0, 1001, dtype=torch.float64)[:-1]
+    sigma = shift * sigma / (1 + (shift - 1) * sigma)
+    t = 1000.0 * sigma
+    return [float(t[1000 - int(k)]) for k in steps]
+
+
+@torch.no_grad()
+def denoise_block(model: WanDiT, state: DiTState, noise: torch.Tensor, timesteps: Sequence[float],
+                  renoise: Sequence[torch.Tensor], context_t: float = 0.0) -> torch.Tensor:
+    """Denoise one block and commit it to the session's KV cache.
+
+    noise: (B, C, f, H, W) initial noise; renoise: one noise tensor per step after the first.
+    Returns the clean latent x0 (float32, on the model's device).
+    """
+    b, _, f = noise.shape[:3]
+    dev = model.patch_embedding.weight.device
+    x = noise.to(dev, torch.float32)
+    x0 = x
+    for i, t in enumerate(timesteps):
+        tt = torch.full((b, f), t, device=dev)
+        v = model.forward_block(x, tt, state, commit=False)
+        sigma = t / 1000.0
+        x0 = x - sigma * v
+        if i + 1 < len(timesteps):
+            s_next = timesteps[i + 1] / 1000.0
+            x = (1.0 - s_next) * x0 + s_next * renoise[i].to(dev, torch.float32)
+    model.forward_block(x0, torch.full((b, f), context_t, device=dev), state, commit=True)
+    return x0

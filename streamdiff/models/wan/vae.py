@@ -1,0 +1,371 @@
+"""Wan 2.1 VAE decoder with an explicit causal temporal cache (runs in the VAE worker process).
+
+Parameter names follow the original release (`conv2`, `decoder.conv1`, `decoder.middle.N`,
+`decoder.upsamples.N`, `decoder.head.N`), so `Wan2.1_VAE.pth` loads directly and diffusers'
+`AutoencoderKLWan` maps onto it (see `loading.py`).
+
+Streaming: every causal conv keeps the last two input frames of the session in `VAEState`
+(one slot per conv, assigned when the decoder is built), so decoding a latent block by block,
+in blocks of any size, gives the same frames as decoding the whole latent at once. The first
+latent frame of a shot passes the temporal upsamplers without `time_conv` and yields 1 frame;
+every later latent frame yields 4.
+
+Height sharding hooks in through `Halo`: every 3x3 convolution asks the halo for one extra row
+above and below its input (zero rows for an unsharded decode or at the global edges, the
+neighbours' rows inside a VAE group), and the middle attention asks it to gather whole frames.
+This file has no communication code; `streamdiff.parallel.vae_group` supplies the exchanging
+halo. The cached frames are stored with their halo rows, so a shard never re-exchanges them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+CACHE_T = 2  # frames each causal 3x3x3 conv keeps: its temporal kernel is 3
+
+WAN21_LATENTS_MEAN = (-0.7571, -0.7089, -0.9113, 0.1075, -0.1745, 0.9653, -0.1517, 1.5508,
+                      0.4134, -0.0715, 0.5517, -0.3632, -0.1922, -0.9497, 0.2503, -0.2921)
+WAN21_LATENTS_STD = (2.8184, 1.4541, 2.3275, 2.6558, 1.2196, 1.7708, 2.6052, 2.0743,
+                     3.2687, 2.1526, 2.8652, 1.5579, 1.6382, 1.1253, 2.8251, 1.9160)
+
+
+@dataclass(frozen=True)
+class VAEConfig:
+    base_dim: int = 96  # channels at full resolution; x dim_mult at lower ones
+    z_dim: int = 16  # latent channels
+    dim_mult: tuple[int, ...] = (1, 2, 4, 4)
+    num_res_blocks: int = 2  # the decoder has num_res_blocks + 1 per stage
+    temporal_downsample: tuple[bool, ...] = (False, True, True)  # encoder order; decoder reverses it
+    latents_mean: tuple[float, ...] = WAN21_LATENTS_MEAN
+    latents_std: tuple[float, ...] = WAN21_LATENTS_STD
+
+    @property
+    def spatial_factor(self) -> int:
+        return 2 ** (len(self.dim_mult) - 1)
+
+    @property
+    def temporal_factor(self) -> int:
+        return 2 ** sum(self.temporal_downsample)
+
+    def frames_out(self, latent_frames: int, first_block: bool) -> int:
+        """Output frames for a block: the first latent frame of a shot yields 1, others 4."""
+        return latent_frames * self.temporal_factor - (self.temporal_factor - 1 if first_block else 0)
+
+
+# ----------------------------------------------------------------------------- state and hooks
+
+
+@dataclass
+class VAEState:
+    """Causal temporal cache of one session (one decoder shard): one entry per cached conv."""
+
+    cache: list[torch.Tensor | None]
+    latent_frames: int = 0  # latent frames decoded so far in this shot
+
+    def nbytes(self) -> int:
+        return sum(c.numel() * c.element_size() for c in self.cache if c is not None)
+
+
+class Halo:
+    """Unsharded behaviour: zero rows at the top and bottom, whole frames already local.
+
+    `extend(x)` returns (tensor, h_pad): either x with one neighbour row on each side (h_pad 0)
+    or x unchanged with h_pad 1 for the convolution's own zero padding (no copy).
+    """
+
+    def extend(self, x: torch.Tensor) -> tuple[torch.Tensor, int]:
+        return x, 1
+
+    def gather(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+    def local(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+
+@dataclass
+class Ctx:
+    state: VAEState
+    halo: Halo = field(default_factory=Halo)
+
+
+# ----------------------------------------------------------------------------- building blocks
+
+
+def frames(x: torch.Tensor) -> torch.Tensor:
+    """(B, C, T, H, W) -> (B*T, C, H, W); a view for channels_last_3d tensors with B == 1."""
+    b, c, t, h, w = x.shape
+    return x.transpose(1, 2).reshape(b * t, c, h, w)
+
+
+def unframes(y: torch.Tensor, b: int) -> torch.Tensor:
+    """(B*T, C, H, W) -> (B, C, T, H, W); a view."""
+    n, c, h, w = y.shape
+    return y.view(b, n // b, c, h, w).transpose(1, 2)
+
+
+def conv2d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+           padding: tuple[int, int] = (0, 0)) -> torch.Tensor:
+    """conv2d over frames that keeps the CPU's channels-last layout.
+
+    1x1 kernels run as a matmul over the channel axis (PyTorch's 1x1 CPU conv returns
+    channels-first, which would push every later op off oneDNN's fast path).
+    """
+    if x.device.type != "cpu":
+        return F.conv2d(x, weight, bias, padding=padding)
+    cl = torch.channels_last
+    if weight.shape[2] == weight.shape[3] == 1:
+        y = F.linear(x.contiguous(memory_format=cl).permute(0, 2, 3, 1), weight.flatten(1), bias)
+        return y.permute(0, 3, 1, 2)
+    return F.conv2d(x.contiguous(memory_format=cl), weight.contiguous(memory_format=cl), bias,
+                    padding=padding)
+
+
+def conv3d_valid_t(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                   h_pad: int, w_pad: int) -> torch.Tensor:
+    """3D conv with no temporal padding (the causal frames are already in x), zero padding in
+    H and W as given.
+
+    On the CPU PyTorch's conv3d falls back to an im2col kernel that is 4-8x slower than oneDNN's
+    channels-last conv2d here (measured in docs/benchmarks.md), so there it runs as one conv2d
+    per temporal tap over all frames, summed; elsewhere it is the native conv3d.
+    """
+    if x.device.type != "cpu":
+        return F.conv3d(x, weight, bias, padding=(0, h_pad, w_pad))
+    kt = weight.shape[2]
+    b, t = x.shape[0], x.shape[2] - kt + 1
+    out = None
+    for dt in range(kt):
+        y = conv2d(frames(x[:, :, dt:dt + t]), weight[:, :, dt], bias if dt == 0 else None, (h_pad, w_pad))
+        out = y if out is None else out.add_(y)
+    return unframes(out, b)
+
+
+class CausalConv3d(nn.Conv3d):
+    """3D conv, causal in time (pads 2*p_t frames in front, or takes them from the cache)."""
+
+    def __init__(self, cin: int, cout: int, kernel, padding=0) -> None:
+        super().__init__(cin, cout, kernel, padding=padding)
+        self.slot = -1  # cache slot, assigned by the decoder when kernel_t > 1
+
+    def forward(self, x: torch.Tensor, ctx: Ctx | None = None) -> torch.Tensor:
+        kt, kh, kw = self.kernel_size
+        h_pad = 0
+        if kh > 1:
+            x, h_pad = ctx.halo.extend(x)
+        if kt > 1:
+            prev = ctx.state.cache[self.slot]
+            x = _cat_frames(prev, x, kt - 1)  # no cached frames at the start of a shot: zeros
+            ctx.state.cache[self.slot] = _cat_frames(None, x[:, :, -(kt - 1):], 0)
+        return conv3d_valid_t(x, self.weight, self.bias, h_pad, self.padding[2])
+
+
+def _layout(x: torch.Tensor) -> torch.memory_format:
+    """Frames-major channels-last on the CPU (oneDNN's fast path), the default elsewhere."""
+    return torch.channels_last_3d if x.device.type == "cpu" else torch.contiguous_format
+
+
+def _cat_frames(prev: torch.Tensor | None, x: torch.Tensor, pad: int) -> torch.Tensor:
+    """[prev; x] along time in a fresh tensor of the device's layout; prev=None means `pad`
+    zero frames. Explicit because torch.cat and clone pick a layout from their inputs, and a
+    one-frame tensor is ambiguous between channels-first and channels-last."""
+    b, c, t, h, w = x.shape
+    n = pad if prev is None else prev.shape[2]
+    out = torch.empty((b, c, n + t, h, w), dtype=x.dtype, device=x.device, memory_format=_layout(x))
+    if prev is None:
+        out[:, :, :n].zero_()
+    else:
+        out[:, :, :n] = prev
+    out[:, :, n:] = x
+    return out
+
+
+class RMSNorm(nn.Module):
+    """Per-pixel RMS norm over channels: normalize(x, dim=1) * sqrt(C) * gamma."""
+
+    def __init__(self, dim: int, images: bool = True) -> None:
+        super().__init__()
+        self.scale = dim**0.5
+        self.gamma = nn.Parameter(torch.ones(dim, *((1, 1) if images else (1, 1, 1))))
+
+    def forward(self, x: torch.Tensor, silu: bool = False) -> torch.Tensor:
+        """With silu=True also applies SiLU; three passes over x instead of five."""
+        xf = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
+        inv = torch.linalg.vector_norm(xf, dim=1, keepdim=True).clamp_min_(1e-12).reciprocal_()
+        y = (xf * inv).to(x.dtype).mul_(self.gamma * self.scale)
+        return F.silu(y, inplace=True) if silu else y
+
+
+class ResBlock(nn.Module):
+    def __init__(self, cin: int, cout: int) -> None:
+        super().__init__()
+        # Indices match the original nn.Sequential: norm 0, conv 2, norm 3, conv 6.
+        self.residual = nn.Sequential(
+            RMSNorm(cin, images=False), nn.SiLU(), CausalConv3d(cin, cout, 3, padding=1),
+            RMSNorm(cout, images=False), nn.SiLU(), nn.Dropout(0.0), CausalConv3d(cout, cout, 3, padding=1))
+        self.shortcut = CausalConv3d(cin, cout, 1) if cin != cout else nn.Identity()
+
+    def forward(self, x: torch.Tensor, ctx: Ctx) -> torch.Tensor:
+        r = self.residual
+        h = self.shortcut(x, ctx) if isinstance(self.shortcut, CausalConv3d) else x
+        x = r[2](r[0](x, silu=True), ctx)
+        x = r[6](r[3](x, silu=True), ctx)
+        return x + h
+
+
+class AttentionBlock(nn.Module):
+    """Single-head self-attention over all positions of each frame (global in H*W)."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.norm = RMSNorm(dim)
+        self.to_qkv = nn.Conv2d(dim, dim * 3, 1)
+        self.proj = nn.Conv2d(dim, dim, 1)
+
+    def forward(self, x: torch.Tensor, ctx: Ctx) -> torch.Tensor:
+        x = ctx.halo.gather(x)
+        b, c, t, h, w = x.shape
+        y = conv2d(self.norm(frames(x)), self.to_qkv.weight, self.to_qkv.bias)
+        q, k, v = y.reshape(b * t, 3 * c, h * w).transpose(1, 2).unsqueeze(1).chunk(3, dim=-1)
+        y = F.scaled_dot_product_attention(q, k, v)  # (b*t, 1, h*w, c)
+        y = conv2d(y.squeeze(1).transpose(1, 2).reshape(b * t, c, h, w), self.proj.weight, self.proj.bias)
+        return ctx.halo.local(x + unframes(y, b))
+
+
+class Resample(nn.Module):
+    """Decoder upsampling: optional causal temporal doubling (`time_conv`), then nearest 2x
+    in space and a 3x3 conv that halves the channels."""
+
+    def __init__(self, dim: int, temporal: bool) -> None:
+        super().__init__()
+        self.resample = nn.Sequential(nn.Upsample(scale_factor=2.0, mode="nearest-exact"),
+                                      nn.Conv2d(dim, dim // 2, 3, padding=1))
+        self.time_conv = CausalConv3d(dim, dim * 2, (3, 1, 1), padding=(1, 0, 0)) if temporal else None
+
+    def _double_frames(self, x: torch.Tensor, ctx: Ctx) -> torch.Tensor:
+        slot = self.time_conv.slot
+        head = None
+        if ctx.state.cache[slot] is None:
+            # The shot's first frame is not doubled; after it the cache starts from zeros.
+            head, x = x[:, :, :1], x[:, :, 1:]
+            ctx.state.cache[slot] = _cat_frames(None, head[:, :, :0], CACHE_T)
+            if x.shape[2] == 0:
+                return head
+        b, c, t, h, w = x.shape
+        y = self.time_conv(x, ctx)  # (B, 2C, T, H, W): channel halves are the two output frames
+        out = torch.empty((b, c, 2 * t, h, w), dtype=y.dtype, device=y.device, memory_format=_layout(x))
+        out[:, :, 0::2] = y[:, :c]
+        out[:, :, 1::2] = y[:, c:]
+        return out if head is None else _cat_frames(head, out, 0)
+
+    def forward(self, x: torch.Tensor, ctx: Ctx) -> torch.Tensor:
+        if self.time_conv is not None:
+            x = self._double_frames(x, ctx)
+        y = F.interpolate(frames(x).float(), scale_factor=2.0, mode="nearest-exact").to(x.dtype)
+        y, h_pad = ctx.halo.extend(y)
+        conv = self.resample[1]
+        return unframes(conv2d(y, conv.weight, conv.bias, (h_pad, 1)), x.shape[0])
+
+
+class Decoder3d(nn.Module):
+    def __init__(self, cfg: VAEConfig) -> None:
+        super().__init__()
+        dim = cfg.base_dim
+        dims = [dim * u for u in (cfg.dim_mult[-1], *cfg.dim_mult[::-1])]
+        temporal_up = cfg.temporal_downsample[::-1]
+        self.conv1 = CausalConv3d(cfg.z_dim, dims[0], 3, padding=1)
+        self.middle = nn.Sequential(ResBlock(dims[0], dims[0]), AttentionBlock(dims[0]),
+                                    ResBlock(dims[0], dims[0]))
+        ups: list[nn.Module] = []
+        for i, (cin, cout) in enumerate(zip(dims[:-1], dims[1:], strict=False)):
+            if i > 0:
+                cin //= 2  # each Resample halves the channels
+            for _ in range(cfg.num_res_blocks + 1):
+                ups.append(ResBlock(cin, cout))
+                cin = cout
+            if i != len(cfg.dim_mult) - 1:
+                ups.append(Resample(cout, temporal=temporal_up[i]))
+        self.upsamples = nn.Sequential(*ups)
+        self.head = nn.Sequential(RMSNorm(dims[-1], images=False), nn.SiLU(),
+                                  CausalConv3d(dims[-1], 3, 3, padding=1))
+        # Where height sharding starts: the first upsampler (everything before it is the
+        # low-resolution front: conv1, middle with its global attention, the first stage).
+        self.split = next(i for i, m in enumerate(ups) if isinstance(m, Resample))
+
+    def front(self, x: torch.Tensor, ctx: Ctx) -> torch.Tensor:
+        x = self.conv1(x, ctx)
+        x = self.middle[0](x, ctx)
+        x = self.middle[1](x, ctx)
+        x = self.middle[2](x, ctx)
+        for m in self.upsamples[:self.split]:
+            x = m(x, ctx)
+        return x
+
+    def back(self, x: torch.Tensor, ctx: Ctx) -> torch.Tensor:
+        for m in self.upsamples[self.split:]:
+            x = m(x, ctx)
+        return self.head[2](self.head[0](x, silu=True), ctx)
+
+
+class WanVAEDecoder(nn.Module):
+    """`conv2` (post-quant 1x1x1) + `decoder`. Decodes normalised latents block by block."""
+
+    def __init__(self, cfg: VAEConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.conv2 = CausalConv3d(cfg.z_dim, cfg.z_dim, 1)
+        self.decoder = Decoder3d(cfg)
+        slots = [m for m in self.modules() if isinstance(m, CausalConv3d) and m.kernel_size[0] > 1]
+        for i, m in enumerate(slots):
+            m.slot = i
+        self.num_slots = len(slots)
+        self.register_buffer("mean", torch.tensor(cfg.latents_mean).view(1, -1, 1, 1, 1), persistent=False)
+        self.register_buffer("std", torch.tensor(cfg.latents_std).view(1, -1, 1, 1, 1), persistent=False)
+
+    def new_state(self) -> VAEState:
+        return VAEState(cache=[None] * self.num_slots)
+
+    def _prologue(self, z: torch.Tensor) -> torch.Tensor:
+        w = self.conv2.weight
+        z = z.to(device=w.device, dtype=torch.float32) * self.std + self.mean  # de-normalise
+        z = z.to(w.dtype).contiguous(memory_format=_layout(z))
+        return unframes(conv2d(frames(z), w[:, :, 0], self.conv2.bias), z.shape[0])
+
+    @torch.no_grad()
+    def decode(self, z: torch.Tensor, state: VAEState) -> torch.Tensor:
+        """z: (B, z_dim, T, h, w) normalised latents of one block -> (B, 3, T_out, 8h, 8w) in [-1, 1]."""
+        ctx = Ctx(state)
+        x = self.decoder.back(self.decoder.front(self._prologue(z), ctx), ctx)
+        state.latent_frames += z.shape[2]
+        return x.clamp_(-1.0, 1.0)
+
+    @torch.no_grad()
+    def decode_rows(self, z: torch.Tensor, state: VAEState, rows: tuple[int, int], halo: Halo,
+                    shard_front: bool) -> torch.Tensor:
+        """One shard's part of a block: output rows [8*rows[0], 8*rows[1]) of every frame.
+
+        shard_front=False: the low-resolution front runs on the whole latent here (replicated on
+        every shard, no communication) and the rows are cut before the first upsampler.
+        shard_front=True: only `rows` of the latent are decoded from the start; the halo
+        exchanges rows at every 3x3 conv and gathers whole frames for the middle attention.
+        """
+        ctx = Ctx(state, halo)
+        r0, r1 = rows
+        if shard_front:
+            x = self.decoder.front(self._prologue(z[..., r0:r1, :]), ctx)
+        else:
+            x = self.decoder.front(self._prologue(z), Ctx(state))
+            s = x.shape[-2] // z.shape[-2]
+            x = x[..., r0 * s:r1 * s, :]
+        x = self.decoder.back(x, ctx)
+        state.latent_frames += z.shape[2]
+        return x.clamp_(-1.0, 1.0)
+
+
+def to_uint8_frames(x: torch.Tensor) -> torch.Tensor:
+    """(1, 3, T, H, W) in [-1, 1] -> (T, H, W, 3) uint8 on the CPU."""
+    return ((x[0].float() + 1.0) * 127.5).round_().clamp_(0, 255).to(torch.uint8).permute(1, 2, 3, 0).cpu()

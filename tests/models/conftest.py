@@ -1,0 +1,46 @@
+"""Shared builders for the model tests: small diffusers references with every weight perturbed
+(so no parameter keeps a trivially symmetric init) and our modules loaded from their state."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+diffusers = pytest.importorskip("diffusers")
+
+from streamdiff.models.wan.dit import DiTConfig, WanDiT  # noqa: E402
+from streamdiff.models.wan.loading import load_into, normalize_dit_state_dict, normalize_vae_state_dict  # noqa: E402
+from streamdiff.models.wan.vae import VAEConfig, WanVAEDecoder  # noqa: E402
+
+SMALL_DIT = dict(num_attention_heads=2, attention_head_dim=24, in_channels=16, out_channels=16, text_dim=32,
+                 freq_dim=256, ffn_dim=64, num_layers=2, cross_attn_norm=True, rope_max_seq_len=1024)
+TEXT_LEN = 12
+
+
+def perturb_(module: torch.nn.Module, scale: float, seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in module.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * scale)
+
+
+@pytest.fixture(scope="session")
+def dit_pair():
+    torch.manual_seed(0)
+    ref = diffusers.WanTransformer3DModel(**SMALL_DIT).eval()
+    perturb_(ref, 0.1, 1)
+    ours = WanDiT(DiTConfig(dim=48, ffn_dim=64, num_heads=2, num_layers=2, text_dim=32, text_len=TEXT_LEN)).eval()
+    load_into(ours, normalize_dit_state_dict(ref.state_dict()), "diffusers DiT")
+    return ref, ours
+
+
+@pytest.fixture(scope="session")
+def vae_pair():
+    torch.manual_seed(0)
+    ref = diffusers.AutoencoderKLWan(base_dim=8, z_dim=16, dim_mult=[1, 2, 4, 4], num_res_blocks=2,
+                                     temperal_downsample=[False, True, True]).eval()
+    perturb_(ref, 0.05, 2)
+    cfg = VAEConfig(base_dim=8)
+    ours = WanVAEDecoder(cfg).eval()
+    load_into(ours, normalize_vae_state_dict(ref.state_dict(), cfg), "diffusers VAE")
+    return ref, ours

@@ -1,0 +1,95 @@
+"""Our DiT against diffusers' WanTransformer3DModel, and our key names against the real configs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from diffusers import AutoencoderKLWan, WanTransformer3DModel
+from diffusers.loaders.single_file_utils import convert_wan_transformer_to_diffusers, convert_wan_vae_to_diffusers
+
+from streamdiff.models.wan.dit import DiTConfig, WanDiT, count_params
+from streamdiff.models.wan.loading import normalize_dit_state_dict, normalize_vae_state_dict
+from streamdiff.models.wan.vae import VAEConfig, WanVAEDecoder
+
+from .conftest import TEXT_LEN
+
+
+@pytest.mark.parametrize("shape", [(5, 6, 10), (3, 8, 8), (2, 4, 14)], ids=["5x6x10", "3x8x8", "2x4x14"])
+@pytest.mark.parametrize("t", [999.0, 437.5, 0.0])
+def test_full_attention_forward_matches_diffusers(dit_pair, shape, t):
+    ref, ours = dit_pair
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(1, 16, *shape, generator=g)
+    ctx = torch.randn(1, TEXT_LEN, 32, generator=g)
+    tt = torch.tensor([t])
+    with torch.no_grad():
+        expected = ref(x, tt, ctx).sample
+    got = ours.forward_full(x, tt, ctx)
+    assert got.shape == expected.shape
+    assert (got - expected).abs().max().item() <= 1e-4
+
+
+def test_per_frame_timesteps_match_diffusers_per_token(dit_pair):
+    ref, ours = dit_pair
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(1, 16, 5, 6, 10, generator=g)
+    ctx = torch.randn(1, TEXT_LEN, 32, generator=g)
+    per_frame = torch.tensor([[1000.0, 937.5, 833.3, 625.0, 0.0]])
+    with torch.no_grad():
+        expected = ref(x, per_frame.repeat_interleave(3 * 5, dim=1), ctx).sample
+    assert (ours.forward_full(x, per_frame, ctx) - expected).abs().max().item() <= 1e-4
+
+
+def test_batch_of_two(dit_pair):
+    ref, ours = dit_pair
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(2, 16, 3, 4, 6, generator=g)
+    ctx = torch.randn(2, TEXT_LEN, 32, generator=g)
+    tt = torch.tensor([250.0, 750.0])
+    with torch.no_grad():
+        expected = ref(x, tt, ctx).sample
+    assert (ours.forward_full(x, tt, ctx) - expected).abs().max().item() <= 1e-4
+
+
+REAL_DIT = dict(patch_size=(1, 2, 2), num_attention_heads=12, attention_head_dim=128, in_channels=16,
+                out_channels=16, text_dim=4096, freq_dim=256, ffn_dim=8960, num_layers=30, cross_attn_norm=True,
+                qk_norm="rms_norm_across_heads", eps=1e-6, rope_max_seq_len=1024)
+
+
+def shapes(module: torch.nn.Module) -> dict[str, tuple]:
+    return {k: tuple(v.shape) for k, v in module.state_dict().items()}
+
+
+def test_real_dit_config_key_mapping_covers_diffusers():
+    with torch.device("meta"):
+        ref = WanTransformer3DModel(**REAL_DIT)
+        ours = WanDiT(DiTConfig())
+    assert count_params(ours) == count_params(ref)
+    assert round(count_params(ours) / 1e9, 3) == 1.419
+    assert len(ours.state_dict()) == 825
+    mapped = {k: tuple(v.shape) for k, v in normalize_dit_state_dict(ref.state_dict()).items()}
+    assert mapped == shapes(ours)
+
+
+def test_our_names_are_the_original_names_diffusers_converts():
+    """diffusers' own converter for original Wan checkpoints, applied to our state dict, must
+    produce exactly diffusers' keys and shapes: our naming is the original release's."""
+    with torch.device("meta"):
+        ref = WanTransformer3DModel(**REAL_DIT)
+        ours = WanDiT(DiTConfig())
+    converted = convert_wan_transformer_to_diffusers(dict(ours.state_dict()))
+    assert {k: tuple(v.shape) for k, v in converted.items()} == shapes(ref)
+
+
+def test_real_vae_config_key_mapping_covers_diffusers_decoder():
+    with torch.device("meta"):
+        ref = AutoencoderKLWan()
+        ours = WanVAEDecoder(VAEConfig())
+    mapped = {k: tuple(v.shape) for k, v in normalize_vae_state_dict(ref.state_dict(), VAEConfig()).items()}
+    assert mapped == shapes(ours)
+    decoder_params = sum(v.numel() for v in ours.state_dict().values())
+    assert round(decoder_params / 1e6, 1) == 73.3
+    converted = convert_wan_vae_to_diffusers(dict(ours.state_dict()))
+    ref_shapes = shapes(ref)
+    assert {k: tuple(v.shape) for k, v in converted.items()} == {
+        k: s for k, s in ref_shapes.items() if k.startswith(("decoder.", "post_quant_conv."))}
