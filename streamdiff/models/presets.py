@@ -14,11 +14,12 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 
+from .spec import ModelSpec
 from .wan.dit import DiTConfig, WanDiT
 from .wan.loading import (
     CheckpointError,
@@ -44,20 +45,6 @@ DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfl
 # one thread per stage). The two stages are compute-bound fp32 on the same core, so the
 # fraction carries across CPUs far better than either time; re-measure with that tool.
 TINY_LAYER_FRACTION = 0.104
-
-
-@dataclass(frozen=True)
-class ModelSpec:
-    """What a worker needs to build its stage. Plain data: it crosses process boundaries."""
-
-    preset: str = "tiny"
-    path: str | None = None  # local weights directory (real presets)
-    dit_checkpoint: str | None = None  # Causal Forcing / Self-Forcing .pt, overrides the DiT weights
-    use_ema: bool = True  # take `generator_ema` from training checkpoints when present
-    dtype: str = "auto"  # auto: float32 on the CPU, bfloat16 on accelerators
-    dit_vae_ratio: float = 0.74  # tiny only: DiT cost per block relative to the VAE's
-    seed: int = 1234  # tiny only: weight seed
-    sampler: dict = field(default_factory=dict)  # overrides of SamplerConfig fields
 
 
 @dataclass(frozen=True)

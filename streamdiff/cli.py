@@ -1,0 +1,166 @@
+"""`streamdiffd`: the daemon's command line and main loop (supervisor process).
+
+    streamdiffd                                   # embedded tiny model on the CPU, 127.0.0.1:8000
+    streamdiffd --dit-gpus 1 --vae-gpus 3 --device cuda --model /models/Wan2.1-T2V-1.3B
+
+The signal handlers only set the shutdown state; the main coroutine does the work: SIGTERM or
+SIGINT -> drain (503 with Retry-After for new requests, running streams finish until
+server.drain_timeout_s) -> stop the workers -> remove every shared-memory segment -> exit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import sys
+from pathlib import Path
+
+from .config import Config, ConfigError, load
+
+log = logging.getLogger("streamdiff")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="streamdiffd", description="Streaming text-to-video server (Wan 2.1 causal "
+                                "DiT + VAE, disaggregated), OpenAI-compatible, fMP4 over HTTP.")
+    p.add_argument("--config", help="TOML config file (see etc/streamdiff.toml); flags override it")
+    p.add_argument("--dit-gpus", type=int, metavar="N", help="DiT workers, one per device (default 1)")
+    p.add_argument("--vae-gpus", type=int, metavar="M", help="VAE shard workers, one per device (default 1)")
+    p.add_argument("--vae-group-size", type=int, metavar="K", help="shards per VAE group (default: all VAE devices)")
+    p.add_argument("--device", choices=("cpu", "cuda", "xpu"), help="device kind (default cpu)")
+    p.add_argument("--mode", choices=("disaggregated", "aggregated"), help="stage layout (default disaggregated)")
+    p.add_argument("--model", metavar="PRESET|PATH", help="'tiny' (embedded), 'wan2.1-t2v-1.3b', or a weights "
+                   "directory (Wan 2.1 release or diffusers layout; implies wan2.1-t2v-1.3b)")
+    p.add_argument("--dit-checkpoint", metavar="FILE", help="Causal Forcing / Self-Forcing generator checkpoint")
+    p.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"))
+    p.add_argument("--threads-per-worker", type=int, metavar="T", help="CPU threads per worker (default 1)")
+    p.add_argument("--host", help="listen address (default 127.0.0.1)")
+    p.add_argument("--port", type=int, help="listen port (default 8000)")
+    p.add_argument("--instance", help="instance name for shared memory and runtime files")
+    p.add_argument("--encoder", help="libx264 | auto | h264_nvenc | h264_vaapi | h264_qsv")
+    p.add_argument("--log-level", choices=("debug", "info", "warning", "error"))
+    return p.parse_args(argv)
+
+
+def overrides_from_args(a: argparse.Namespace) -> dict[str, dict]:
+    o: dict[str, dict] = {"server": {}, "model": {}, "topology": {}, "encoder": {}}
+    for flag, section, key in (("host", "server", "host"), ("port", "server", "port"),
+                               ("instance", "server", "instance"), ("log_level", "server", "log_level"),
+                               ("dit_gpus", "topology", "dit_devices"), ("vae_gpus", "topology", "vae_devices"),
+                               ("vae_group_size", "topology", "vae_group_size"), ("device", "topology", "device"),
+                               ("mode", "topology", "mode"), ("threads_per_worker", "topology", "threads_per_worker"),
+                               ("dit_checkpoint", "model", "dit_checkpoint"), ("dtype", "model", "dtype"),
+                               ("encoder", "encoder", "kind")):
+        v = getattr(a, flag)
+        if v is not None:
+            o[section][key] = v
+    if a.model is not None:
+        if a.model in ("tiny", "wan2.1-t2v-1.3b"):
+            o["model"]["preset"] = a.model
+        else:
+            path = Path(a.model).expanduser()
+            if not path.is_dir():
+                raise ConfigError(f"--model: {a.model!r} is neither a preset (tiny, wan2.1-t2v-1.3b) nor a directory")
+            o["model"].update(preset="wan2.1-t2v-1.3b", path=str(path.resolve()))
+    return {k: v for k, v in o.items() if v}
+
+
+def read_api_keys(cfg: Config) -> list[bytes]:
+    keys = [k.strip() for k in os.environ.get("STREAMDIFF_API_KEYS", "").split(",") if k.strip()]
+    if cfg.server.api_keys_file:
+        try:
+            text = Path(cfg.server.api_keys_file).read_text()
+        except OSError as exc:
+            raise ConfigError(f"server.api_keys_file: cannot read {cfg.server.api_keys_file}: {exc}") from None
+        keys += [ln.strip() for ln in text.splitlines() if ln.strip() and not ln.startswith("#")]
+    return [k.encode() for k in keys]
+
+
+async def serve(cfg: Config, api_keys: list[bytes]) -> int:
+    from aiohttp import web
+
+    from .sdnotify import Notifier
+    from .server.app import make_app
+    from .supervisor.core import Supervisor
+
+    notifier = Notifier()
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+
+    sup = Supervisor(cfg)
+    notifier.notify("STATUS=starting workers")
+    start = asyncio.create_task(sup.start())
+    waiter = asyncio.create_task(stop.wait())
+    await asyncio.wait({start, waiter}, return_when=asyncio.FIRST_COMPLETED)
+    if not start.done():  # stopped while starting
+        start.cancel()
+        await asyncio.gather(start, return_exceptions=True)
+        await sup.close()
+        return 0
+    if start.exception() is not None:
+        log.error("start-up failed: %s", start.exception())
+        await sup.close()
+        return 1
+
+    app = make_app(sup, cfg, api_keys)
+    runner = web.AppRunner(app, handle_signals=False, handler_cancellation=True, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, cfg.server.host, cfg.server.port, reuse_address=True)
+    try:
+        await site.start()
+    except OSError as exc:
+        log.error("cannot listen on %s:%d: %s", cfg.server.host, cfg.server.port, exc)
+        await runner.cleanup()
+        await sup.close()
+        return 1
+    url = f"http://{cfg.server.host}:{cfg.server.port}"
+    log.info("streamdiffd ready on %s (model %s)", url, cfg.model_name)
+    print(f"streamdiffd: listening on {url}", flush=True)
+    notifier.ready(f"serving on {url}")
+
+    async def watchdog():
+        interval = notifier.watchdog_interval_s()
+        if interval is None:
+            return
+        while True:
+            await asyncio.sleep(interval)
+            ok, _ = sup.health()
+            if ok:  # WATCHDOG=1 only while every worker is ready and the loops are alive
+                notifier.watchdog()
+
+    dog = asyncio.create_task(watchdog())
+    await stop.wait()
+    log.info("shutting down: draining running streams (up to %.0fs)", cfg.server.drain_timeout_s)
+    notifier.stopping("draining")
+    await sup.drain(cfg.server.drain_timeout_s)
+    dog.cancel()
+    await runner.shutdown()
+    await runner.cleanup()
+    await sup.close()
+    log.info("stopped")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        cfg = load(args.config, overrides_from_args(args))
+        api_keys = read_api_keys(cfg)
+    except ConfigError as exc:
+        print(f"streamdiffd: configuration error: {exc}", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=cfg.server.log_level.upper(), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s [supervisor] %(name)s: %(message)s")
+    try:
+        return asyncio.run(serve(cfg, api_keys))
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

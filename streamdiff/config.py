@@ -1,0 +1,275 @@
+"""Daemon configuration: one frozen dataclass tree, loaded from TOML, overridden by CLI flags
+(supervisor process; workers receive the parts they need).
+
+Every key is documented in etc/streamdiff.toml. Unknown keys and invalid values are rejected
+at start with a message that names the key (`ConfigError`). The environment is read here only
+(`STREAMDIFF_API_KEYS`, `NOTIFY_SOCKET` is read by sdnotify).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, get_type_hints
+
+
+class ConfigError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    host: str = "127.0.0.1"  # listen address; 127.0.0.1 unless told otherwise
+    port: int = 8000
+    instance: str = "streamdiffd"  # names shared-memory segments and the runtime directory
+    max_body_bytes: int = 256 * 1024  # larger request bodies get 413
+    api_keys_file: str = ""  # one bearer key per line; empty = no auth (unless STREAMDIFF_API_KEYS)
+    metrics_require_auth: bool = False  # /metrics behind the API keys too
+    client_write_timeout_s: float = 60.0  # a client that accepts no bytes this long is dropped
+    request_read_timeout_s: float = 30.0  # a client that takes longer to send its request body is dropped
+    drain_timeout_s: float = 60.0  # on SIGTERM, running streams get this long to finish
+    log_level: str = "info"
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    preset: str = "tiny"  # tiny (embedded, seeded weights) | wan2.1-t2v-1.3b
+    path: str = ""  # weights directory for real presets
+    dit_checkpoint: str = ""  # Causal Forcing / Self-Forcing generator .pt (optional)
+    use_ema: bool = True
+    dtype: str = "auto"  # auto | float32 | bfloat16 | float16
+    dit_vae_ratio: float = 0.74  # tiny only: DiT cost per block relative to the VAE
+    seed: int = 1234  # tiny only: weight seed
+    name: str = ""  # model id in the API (default: the preset name)
+
+
+@dataclass(frozen=True)
+class SamplerConfig:
+    """Overrides of the preset's sampler; 0 / empty keeps the preset's value."""
+
+    frames_per_block: int = 0
+    steps: tuple[int, ...] = ()
+    first_block_steps: tuple[int, ...] = ()
+    shift: float = 0.0
+    window_frames: int = 0
+    sink_frames: int = -1
+
+
+@dataclass(frozen=True)
+class TopologyConfig:
+    mode: str = "disaggregated"  # disaggregated | aggregated
+    device: str = "cpu"  # cpu | cuda | xpu
+    dit_devices: int = 1  # DiT workers (one per device)
+    vae_devices: int = 1  # VAE shard workers (one per device)
+    vae_group_size: int = 0  # shards per VAE group; 0 = all VAE devices in one group
+    threads_per_worker: int = 1  # CPU threads of each worker (on cpu: a "device" is a worker)
+    pin_cpus: bool = True  # cpu: pin each worker to its own cores
+    shard_front: bool = False  # VAE groups: also shard the low-resolution front (all-gather attention)
+
+
+@dataclass(frozen=True)
+class PipelineConfig:
+    max_blocks_in_flight: int = 2  # per session: blocks generated but not yet delivered
+    latent_slots: int = 8
+    frame_slots: int = 6
+    ready_timeout_s: float = 600.0  # workers must report READY within this
+    heartbeat_interval_s: float = 1.0
+    heartbeat_timeout_s: float = 10.0  # a silent worker is declared dead
+    block_timeout_s: float = 300.0  # a worker busy on one block longer than this is declared stuck
+    collective_timeout_s: float = 120.0  # torch.distributed timeout inside a VAE group
+    restart_workers: bool = True  # restart a worker (group) that died
+
+
+@dataclass(frozen=True)
+class EncoderConfig:
+    kind: str = "libx264"  # libx264 | auto | h264_nvenc | h264_vaapi | h264_qsv | ffmpeg-libx264
+    crf: int = 23  # libx264 quality (lower = better, bigger)
+    bitrate_kbps: int = 0  # hardware encoders: target bitrate (0 = encoder default)
+    keyframe_every_blocks: int = 1  # 1: every fragment starts with an IDR frame
+    vaapi_device: str = "/dev/dri/renderD128"
+    threads: int = 2  # encoding threads in the supervisor
+
+
+@dataclass(frozen=True)
+class LimitsConfig:
+    max_sessions: int = 4  # sessions generating at once; more wait in the queue
+    max_queue: int = 16  # waiting sessions beyond which requests get 429
+    min_size: int = 64  # smallest width/height in pixels
+    max_width: int = 832
+    max_height: int = 480
+    min_fps: int = 1
+    max_fps: int = 60
+    max_frames: int = 2000  # total frames per request
+    max_scenes: int = 16
+    max_prompt_chars: int = 2000
+    max_jobs: int = 1000  # jobs kept for GET /v1/videos (oldest finished removed first)
+    keep_completed_bytes: int = 2 * 1024**3  # finished videos kept in memory, oldest removed first
+    keep_completed_s: float = 24 * 3600.0
+
+
+@dataclass(frozen=True)
+class Config:
+    server: ServerConfig = field(default_factory=ServerConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    sampler: SamplerConfig = field(default_factory=SamplerConfig)
+    topology: TopologyConfig = field(default_factory=TopologyConfig)
+    pipeline: PipelineConfig = field(default_factory=PipelineConfig)
+    encoder: EncoderConfig = field(default_factory=EncoderConfig)
+    limits: LimitsConfig = field(default_factory=LimitsConfig)
+
+    def replace(self, **sections: dict[str, Any]) -> Config:
+        """A copy with some keys of some sections changed, validated: replace(server={"port": 1})."""
+        return build(merge(to_dict(self), sections))
+
+    @property
+    def model_name(self) -> str:
+        return self.model.name or self.model.preset
+
+
+def to_dict(cfg: Config) -> dict:
+    return {f.name: dataclasses.asdict(getattr(cfg, f.name)) for f in dataclasses.fields(cfg)}
+
+
+def merge(base: dict, over: dict) -> dict:
+    out = {k: dict(v) for k, v in base.items()}
+    for section, values in over.items():
+        if section not in out:
+            raise ConfigError(f"unknown section [{section}]")
+        out[section].update(values)
+    return out
+
+
+def _coerce(key: str, tp, value):
+    origin = getattr(tp, "__origin__", None)
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{key}: expected true or false, got {value!r}")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{key}: expected an integer, got {value!r}")
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise ConfigError(f"{key}: expected a number, got {value!r}")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{key}: expected a string, got {value!r}")
+        return value
+    if origin is tuple:
+        if not isinstance(value, list | tuple) or not all(isinstance(v, int) and not isinstance(v, bool)
+                                                          for v in value):
+            raise ConfigError(f"{key}: expected a list of integers, got {value!r}")
+        return tuple(value)
+    return value
+
+
+def build(data: dict) -> Config:
+    sections = {}
+    for f in dataclasses.fields(Config):
+        cls = f.default_factory
+        hints = get_type_hints(cls)
+        values = dict(data.get(f.name, {}))
+        if not isinstance(values, dict):
+            raise ConfigError(f"[{f.name}] must be a table")
+        unknown = set(values) - set(hints)
+        if unknown:
+            raise ConfigError(f"unknown key(s) in [{f.name}]: {', '.join(sorted(unknown))}")
+        sections[f.name] = cls(**{k: _coerce(f"{f.name}.{k}", hints[k], v) for k, v in values.items()})
+    unknown = set(data) - {f.name for f in dataclasses.fields(Config)}
+    if unknown:
+        raise ConfigError(f"unknown section(s): {', '.join(sorted(unknown))}")
+    cfg = Config(**sections)
+    validate(cfg)
+    return cfg
+
+
+def load(path: str | Path | None, overrides: dict[str, dict] | None = None) -> Config:
+    data: dict = {}
+    if path:
+        p = Path(path)
+        try:
+            data = tomllib.loads(p.read_text())
+        except FileNotFoundError:
+            raise ConfigError(f"config file not found: {p}") from None
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"{p}: invalid TOML: {exc}") from None
+    base = to_dict(Config())
+    merged = merge(base, data) if data else base
+    if overrides:
+        merged = merge(merged, overrides)
+    return build(merged)
+
+
+def _check(ok: bool, key: str, msg: str, value) -> None:
+    if not ok:
+        raise ConfigError(f"{key}: {msg}, got {value!r}")
+
+
+def validate(cfg: Config) -> None:
+    s, t, p, e, lim, m = cfg.server, cfg.topology, cfg.pipeline, cfg.encoder, cfg.limits, cfg.model
+    _check(0 < s.port < 65536, "server.port", "must be 1-65535", s.port)
+    _check(s.max_body_bytes >= 1024, "server.max_body_bytes", "must be >= 1024", s.max_body_bytes)
+    _check(s.log_level in ("debug", "info", "warning", "error"), "server.log_level",
+           "must be debug, info, warning or error", s.log_level)
+    for k in ("client_write_timeout_s", "request_read_timeout_s", "drain_timeout_s"):
+        _check(getattr(s, k) > 0, f"server.{k}", "must be > 0", getattr(s, k))
+    _check(m.preset in ("tiny", "wan2.1-t2v-1.3b"), "model.preset", "must be tiny or wan2.1-t2v-1.3b", m.preset)
+    _check(m.preset == "tiny" or bool(m.path), "model.path", "is required for real presets", m.path)
+    _check(m.dtype in ("auto", "float32", "bfloat16", "float16"), "model.dtype",
+           "must be auto, float32, bfloat16 or float16", m.dtype)
+    _check(0 < m.dit_vae_ratio <= 20, "model.dit_vae_ratio", "must be in (0, 20]", m.dit_vae_ratio)
+    _check(t.mode in ("disaggregated", "aggregated"), "topology.mode", "must be disaggregated or aggregated", t.mode)
+    _check(t.device in ("cpu", "cuda", "xpu"), "topology.device", "must be cpu, cuda or xpu", t.device)
+    _check(1 <= t.dit_devices <= 64, "topology.dit_devices", "must be 1-64", t.dit_devices)
+    _check(1 <= t.vae_devices <= 64, "topology.vae_devices", "must be 1-64", t.vae_devices)
+    group = t.vae_group_size or t.vae_devices
+    _check(group >= 1 and t.vae_devices % group == 0, "topology.vae_group_size",
+           f"must divide vae_devices ({t.vae_devices})", t.vae_group_size)
+    _check(1 <= t.threads_per_worker <= 256, "topology.threads_per_worker", "must be 1-256", t.threads_per_worker)
+    _check(p.max_blocks_in_flight >= 1, "pipeline.max_blocks_in_flight", "must be >= 1", p.max_blocks_in_flight)
+    _check(p.latent_slots >= 2, "pipeline.latent_slots", "must be >= 2", p.latent_slots)
+    _check(p.frame_slots >= 2, "pipeline.frame_slots", "must be >= 2", p.frame_slots)
+    for k in ("ready_timeout_s", "heartbeat_interval_s", "heartbeat_timeout_s", "block_timeout_s",
+              "collective_timeout_s"):
+        _check(getattr(p, k) > 0, f"pipeline.{k}", "must be > 0", getattr(p, k))
+    _check(p.heartbeat_timeout_s > p.heartbeat_interval_s, "pipeline.heartbeat_timeout_s",
+           "must exceed heartbeat_interval_s", p.heartbeat_timeout_s)
+    _check(e.kind in ("libx264", "auto", "h264_nvenc", "h264_vaapi", "h264_qsv", "ffmpeg-libx264"), "encoder.kind",
+           "must be libx264, auto, h264_nvenc, h264_vaapi, h264_qsv or ffmpeg-libx264", e.kind)
+    _check(0 <= e.crf <= 51, "encoder.crf", "must be 0-51", e.crf)
+    _check(e.keyframe_every_blocks >= 1, "encoder.keyframe_every_blocks", "must be >= 1", e.keyframe_every_blocks)
+    _check(1 <= e.threads <= 64, "encoder.threads", "must be 1-64", e.threads)
+    _check(lim.max_sessions >= 1, "limits.max_sessions", "must be >= 1", lim.max_sessions)
+    _check(lim.max_queue >= 0, "limits.max_queue", "must be >= 0", lim.max_queue)
+    _check(16 <= lim.min_size <= min(lim.max_width, lim.max_height), "limits.min_size",
+           "must be >= 16 and <= max_width and max_height", lim.min_size)
+    _check(lim.max_width % 16 == 0 and lim.max_height % 16 == 0, "limits.max_width",
+           "max_width and max_height must be multiples of 16", (lim.max_width, lim.max_height))
+    _check(1 <= lim.min_fps <= lim.max_fps <= 240, "limits.max_fps", "need 1 <= min_fps <= max_fps <= 240",
+           (lim.min_fps, lim.max_fps))
+    _check(lim.max_frames >= 1, "limits.max_frames", "must be >= 1", lim.max_frames)
+    _check(lim.max_scenes >= 1, "limits.max_scenes", "must be >= 1", lim.max_scenes)
+    _check(lim.max_prompt_chars >= 1, "limits.max_prompt_chars", "must be >= 1", lim.max_prompt_chars)
+    _check(lim.max_jobs >= 1, "limits.max_jobs", "must be >= 1", lim.max_jobs)
+
+
+def sampler_overrides(cfg: Config) -> dict:
+    """The [sampler] keys that were set, as ModelSpec.sampler wants them."""
+    s, out = cfg.sampler, {}
+    if s.frames_per_block:
+        out["frames_per_block"] = s.frames_per_block
+    if s.steps:
+        out["steps"] = list(s.steps)
+    if s.first_block_steps:
+        out["first_block_steps"] = list(s.first_block_steps)
+    if s.shift:
+        out["shift"] = s.shift
+    if s.window_frames:
+        out["window_frames"] = s.window_frames
+    if s.sink_frames >= 0:
+        out["sink_frames"] = s.sink_frames
+    return out

@@ -1,0 +1,162 @@
+"""Shared-memory rings for latents and frames (supervisor creates; workers attach).
+
+A ring is one POSIX shared-memory file, `/dev/shm/sd-<instance>-<pid>-<ring>`, cut into fixed
+slots big enough for the largest block the daemon accepts:
+
+    offset 0                slot_bytes            2*slot_bytes
+    | slot 0                | slot 1               | ...            | slot n-1 |
+      latent ring: float32 (C, f, h, w) of one block, written by a DiT worker
+      frame ring:  uint8 (frames, H, W, 3) of one block; each VAE shard writes its row strip
+
+There are no flags in the memory itself: the supervisor owns every slot's state (free, being
+written, ready, being read) and hands slots out in control messages, so a slot is never
+written and read at once and a crashed worker cannot leave a half-set flag behind. A full
+ring is backpressure: the supervisor stops asking for blocks until a slot frees.
+
+Segment names carry the daemon's instance name and pid; `sweep_stale` removes the segments of
+instances whose process is gone (a SIGKILLed daemon cannot clean up after itself). We map the
+files directly instead of `multiprocessing.shared_memory`, whose resource tracker would unlink
+segments when any attached worker exits.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import re
+from dataclasses import dataclass
+
+import numpy as np
+
+SHM_DIR = os.environ.get("STREAMDIFF_SHM_DIR", "/dev/shm")
+PREFIX = "sd-"
+
+
+def segment_name(instance: str, ring: str, pid: int | None = None) -> str:
+    if not re.fullmatch(r"[A-Za-z0-9_.-]{1,40}", instance):
+        raise ValueError(f"instance name {instance!r}: use 1-40 letters, digits, '.', '_' or '-'")
+    return f"{PREFIX}{instance}-{pid or os.getpid()}-{ring}"
+
+
+class Segment:
+    """A shared-memory file mapped into this process."""
+
+    def __init__(self, name: str, size: int = 0, create: bool = False, shm_dir: str = SHM_DIR) -> None:
+        self.name, self.path = name, os.path.join(shm_dir, name)
+        flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
+        fd = os.open(self.path, flags, 0o600)
+        try:
+            if create:
+                os.ftruncate(fd, size)
+            self.size = os.fstat(fd).st_size
+            self.buf = mmap.mmap(fd, self.size)
+        finally:
+            os.close(fd)
+        self.owner = create
+
+    def close(self) -> None:
+        if self.buf is not None:
+            try:
+                self.buf.close()
+            except BufferError:  # views still exported; the mapping goes with the process
+                pass
+            self.buf = None
+
+    def unlink(self) -> None:
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:
+            pass
+
+
+@dataclass(frozen=True)
+class RingSpec:
+    """What a worker needs to attach a ring: plain data, crosses process boundaries."""
+
+    name: str
+    slots: int
+    slot_bytes: int
+
+
+class Ring:
+    def __init__(self, spec: RingSpec, create: bool = False) -> None:
+        self.spec = spec
+        self.segment = Segment(spec.name, spec.slots * spec.slot_bytes, create=create)
+
+    @classmethod
+    def create(cls, instance: str, ring: str, slots: int, slot_bytes: int) -> Ring:
+        slot_bytes = (slot_bytes + 4095) // 4096 * 4096  # page-aligned slots
+        return cls(RingSpec(segment_name(instance, ring), slots, slot_bytes), create=True)
+
+    def array(self, slot: int, shape, dtype) -> np.ndarray:
+        """A numpy view of `slot` (no copy)."""
+        if not 0 <= slot < self.spec.slots:
+            raise IndexError(f"ring {self.spec.name}: slot {slot} out of range")
+        dtype = np.dtype(dtype)
+        count = int(np.prod(shape))
+        if count * dtype.itemsize > self.spec.slot_bytes:
+            raise ValueError(f"ring {self.spec.name}: {tuple(shape)} {dtype} does not fit a slot of "
+                             f"{self.spec.slot_bytes} bytes")
+        return np.frombuffer(self.segment.buf, dtype, count, slot * self.spec.slot_bytes).reshape(shape)
+
+    def close(self, unlink: bool = False) -> None:
+        self.segment.close()
+        if unlink:
+            self.segment.unlink()
+
+
+class SlotPool:
+    """The supervisor's book of which slots are free (FIFO, so slots are reused round-robin)."""
+
+    def __init__(self, slots: int) -> None:
+        self.free = list(range(slots))
+        self.total = slots
+
+    def take(self) -> int | None:
+        return self.free.pop(0) if self.free else None
+
+    def give(self, slot: int) -> None:
+        if slot in self.free or not 0 <= slot < self.total:
+            raise ValueError(f"slot {slot} freed twice or out of range")
+        self.free.append(slot)
+
+    @property
+    def used(self) -> int:
+        return self.total - len(self.free)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def sweep_stale(instance: str, shm_dir: str = SHM_DIR) -> list[str]:
+    """Remove segments left by dead processes of this instance; returns their names."""
+    removed = []
+    pat = re.compile(rf"^{re.escape(PREFIX + instance)}-(\d+)-")
+    try:
+        names = os.listdir(shm_dir)
+    except FileNotFoundError:
+        return removed
+    for name in names:
+        m = pat.match(name)
+        if m and not _alive(int(m[1])):
+            try:
+                os.unlink(os.path.join(shm_dir, name))
+                removed.append(name)
+            except FileNotFoundError:
+                pass
+    return removed
+
+
+def instance_segments(instance: str, shm_dir: str = SHM_DIR) -> list[str]:
+    prefix = f"{PREFIX}{instance}-"
+    try:
+        return sorted(n for n in os.listdir(shm_dir) if n.startswith(prefix))
+    except FileNotFoundError:
+        return []

@@ -1,0 +1,29 @@
+"""What a worker needs to build its model stage: plain data, no torch (the supervisor imports it)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """What a worker needs to build its stage. Plain data: it crosses process boundaries."""
+
+    preset: str = "tiny"
+    path: str | None = None  # local weights directory (real presets)
+    dit_checkpoint: str | None = None  # Causal Forcing / Self-Forcing .pt, overrides the DiT weights
+    use_ema: bool = True  # take `generator_ema` from training checkpoints when present
+    dtype: str = "auto"  # auto: float32 on the CPU, bfloat16 on accelerators
+    dit_vae_ratio: float = 0.74  # tiny only: DiT cost per block relative to the VAE's
+    seed: int = 1234  # tiny only: weight seed
+    sampler: dict = field(default_factory=dict)  # overrides of SamplerConfig fields
+
+
+# What the supervisor needs to know about each preset before any worker has started (it sizes
+# the shared-memory rings with these; workers confirm them in their READY message).
+PRESET_FACTS = {
+    "tiny": {"latent_channels": 16, "spatial_factor": 8, "temporal_factor": 4, "frames_per_block": 3,
+             "fps": 16, "default_size": (256, 144)},
+    "wan2.1-t2v-1.3b": {"latent_channels": 16, "spatial_factor": 8, "temporal_factor": 4, "frames_per_block": 3,
+                        "fps": 16, "default_size": (832, 480)},
+}

@@ -1,0 +1,114 @@
+"""Height-sharded VAE decoding across a group of processes (runs in the VAE shard workers).
+
+Each shard owns a horizontal band of latent rows (`split_rows`) and so a band of every output
+frame (8x the rows). The decoder (models/wan/vae.py) asks its `Halo` for one neighbour row
+above and below at every 3x3 convolution; `ExchangeHalo` answers with point-to-point sends
+and receives to the two neighbours (zero rows at the global top and bottom), posted all at once
+and then waited on, so no ordering between ranks can deadlock — whatever k is (the reference
+implementation hung at 3 ranks). The halo rows of cached frames are stored with the cache, so
+only the new frames' rows travel.
+
+The middle attention is global over each frame. By default the low-resolution front (conv1,
+middle, first up stage) is replicated on every shard and the rows are cut before the first
+upsampler: no gather, 11 fewer exchanges, about 4% of the FLOPs computed k times. With
+`shard_front` the latent rows are split from the start and the attention all-gathers whole
+frames. tools/bench_vae_shard.py measures both.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from ..models.wan.vae import Halo
+
+BACKENDS = {"cpu": "gloo", "cuda": "nccl", "xpu": "xccl"}
+
+
+def split_rows(height: int, world: int) -> list[tuple[int, int]]:
+    """Contiguous bands of `height` rows for `world` shards; sizes differ by at most one."""
+    if height < world:
+        raise ValueError(f"{height} latent rows cannot be split over {world} shards")
+    base, extra = divmod(height, world)
+    out, r = [], 0
+    for i in range(world):
+        n = base + (1 if i < extra else 0)
+        out.append((r, r + n))
+        r += n
+    return out
+
+
+def init_group(init_addr: str, rank: int, world: int, device: str, timeout_s: float) -> None:
+    dev = torch.device(device)
+    kw = {"device_id": dev} if dev.type == "cuda" else {}
+    dist.init_process_group(BACKENDS[dev.type], init_method=init_addr, rank=rank, world_size=world,
+                            timeout=timedelta(seconds=timeout_s), **kw)
+
+
+def group_any(flag: bool, device: str) -> bool:
+    """True on every rank if it is true on any rank (a consistent decision for the group)."""
+    t = torch.tensor([1 if flag else 0], dtype=torch.int32, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t.item())
+
+
+def _empty_like_rows(x: torch.Tensor, rows: int) -> torch.Tensor:
+    shape = (*x.shape[:-2], rows, x.shape[-1])
+    if x.device.type == "cpu" and x.dim() in (4, 5):  # keep the decoder's channels-last layout
+        fmt = torch.channels_last if x.dim() == 4 else torch.channels_last_3d
+        return torch.empty(shape, dtype=x.dtype, device=x.device, memory_format=fmt)
+    return torch.empty(shape, dtype=x.dtype, device=x.device)
+
+
+class ExchangeHalo(Halo):
+    def __init__(self, rank: int, bands: list[tuple[int, int]]) -> None:
+        self.rank, self.world, self.bands = rank, len(bands), bands
+        self.bytes_sent = 0  # halo traffic of this shard, for the benchmark
+
+    def _scale(self, x: torch.Tensor) -> int:
+        r0, r1 = self.bands[self.rank]
+        return x.shape[-2] // (r1 - r0)
+
+    def extend(self, x: torch.Tensor) -> tuple[torch.Tensor, int]:
+        up, down = self.rank - 1, self.rank + 1
+        out = _empty_like_rows(x, x.shape[-2] + 2)
+        out[..., 1:-1, :] = x
+        ops = []
+        if up >= 0:
+            send_up = x[..., :1, :].contiguous()
+            recv_up = torch.empty_like(send_up)
+            ops += [dist.isend(send_up, up), dist.irecv(recv_up, up)]
+            self.bytes_sent += send_up.numel() * send_up.element_size()
+        if down < self.world:
+            send_down = x[..., -1:, :].contiguous()
+            recv_down = torch.empty_like(send_down)
+            ops += [dist.isend(send_down, down), dist.irecv(recv_down, down)]
+            self.bytes_sent += send_down.numel() * send_down.element_size()
+        for op in ops:
+            op.wait()
+        out[..., :1, :] = recv_up if up >= 0 else 0
+        out[..., -1:, :] = recv_down if down < self.world else 0
+        return out, 0
+
+    def gather(self, x: torch.Tensor) -> torch.Tensor:
+        """Whole frames from every shard's band (bands may differ by a row: pad, gather, trim)."""
+        s = self._scale(x)
+        sizes = [(r1 - r0) * s for r0, r1 in self.bands]
+        pad = max(sizes)
+        buf = _empty_like_rows(x, pad).contiguous()
+        buf.zero_()
+        buf[..., : x.shape[-2], :] = x
+        parts = [torch.empty_like(buf) for _ in range(self.world)]
+        dist.all_gather(parts, buf)
+        self.bytes_sent += buf.numel() * buf.element_size() * (self.world - 1)
+        full = torch.cat([p[..., :n, :] for p, n in zip(parts, sizes)], dim=-2)
+        if x.device.type == "cpu" and x.dim() == 5:
+            full = full.contiguous(memory_format=torch.channels_last_3d)
+        return full
+
+    def local(self, x: torch.Tensor) -> torch.Tensor:
+        r0, r1 = self.bands[self.rank]
+        s = x.shape[-2] // self.bands[-1][1]
+        return x[..., r0 * s:r1 * s, :]

@@ -1,0 +1,73 @@
+"""Frame arithmetic of a request: scenes -> blocks (supervisor process; no torch).
+
+A shot (the first scene, and every scene after a `cut`) starts the VAE's causal cache afresh:
+its first latent frame decodes to 1 frame, every later one to `temporal_factor` (4) frames. A
+`continue` scene keeps the shot going, so all of its latent frames give 4. Each scene asks for
+an exact number of frames; we generate the fewest latent frames that cover it, in blocks of
+`frames_per_block` (the scene's last block may be shorter), and emit only the frames asked for
+(at most temporal_factor - 1 decoded frames are dropped at the end of a scene).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Scene:
+    prompt: str
+    frames: int  # output frames of this scene
+    transition: str = "cut"  # how this scene starts: cut (new shot) | continue (same shot, new prompt)
+    seed: int | None = None
+
+
+@dataclass(frozen=True)
+class Block:
+    index: int  # block number within the session
+    scene: int  # scene index
+    latent_frames: int
+    frames_out: int  # frames the VAE decodes from this block
+    emit: int  # frames that go into the video (== frames_out except at a scene's end)
+    start_frame: int  # timeline index of the first emitted frame
+    first_of_scene: bool
+    shot_start: bool  # a new shot: fresh DiT KV cache and VAE temporal cache
+
+
+def latent_frames_for(frames: int, shot_start: bool, temporal_factor: int = 4) -> int:
+    if frames < 1:
+        raise ValueError("a scene needs at least one frame")
+    if shot_start:
+        return 1 + -(-(frames - 1) // temporal_factor)
+    return -(-frames // temporal_factor)
+
+
+def plan_blocks(scenes: list[Scene], frames_per_block: int, temporal_factor: int = 4) -> list[Block]:
+    blocks: list[Block] = []
+    timeline = 0
+    for si, scene in enumerate(scenes):
+        shot_start = si == 0 or scene.transition == "cut"
+        remaining_latent = latent_frames_for(scene.frames, shot_start, temporal_factor)
+        remaining_out = scene.frames
+        first = True
+        while remaining_latent > 0:
+            f = min(frames_per_block, remaining_latent)
+            starts_shot = shot_start and first
+            out = f * temporal_factor - (temporal_factor - 1 if starts_shot else 0)
+            emit = min(out, remaining_out)
+            blocks.append(Block(len(blocks), si, f, out, emit, timeline, first, starts_shot))
+            timeline += emit
+            remaining_out -= emit
+            remaining_latent -= f
+            first = False
+    return blocks
+
+
+def shot_latent_frames(scenes: list[Scene], temporal_factor: int = 4) -> int:
+    """The longest shot in latent frames (RoPE positions are absolute within a shot)."""
+    longest = current = 0
+    for si, scene in enumerate(scenes):
+        start = si == 0 or scene.transition == "cut"
+        n = latent_frames_for(scene.frames, start, temporal_factor)
+        current = n if start else current + n
+        longest = max(longest, current)
+    return longest

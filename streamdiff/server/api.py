@@ -1,0 +1,230 @@
+"""Request validation and OpenAI-shaped errors for the Videos API (supervisor process).
+
+A request is either JSON or multipart/form-data (what the official `openai` SDK sends for
+`videos.create`); form values arrive as strings and are coerced here. Unknown fields are
+rejected the way OpenAI does ("Unrecognized request argument supplied"), so a typo never
+silently falls back to a default.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+from dataclasses import dataclass
+
+from ..config import Config
+from ..plan import Scene, shot_latent_frames
+
+KNOWN_FIELDS = {"prompt", "model", "seconds", "num_frames", "size", "width", "height", "fps", "seed", "stream",
+                "scenes", "input_reference", "negative_prompt", "num_inference_steps", "user"}
+SCENE_FIELDS = {"prompt", "seconds", "num_frames", "transition", "seed"}
+MAX_SEED = 2**63 - 1
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 type: str = "invalid_request_error", headers: dict | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.type = status, message, param, code, type
+        self.headers = headers or {}
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def bad(message: str, param: str | None = None, code: str = "invalid_value") -> APIError:
+    return APIError(400, message, param, code)
+
+
+@dataclass(frozen=True)
+class VideoRequest:
+    model: str
+    scenes: list[Scene]
+    width: int
+    height: int
+    fps: int
+    seed: int
+    stream: bool
+
+    @property
+    def frames(self) -> int:
+        return sum(s.frames for s in self.scenes)
+
+    @property
+    def prompt(self) -> str:
+        return self.scenes[0].prompt if len(self.scenes) == 1 else " | ".join(s.prompt for s in self.scenes)
+
+
+def _number(value, param: str) -> float:
+    if isinstance(value, bool):
+        raise bad(f"'{param}' must be a number", param)
+    if isinstance(value, int | float):
+        v = float(value)
+    elif isinstance(value, str):
+        try:
+            v = float(value.strip())
+        except ValueError:
+            raise bad(f"'{param}' must be a number, got {value!r}", param) from None
+    else:
+        raise bad(f"'{param}' must be a number", param)
+    if v != v or v in (float("inf"), float("-inf")):
+        raise bad(f"'{param}' must be finite", param)
+    return v
+
+
+def _integer(value, param: str, lo: int, hi: int) -> int:
+    v = _number(value, param)
+    if v != int(v):
+        raise bad(f"'{param}' must be an integer, got {value!r}", param)
+    if not lo <= v <= hi:
+        raise bad(f"'{param}' must be between {lo} and {hi}, got {int(v)}", param)
+    return int(v)
+
+
+def _bool(value, param: str) -> bool:
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.lower() in ("true", "false", "1", "0"):
+        return value.lower() in ("true", "1")
+    raise bad(f"'{param}' must be true or false, got {value!r}", param)
+
+
+def _prompt(value, param: str, max_chars: int) -> str:
+    if not isinstance(value, str):
+        raise bad(f"'{param}' must be a string", param)
+    if not value.strip():
+        raise bad(f"'{param}' must not be empty", param, "empty_prompt")
+    if len(value) > max_chars:
+        raise bad(f"'{param}' is {len(value)} characters; the limit is {max_chars}", param, "prompt_too_long")
+    return value
+
+
+def _length(obj: dict, fps: int, param: str, max_frames: int) -> int | None:
+    """Frames from `num_frames` or `seconds` (both may be given if they agree)."""
+    frames = None
+    if obj.get("num_frames") is not None:
+        frames = _integer(obj["num_frames"], f"{param}num_frames", 1, max_frames)
+    if obj.get("seconds") is not None:
+        secs = _number(obj["seconds"], f"{param}seconds")
+        if secs <= 0:
+            raise bad(f"'{param}seconds' must be positive, got {obj['seconds']!r}", f"{param}seconds")
+        if secs * fps > max_frames:
+            raise bad(f"'{param}seconds' ({secs:g}) at {fps} fps is more than {max_frames} frames",
+                      f"{param}seconds", "too_long")
+        from_secs = max(1, round(secs * fps))
+        if frames is not None and frames != from_secs:
+            raise bad(f"'{param}num_frames' ({frames}) and '{param}seconds' ({secs:g} s = {from_secs} frames at "
+                      f"{fps} fps) disagree", f"{param}num_frames")
+        frames = from_secs
+    return frames
+
+
+def parse_video_request(data, cfg: Config, facts: dict) -> VideoRequest:
+    """Validate a POST /v1/videos body (already decoded to a dict)."""
+    if not isinstance(data, dict):
+        raise bad("the request body must be a JSON object", None, "invalid_body")
+    unknown = sorted(set(data) - KNOWN_FIELDS)
+    if unknown:
+        raise bad(f"Unrecognized request argument supplied: {', '.join(unknown)}", unknown[0], "unknown_parameter")
+    lim = cfg.limits
+    for param, why in (("input_reference", "image-to-video is not supported by this server"),
+                       ("negative_prompt", "the distilled causal models sample without classifier-free guidance"),
+                       ("num_inference_steps", "the step list is fixed by the model (see [sampler] steps)")):
+        if data.get(param) not in (None, ""):
+            raise bad(f"'{param}' is not supported: {why}", param, "unsupported_parameter")
+
+    model = data.get("model")
+    served = {cfg.model_name, cfg.model.preset, facts.get("model", "")}
+    if model is not None and model not in served:
+        raise APIError(404, f"The model '{model}' does not exist; this server serves '{cfg.model_name}'", "model",
+                       "model_not_found")
+
+    fps = _integer(data["fps"], "fps", lim.min_fps, lim.max_fps) if data.get("fps") is not None else facts["fps"]
+    width, height = facts["default_size"]
+    if data.get("size") is not None:
+        size = data["size"]
+        mt = re.fullmatch(r"\s*(\d{1,5})\s*[xX*]\s*(\d{1,5})\s*", size) if isinstance(size, str) else None
+        if not mt:
+            raise bad(f"'size' must look like '{width}x{height}', got {size!r}", "size")
+        width, height = int(mt[1]), int(mt[2])
+    if data.get("width") is not None or data.get("height") is not None:
+        if data.get("size") is not None:
+            raise bad("give either 'size' or 'width' and 'height', not both", "size")
+        width = _integer(data.get("width", width), "width", 1, 1 << 16)
+        height = _integer(data.get("height", height), "height", 1, 1 << 16)
+    mult = facts.get("size_multiple", 16)
+    if not (lim.min_size <= width <= lim.max_width and lim.min_size <= height <= lim.max_height):
+        raise bad(f"size {width}x{height} is outside {lim.min_size}x{lim.min_size} .. "
+                  f"{lim.max_width}x{lim.max_height}", "size", "unsupported_size")
+    if width % mult or height % mult:
+        raise bad(f"width and height must be multiples of {mult}, got {width}x{height}", "size", "unsupported_size")
+
+    seed = _integer(data["seed"], "seed", 0, MAX_SEED) if data.get("seed") is not None else random.randrange(2**31)
+    stream = _bool(data["stream"], "stream") if data.get("stream") is not None else False
+
+    total = _length(data, fps, "", lim.max_frames)
+    scenes_raw = data.get("scenes")
+    if isinstance(scenes_raw, str):  # multipart forms carry it as JSON text
+        try:
+            scenes_raw = json.loads(scenes_raw)
+        except json.JSONDecodeError:
+            raise bad("'scenes' must be a JSON array", "scenes") from None
+    if scenes_raw is None:
+        prompt = _prompt(data.get("prompt"), "prompt", lim.max_prompt_chars) if "prompt" in data else None
+        if prompt is None:
+            raise bad("Missing required parameter: 'prompt' (or 'scenes')", "prompt", "missing_required_parameter")
+        scenes = [Scene(prompt, total or round(4 * fps), "cut", None)]
+    else:
+        if data.get("prompt") not in (None, ""):
+            raise bad("give either 'prompt' or 'scenes', not both", "prompt")
+        scenes = _parse_scenes(scenes_raw, total, fps, cfg)
+    frames = sum(s.frames for s in scenes)
+    if frames > lim.max_frames:
+        raise bad(f"the request asks for {frames} frames; the limit is {lim.max_frames}", "scenes", "too_long")
+    longest = shot_latent_frames(scenes, facts["temporal_factor"])
+    max_shot = facts.get("max_shot_latent_frames", 1024)
+    if longest > max_shot:
+        raise bad(f"one shot would need {longest} latent frames; the model's positions stop at {max_shot}: "
+                  "split it with a 'cut'", "scenes", "too_long")
+    return VideoRequest(model or cfg.model_name, scenes, width, height, fps, seed, stream)
+
+
+def _parse_scenes(raw, total: int | None, fps: int, cfg: Config) -> list[Scene]:
+    lim = cfg.limits
+    if not isinstance(raw, list) or not raw:
+        raise bad("'scenes' must be a non-empty array", "scenes")
+    if len(raw) > lim.max_scenes:
+        raise bad(f"{len(raw)} scenes; the limit is {lim.max_scenes}", "scenes", "too_many_scenes")
+    lengths, parsed = [], []
+    for i, sc in enumerate(raw):
+        p = f"scenes[{i}]."
+        if not isinstance(sc, dict):
+            raise bad(f"'scenes[{i}]' must be an object", f"scenes[{i}]")
+        unknown = sorted(set(sc) - SCENE_FIELDS)
+        if unknown:
+            raise bad(f"Unrecognized scene argument supplied: {', '.join(unknown)}", p + unknown[0],
+                      "unknown_parameter")
+        prompt = _prompt(sc.get("prompt"), p + "prompt", lim.max_prompt_chars)
+        transition = sc.get("transition", "cut")
+        if transition not in ("cut", "continue"):
+            raise bad(f"'{p}transition' must be 'cut' or 'continue', got {transition!r}", p + "transition")
+        if i == 0 and transition == "continue":
+            transition = "cut"  # the first scene always starts a shot
+        seed = _integer(sc["seed"], p + "seed", 0, MAX_SEED) if sc.get("seed") is not None else None
+        lengths.append(_length(sc, fps, p, lim.max_frames))
+        parsed.append((prompt, transition, seed))
+    missing = [i for i, n in enumerate(lengths) if n is None]
+    if missing:
+        if total is None:
+            raise bad(f"scene {missing[0]} has no 'seconds' or 'num_frames' and the request gives no total",
+                      f"scenes[{missing[0]}].seconds", "missing_required_parameter")
+        left = total - sum(n for n in lengths if n is not None)
+        if left < len(missing):
+            raise bad(f"the scenes' lengths exceed the request's total of {total} frames", "scenes")
+        share, extra = divmod(left, len(missing))
+        for k, i in enumerate(missing):
+            lengths[i] = share + (1 if k < extra else 0)
+    elif total is not None and sum(lengths) != total:
+        raise bad(f"the scenes add up to {sum(lengths)} frames but the request asks for {total}", "scenes")
+    return [Scene(p, n, t, s) for (p, t, s), n in zip(parsed, lengths)]

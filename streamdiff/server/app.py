@@ -1,0 +1,334 @@
+"""HTTP front end: the OpenAI-compatible Videos API, health, metrics, the player page
+(supervisor process; aiohttp on the supervisor's own event loop).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+from pathlib import Path
+
+from aiohttp import web
+
+from ..config import Config
+from ..supervisor.core import RUNNING, Supervisor
+from ..supervisor.scheduler import QueueFull, Session
+from .api import APIError, bad, parse_video_request
+from .jobs import Job, JobStore
+
+log = logging.getLogger("streamdiff.http")
+
+SUPERVISOR = web.AppKey("supervisor", Supervisor)
+JOBS = web.AppKey("jobs", JobStore)
+CONFIG = web.AppKey("config", Config)
+API_KEYS = web.AppKey("api_keys", list)
+STATIC = Path(__file__).with_name("static")
+_session_counter = 0
+
+
+def error_json(err: APIError) -> web.Response:
+    return web.json_response(err.body(), status=err.status, headers=err.headers)
+
+
+@web.middleware
+async def errors_middleware(request: web.Request, handler):
+    try:
+        return await handler(request)
+    except APIError as err:
+        return error_json(err)
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        kind = "invalid_request_error" if exc.status < 500 else "server_error"
+        code = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}.get(exc.status)
+        message = exc.text if exc.text and not exc.text.startswith(f"{exc.status}:") else exc.reason
+        if exc.status == 413:
+            message = f"request body too large (limit {request.app[CONFIG].server.max_body_bytes} bytes)"
+        return error_json(APIError(exc.status, message, None, code, kind, dict(exc.headers)))
+    except (asyncio.CancelledError, ConnectionResetError):
+        raise
+    except Exception:
+        log.exception("%s %s failed", request.method, request.path)
+        return error_json(APIError(500, "internal server error", None, "internal_error", "server_error"))
+
+
+@web.middleware
+async def auth_middleware(request: web.Request, handler):
+    keys = request.app[API_KEYS]
+    open_paths = {"/health", "/"} | (set() if request.app[CONFIG].server.metrics_require_auth else {"/metrics"})
+    if keys and request.path not in open_paths and not request.path.startswith("/static/"):
+        header = request.headers.get("Authorization", "")
+        token = header[7:].strip().encode() if header.lower().startswith("bearer ") else b""
+        # Compare against every key in constant time (no early exit that leaks which matched).
+        ok = False
+        for key in keys:
+            ok |= hmac.compare_digest(token, key)
+        if not ok:
+            raise APIError(401, "Incorrect API key provided", None, "invalid_api_key", "invalid_request_error",
+                           {"WWW-Authenticate": "Bearer"})
+    return await handler(request)
+
+
+# ----------------------------------------------------------------------------- request bodies
+
+
+async def read_request_data(request: web.Request) -> dict:
+    ctype = request.content_type
+    timeout = request.app[CONFIG].server.request_read_timeout_s
+    try:
+        async with asyncio.timeout(timeout):
+            if ctype == "multipart/form-data":
+                data = {}
+                form = await request.post()
+                for k, v in form.items():
+                    if not isinstance(v, str):
+                        raise bad(f"file uploads are not supported ('{k}')", k, "unsupported_parameter")
+                    data[k] = v
+                return data
+            if ctype == "application/x-www-form-urlencoded":
+                return dict(await request.post())
+            raw = await request.read()
+    except TimeoutError:
+        raise APIError(408, f"the request body did not arrive within {timeout:g}s", None, "request_timeout") from None
+    if ctype not in ("application/json", "", "application/octet-stream", "text/plain"):
+        raise APIError(415, f"unsupported content type {ctype!r}: send application/json or multipart/form-data",
+                       None, "unsupported_media_type")
+    try:
+        data = json.loads(raw or b"null")
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise bad(f"We could not parse the JSON body of your request: {exc}", None, "invalid_json") from None
+    if not isinstance(data, dict):
+        raise bad("the request body must be a JSON object", None, "invalid_body")
+    return data
+
+
+# ----------------------------------------------------------------------------- handlers
+
+
+def _supervisor_ready(sup: Supervisor) -> None:
+    if sup.state != RUNNING:
+        raise APIError(503, "the server is shutting down" if sup.state != "starting" else "the server is starting",
+                       None, "unavailable", "server_error", {"Retry-After": "5"})
+
+
+async def create_video(request: web.Request) -> web.StreamResponse:
+    global _session_counter
+    sup, cfg, jobs = request.app[SUPERVISOR], request.app[CONFIG], request.app[JOBS]
+    _supervisor_ready(sup)
+    data = await read_request_data(request)
+    req = parse_video_request(data, cfg, sup.facts)
+    from ..plan import plan_blocks
+
+    blocks = plan_blocks(req.scenes, sup.facts["frames_per_block"], sup.facts["temporal_factor"])
+    job = Job(req, sup.scheduler.acknowledge, live_consumer=req.stream)
+    _session_counter += 1
+    sess = Session(f"s{_session_counter}-{job.id[-6:]}", req.scenes, blocks, req.width, req.height, req.fps,
+                   req.seed, job)
+    job.session_id = sess.id
+    try:
+        sup.scheduler.submit(sess)
+    except QueueFull as exc:
+        raise APIError(429, f"the server is busy ({exc}); retry later", None, "rate_limit_exceeded",
+                       "rate_limit_error", {"Retry-After": "10"}) from None
+    jobs.add(job)
+    log.info("job %s: %d frames %dx%d@%d, %d scene(s), %d blocks, stream=%s", job.id, req.frames, req.width,
+             req.height, req.fps, len(req.scenes), len(blocks), req.stream)
+    if not req.stream:
+        return web.json_response(job.video_object(), headers={"openai-poll-after-ms": "1000"})
+    return await stream_job(request, job, live=True)
+
+
+async def stream_job(request: web.Request, job: Job, live: bool, start_chunk: int = 0) -> web.StreamResponse:
+    """Write the job's bytes as they come. `live`: this response is the job's consumer (acks
+    each fragment: backpressure) and its disconnect cancels the job."""
+    sup = request.app[SUPERVISOR]
+    resp = web.StreamResponse(headers={"Content-Type": "video/mp4", "Cache-Control": "no-store",
+                                       "X-Video-Id": job.id, "X-Content-Type-Options": "nosniff"})
+    resp.enable_chunked_encoding()
+    await resp.prepare(request)
+    timeout = request.app[CONFIG].server.client_write_timeout_s
+    complete = False
+    try:
+        async for chunk, is_fragment in job.follow(start_chunk):
+            try:
+                async with asyncio.timeout(timeout):
+                    await resp.write(chunk)
+            except TimeoutError:
+                log.warning("job %s: client accepted no bytes for %.0fs; dropping it", job.id, timeout)
+                raise ConnectionResetError("client too slow") from None
+            if live and is_fragment:
+                job.ack()
+        complete = job.state == "done"
+    except (ConnectionResetError, asyncio.CancelledError):
+        if live and not job.finished:
+            sup.scheduler.cancel(job.session_id, "client disconnected")
+        raise
+    if not complete:
+        # A failed or cancelled stream must not look like a finished short clip: end the
+        # connection without the terminating chunk, so clients see a truncated transfer.
+        if request.transport is not None:
+            request.transport.close()
+        return resp
+    await resp.write_eof()
+    return resp
+
+
+def get_job(request: web.Request) -> Job:
+    job = request.app[JOBS].get(request.match_info["video_id"])
+    if job is None:
+        raise APIError(404, f"No video found with id '{request.match_info['video_id']}'", "video_id", "not_found")
+    return job
+
+
+async def retrieve_video(request: web.Request) -> web.Response:
+    return web.json_response(get_job(request).video_object())
+
+
+async def list_videos(request: web.Request) -> web.Response:
+    q = request.query
+    order = q.get("order", "desc")
+    if order not in ("asc", "desc"):
+        raise bad("'order' must be 'asc' or 'desc'", "order")
+    try:
+        limit = int(q.get("limit", "20"))
+    except ValueError:
+        raise bad("'limit' must be an integer", "limit") from None
+    if not 1 <= limit <= 100:
+        raise bad("'limit' must be between 1 and 100", "limit")
+    after = q.get("after")
+    if after is not None and request.app[JOBS].get(after) is None:
+        raise bad(f"'after' names no video: {after!r}", "after")
+    jobs, more = request.app[JOBS].page(after, limit, order)
+    data = [j.video_object() for j in jobs]
+    return web.json_response({"object": "list", "data": data, "first_id": data[0]["id"] if data else None,
+                              "last_id": data[-1]["id"] if data else None, "has_more": more})
+
+
+async def delete_video(request: web.Request) -> web.Response:
+    job = get_job(request)
+    sup = request.app[SUPERVISOR]
+    if not job.finished:
+        sup.scheduler.cancel(job.session_id, "cancelled by DELETE")
+    request.app[JOBS].remove(job.id)
+    return web.json_response({"id": job.id, "object": "video.deleted", "deleted": True})
+
+
+def _parse_range(header: str, size: int) -> tuple[int, int] | None:
+    """One 'bytes=a-b' range -> (start, end inclusive); None if unsatisfiable."""
+    if not header.startswith("bytes=") or "," in header:
+        return None
+    a, _, b = header[6:].strip().partition("-")
+    try:
+        if a == "":
+            n = int(b)
+            if n <= 0:
+                return None
+            start, end = max(0, size - n), size - 1
+        else:
+            start = int(a)
+            end = int(b) if b else size - 1
+    except ValueError:
+        return None
+    if start >= size or end < start:
+        return None
+    return start, min(end, size - 1)
+
+
+async def video_content(request: web.Request) -> web.StreamResponse:
+    job = get_job(request)
+    variant = request.query.get("variant", "video")
+    if variant != "video":
+        raise bad(f"variant {variant!r} is not available; only 'video'", "variant")
+    if job.expired:
+        raise APIError(404, f"the content of video '{job.id}' has expired", "video_id", "expired")
+    if job.state in ("failed", "cancelled"):
+        raise APIError(409, f"video '{job.id}' {job.state}: {job.error['message'] if job.error else ''}", "video_id",
+                       "video_failed")
+    if not job.finished:
+        return await stream_job(request, job, live=False)
+    body = job.body()
+    headers = {"Content-Type": "video/mp4", "Accept-Ranges": "bytes", "ETag": f'"{job.id}"',
+               "Content-Disposition": f'inline; filename="{job.id}.mp4"'}
+    rng = request.headers.get("Range")
+    if rng:
+        r = _parse_range(rng, len(body))
+        if r is None:
+            return web.Response(status=416, headers={"Content-Range": f"bytes */{len(body)}", **headers})
+        start, end = r
+        headers["Content-Range"] = f"bytes {start}-{end}/{len(body)}"
+        return web.Response(status=206, body=body[start:end + 1], headers=headers)
+    return web.Response(body=body, headers=headers)
+
+
+async def list_models(request: web.Request) -> web.Response:
+    cfg, sup = request.app[CONFIG], request.app[SUPERVISOR]
+    return web.json_response({"object": "list", "data": [_model_object(cfg, sup)]})
+
+
+def _model_object(cfg: Config, sup: Supervisor) -> dict:
+    f = sup.facts
+    return {"id": cfg.model_name, "object": "model", "created": int(sup.started_at), "owned_by": "streamdiff",
+            "preset": cfg.model.preset, "fps": f["fps"], "default_size": "x".join(map(str, f["default_size"])),
+            "frames_per_block": f["frames_per_block"], "embedded_weights": f.get("embedded_weights", False),
+            "max_size": f"{cfg.limits.max_width}x{cfg.limits.max_height}"}
+
+
+async def retrieve_model(request: web.Request) -> web.Response:
+    cfg, sup = request.app[CONFIG], request.app[SUPERVISOR]
+    if request.match_info["model"] not in (cfg.model_name, cfg.model.preset):
+        raise APIError(404, f"The model '{request.match_info['model']}' does not exist", "model", "model_not_found")
+    return web.json_response(_model_object(cfg, sup))
+
+
+async def health(request: web.Request) -> web.Response:
+    ok, detail = request.app[SUPERVISOR].health()
+    detail["jobs"] = len(request.app[JOBS].jobs)
+    return web.json_response({"status": "ok" if ok else "unavailable", **detail}, status=200 if ok else 503,
+                             headers={} if ok else {"Retry-After": "5"})
+
+
+async def metrics(request: web.Request) -> web.Response:
+    from ..metrics import render
+
+    return web.Response(body=render(request.app[SUPERVISOR], request.app[JOBS]),
+                        headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
+
+
+async def index(request: web.Request) -> web.StreamResponse:
+    return web.FileResponse(STATIC / "index.html", headers={"Cache-Control": "no-cache"})
+
+
+def make_app(sup: Supervisor, cfg: Config, api_keys: list[bytes]) -> web.Application:
+    app = web.Application(middlewares=[errors_middleware, auth_middleware], client_max_size=cfg.server.max_body_bytes)
+    app[SUPERVISOR], app[CONFIG], app[API_KEYS] = sup, cfg, api_keys
+    app[JOBS] = JobStore(cfg.limits.max_jobs, cfg.limits.keep_completed_bytes, cfg.limits.keep_completed_s)
+
+    async def prune_jobs(app: web.Application):
+        async def loop():
+            while True:
+                await asyncio.sleep(5)
+                app[JOBS].prune()
+
+        task = asyncio.create_task(loop())
+        yield
+        task.cancel()
+
+    app.cleanup_ctx.append(prune_jobs)
+    r = app.router
+    for prefix in ("/v1", ""):
+        r.add_post(f"{prefix}/videos", create_video)
+        r.add_get(f"{prefix}/videos", list_videos)
+        r.add_get(f"{prefix}/videos/{{video_id}}", retrieve_video)
+        r.add_delete(f"{prefix}/videos/{{video_id}}", delete_video)
+        r.add_get(f"{prefix}/videos/{{video_id}}/content", video_content)
+        r.add_get(f"{prefix}/models", list_models)
+        r.add_get(f"{prefix}/models/{{model}}", retrieve_model)
+    r.add_get("/health", health)
+    r.add_get("/metrics", metrics)
+    r.add_get("/", index)
+    if STATIC.is_dir():
+        r.add_static("/static/", STATIC)
+    return app
+

@@ -1,0 +1,168 @@
+"""Video jobs: the OpenAI video object, the bytes of its MP4, readers that follow it live
+(supervisor process).
+
+A job is the sink of one pipeline session. Its bytes are the CMAF stream: the init segment, then
+one fragment per block; readers (the streaming POST, GET .../content) start from byte 0 and
+follow new fragments as they arrive. Backpressure: when the job was created with
+`"stream": true` its own response is the consumer whose pace throttles the session (a slow
+client slows only itself); otherwise the job acknowledges each fragment as it arrives and
+buffers. Finished videos are kept within a size and age budget, oldest first out.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+import time
+from collections import OrderedDict
+from collections.abc import AsyncIterator, Callable
+
+from ..plan import Block
+from ..supervisor.scheduler import CANCELLED, DONE, Session
+
+STATUS = {"queued": "queued", "running": "in_progress", DONE: "completed", "failed": "failed",
+          CANCELLED: "failed"}
+
+
+class Job:
+    def __init__(self, request, ack: Callable[[str, int], None], live_consumer: bool) -> None:
+        self.id = "video_" + secrets.token_hex(12)
+        self.request = request
+        self.created_at = int(time.time())
+        self.completed_at: int | None = None
+        self.expires_at: int | None = None
+        self.state = "queued"
+        self.error: dict | None = None
+        self.chunks: list[bytes] = []
+        self.is_fragment: list[bool] = []  # False for a chunk that is only the init segment
+        self.nbytes = 0
+        self.frames_done = 0
+        self.fragments = 0
+        self.session_id: str | None = None
+        self.expired = False
+        self._ack = ack
+        self.live_consumer = live_consumer
+        self._changed = asyncio.Event()
+        self.t_created = time.monotonic()
+        self.t_first_fragment: float | None = None
+        self.scene_starts: list[int] = []
+        start = 0
+        for sc in request.scenes:
+            self.scene_starts.append(start)
+            start += sc.frames
+
+    # -- SessionSink --------------------------------------------------------------------------
+    def on_start(self, session: Session) -> None:
+        self.state = "running"
+        self._notify()
+
+    def on_data(self, session: Session, data: bytes, block: Block | None) -> None:
+        self.chunks.append(data)
+        self.is_fragment.append(block is not None)
+        self.nbytes += len(data)
+        if block is not None:
+            self.fragments += 1
+            self.frames_done += block.emit
+            if self.t_first_fragment is None:
+                self.t_first_fragment = time.monotonic()
+            if not self.live_consumer:
+                self._ack(session.id, 1)
+        self._notify()
+
+    def on_end(self, session: Session, state: str, error: str | None) -> None:
+        self.state = state
+        self.completed_at = int(time.time())
+        if state != DONE:
+            code = "cancelled" if state == CANCELLED else "generation_failed"
+            self.error = {"code": code, "message": error or state}
+        self._notify()
+
+    def _notify(self) -> None:
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+    # -- readers ------------------------------------------------------------------------------
+    @property
+    def finished(self) -> bool:
+        return self.state in (DONE, "failed", CANCELLED)
+
+    async def follow(self, start_chunk: int = 0) -> AsyncIterator[tuple[bytes, bool]]:
+        """Yield (chunk, is_fragment) from `start_chunk` on, waiting for new ones until the job ends."""
+        i = start_chunk
+        while True:
+            while i < len(self.chunks):
+                yield self.chunks[i], self.is_fragment[i]
+                i += 1
+            if self.finished or self.expired:
+                return
+            await self._changed.wait()
+
+    def ack(self, blocks: int = 1) -> None:
+        if self.session_id is not None:
+            self._ack(self.session_id, blocks)
+
+    def body(self) -> bytes:
+        return b"".join(self.chunks)
+
+    # -- the OpenAI video object --------------------------------------------------------------
+    def video_object(self) -> dict:
+        r = self.request
+        total = r.frames
+        progress = 100 if self.state == DONE else int(100 * self.frames_done / total) if total else 0
+        obj = {
+            "id": self.id, "object": "video", "model": r.model, "status": STATUS[self.state],
+            "progress": min(progress, 100), "created_at": self.created_at, "completed_at": self.completed_at,
+            "expires_at": self.expires_at, "prompt": r.prompt, "seconds": f"{total / r.fps:g}",
+            "size": f"{r.width}x{r.height}", "error": self.error, "remixed_from_video_id": None,
+            "fps": r.fps, "num_frames": total, "frames_done": self.frames_done, "seed": r.seed,
+            "scenes": [{"index": i, "prompt": s.prompt, "start_frame": self.scene_starts[i], "num_frames": s.frames,
+                        "start_seconds": self.scene_starts[i] / r.fps, "transition": s.transition, "seed": s.seed}
+                       for i, s in enumerate(r.scenes)],
+        }
+        if self.t_first_fragment is not None:
+            obj["time_to_first_fragment_s"] = round(self.t_first_fragment - self.t_created, 3)
+        return obj
+
+
+class JobStore:
+    def __init__(self, max_jobs: int, keep_bytes: int, keep_s: float) -> None:
+        self.jobs: OrderedDict[str, Job] = OrderedDict()
+        self.max_jobs, self.keep_bytes, self.keep_s = max_jobs, keep_bytes, keep_s
+
+    def add(self, job: Job) -> None:
+        self.jobs[job.id] = job
+        self.prune()
+
+    def get(self, job_id: str) -> Job | None:
+        return self.jobs.get(job_id)
+
+    def remove(self, job_id: str) -> None:
+        self.jobs.pop(job_id, None)
+
+    def prune(self) -> None:
+        """Expire the oldest finished videos beyond the byte or age budget; forget the oldest
+        finished jobs beyond max_jobs."""
+        now = int(time.time())
+        finished = [j for j in self.jobs.values() if j.finished and not j.expired]
+        kept = sum(j.nbytes for j in self.jobs.values() if not j.expired)
+        for j in finished:  # oldest first
+            too_old = j.completed_at is not None and now - j.completed_at > self.keep_s
+            if too_old or kept > self.keep_bytes:
+                kept -= j.nbytes
+                j.expired, j.chunks, j.is_fragment = True, [], []
+                j.expires_at = j.expires_at or now
+        while len(self.jobs) > self.max_jobs:
+            oldest = next((j for j in self.jobs.values() if j.finished), None)
+            if oldest is None:
+                break
+            del self.jobs[oldest.id]
+        for j in self.jobs.values():
+            if j.finished and not j.expired and j.expires_at is None and j.completed_at is not None:
+                j.expires_at = int(j.completed_at + self.keep_s)
+
+    def page(self, after: str | None, limit: int, order: str) -> tuple[list[Job], bool]:
+        jobs = sorted(self.jobs.values(), key=lambda j: (j.created_at, j.t_created), reverse=order == "desc")
+        if after is not None:
+            ids = [j.id for j in jobs]
+            jobs = jobs[ids.index(after) + 1:]
+        return jobs[:limit], len(jobs) > limit

@@ -1,0 +1,230 @@
+"""The supervisor: owns the rings, the worker pool, the scheduler and the control socket
+(supervisor process; asyncio, never imports torch, never touches an accelerator).
+
+Start-up: sweep segments left by a killed instance, create the latent and frame rings, bind a
+ZeroMQ ROUTER socket, spawn the workers and wait for every READY (or fail fast with the first
+worker's reason). Then one task reads the control socket and dispatches each message to its
+handler, and one task watches heartbeats. Shutdown is an explicit state: RUNNING -> DRAINING
+(no new sessions; running streams may finish until a deadline) -> STOPPING (cancel the rest,
+stop the workers: ask, wait, kill) -> STOPPED (rings unlinked, runtime directory removed).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import shutil
+import tempfile
+import time
+
+import zmq
+import zmq.asyncio
+
+from ..config import Config
+from ..ipc import messages as m
+from ..ipc.shm import Ring, sweep_stale
+from ..models.spec import PRESET_FACTS
+from .scheduler import Scheduler
+from .topology import Topology, build_topology
+from .workers import WorkerPool
+
+log = logging.getLogger("streamdiff.supervisor")
+
+STARTING, RUNNING, DRAINING, STOPPING, STOPPED = "starting", "running", "draining", "stopping", "stopped"
+
+
+class Supervisor:
+    def __init__(self, cfg: Config) -> None:
+        self.cfg = cfg
+        self.state = STARTING
+        self.facts = dict(PRESET_FACTS[cfg.model.preset])
+        if cfg.sampler.frames_per_block:
+            self.facts["frames_per_block"] = cfg.sampler.frames_per_block
+        self.runtime_dir: str | None = None
+        self.latent_ring: Ring | None = None
+        self.frame_ring: Ring | None = None
+        self.pool: WorkerPool | None = None
+        self.scheduler: Scheduler | None = None
+        self.topology: Topology | None = None
+        self._ctx: zmq.asyncio.Context | None = None
+        self._router: zmq.asyncio.Socket | None = None
+        self._tasks: list[asyncio.Task] = []
+        self.loop_alive: dict[str, float] = {}  # task -> last time it went round (for /health)
+        self.started_at = time.time()
+
+    # -- start --------------------------------------------------------------------------------
+    def _ring_sizes(self) -> tuple[int, int]:
+        f, lim = self.facts, self.cfg.limits
+        sf, fpb = f["spatial_factor"], f["frames_per_block"]
+        latent = f["latent_channels"] * fpb * (lim.max_height // sf) * (lim.max_width // sf) * 4
+        frames = fpb * f["temporal_factor"] * lim.max_height * lim.max_width * 3
+        return latent, frames
+
+    async def start(self) -> None:
+        instance = self.cfg.server.instance
+        removed = sweep_stale(instance)
+        if removed:
+            log.warning("removed %d shared-memory segment(s) left by a dead instance: %s", len(removed),
+                        ", ".join(removed))
+        self._sweep_runtime_dirs(instance)
+        self.runtime_dir = tempfile.mkdtemp(prefix=f"sd-{instance}-{os.getpid()}-")
+        latent_bytes, frame_bytes = self._ring_sizes()
+        p = self.cfg.pipeline
+        self.latent_ring = Ring.create(instance, "latent", p.latent_slots, latent_bytes)
+        self.frame_ring = Ring.create(instance, "frames", p.frame_slots, frame_bytes)
+        self._ctx = zmq.asyncio.Context()
+        self._router = self._ctx.socket(zmq.ROUTER)  # recv_from_workers / send_to_workers
+        self._router.setsockopt(zmq.LINGER, 0)
+        self._router.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        addr = f"ipc://{self.runtime_dir}/control"
+        self._router.bind(addr)
+        self.topology = build_topology(self.cfg, addr, self.latent_ring.spec, self.frame_ring.spec)
+        self.pool = WorkerPool(self.topology, self._send, p.heartbeat_timeout_s, p.block_timeout_s,
+                               p.restart_workers)
+        self.scheduler = Scheduler(self.cfg, self.topology, self.latent_ring, self.frame_ring, self._send,
+                                   self.pool.ready)
+        self.pool.on_lost = self.scheduler.workers_lost
+        self.pool.on_worker_ready = lambda name: self.scheduler.pump()
+        self._tasks.append(asyncio.create_task(self._recv_loop(), name="control-recv"))
+        self.pool.spawn_all()
+        try:
+            await self.pool.wait_ready(p.ready_timeout_s)
+        except Exception:
+            await self.close()
+            raise
+        self._check_facts()
+        await asyncio.get_running_loop().run_in_executor(None, self._probe_encoder)
+        self._tasks.append(asyncio.create_task(self._monitor_loop(), name="monitor"))
+        self.state = RUNNING
+        log.info("pipeline up: %s mode, %d DiT worker(s), VAE groups %s, on %s", self.cfg.topology.mode,
+                 len(self.topology.dit_workers), self.topology.vae_groups, self.cfg.topology.device)
+
+    def _check_facts(self) -> None:
+        """The workers' model must fit the rings the supervisor sized from the preset."""
+        for w in self.pool.workers.values():
+            info = w.info
+            for key in ("frames_per_block", "spatial_factor", "temporal_factor", "latent_channels"):
+                if key in info and info[key] != self.facts[key]:
+                    raise RuntimeError(f"worker {w.spec.name} reports {key}={info[key]}, "
+                                       f"expected {self.facts[key]}")
+            self.facts.update({k: v for k, v in info.items() if k in ("model", "max_shot_latent_frames",
+                                                                     "size_multiple", "embedded_weights")})
+
+    def _probe_encoder(self) -> None:
+        from ..media.encoder import HW_ENCODERS, hardware_available
+
+        kind = self.cfg.encoder.kind
+        if kind in HW_ENCODERS or kind == "auto":
+            for codec in HW_ENCODERS if kind == "auto" else (kind,):
+                hardware_available(codec, self.cfg.encoder.vaapi_device)
+
+    @staticmethod
+    def _sweep_runtime_dirs(instance: str) -> None:
+        tmp = tempfile.gettempdir()
+        prefix = f"sd-{instance}-"
+        for name in os.listdir(tmp):
+            if not name.startswith(prefix):
+                continue
+            try:
+                pid = int(name[len(prefix):].split("-")[0])
+                os.kill(pid, 0)
+            except (ValueError, IndexError):
+                continue
+            except ProcessLookupError:
+                shutil.rmtree(os.path.join(tmp, name), ignore_errors=True)
+            except PermissionError:
+                pass
+
+    # -- control plane --------------------------------------------------------------------------
+    def _send(self, worker: str, msg: m.Message) -> None:
+        try:
+            self._router.send_multipart([worker.encode(), msg.encode()], flags=zmq.NOBLOCK)
+        except zmq.ZMQError as exc:  # not connected (dead or restarting): the pool handles it
+            log.warning("could not send %s to %s: %s", msg.type, worker, exc)
+
+    async def _recv_loop(self) -> None:
+        handlers = {
+            m.Ready: lambda msg: self.pool.handle_ready(msg),
+            m.Heartbeat: lambda msg: self.pool.handle_heartbeat(msg),
+            m.LatentDone: lambda msg: self.scheduler.on_latent(msg),
+            m.FramesDone: lambda msg: self.scheduler.on_frames(msg),
+            m.Failed: self._on_failed,
+        }
+        while True:
+            ident, raw = await self._router.recv_multipart()
+            self.loop_alive["control-recv"] = time.monotonic()
+            try:
+                msg = m.decode(raw)
+                handlers[type(msg)](msg)
+            except Exception:
+                log.exception("control message from %s failed", ident.decode(errors="replace"))
+
+    def _on_failed(self, msg: m.Failed) -> None:
+        if msg.session is None:
+            log.error("worker %s: %s", msg.worker, msg.message)
+            self.pool.handle_startup_failure(msg)
+        else:
+            self.scheduler.on_failed(msg)
+
+    async def _monitor_loop(self) -> None:
+        interval = self.cfg.pipeline.heartbeat_interval_s
+        while True:
+            await asyncio.sleep(interval)
+            self.loop_alive["monitor"] = time.monotonic()
+            self.loop_alive.setdefault("control-recv", time.monotonic())
+            self.pool.check()
+
+    # -- status ---------------------------------------------------------------------------------
+    def health(self) -> tuple[bool, dict]:
+        now = time.monotonic()
+        interval = self.cfg.pipeline.heartbeat_interval_s
+        workers = {n: {"ready": w.ready, "pid": w.process.pid if w.process else None,
+                       "heartbeat_age_s": round(now - w.last_heartbeat, 2), "busy_s": round(w.busy_s, 2),
+                       "restarts": w.restarts, "failure": w.failure}
+                   for n, w in self.pool.workers.items()} if self.pool else {}
+        tasks_ok = all(not t.done() for t in self._tasks) and bool(self._tasks)
+        monitor_fresh = now - self.loop_alive.get("monitor", now) < 5 * interval + 5
+        ok = (self.state == RUNNING and tasks_ok and monitor_fresh and self.pool is not None
+              and self.pool.all_ready())
+        return ok, {"state": self.state, "workers": workers, "tasks_alive": tasks_ok,
+                    "pipeline": self.scheduler.snapshot() if self.scheduler else {}}
+
+    # -- stop -----------------------------------------------------------------------------------
+    async def drain(self, timeout_s: float) -> None:
+        """Stop admitting; let running sessions finish until the deadline."""
+        if self.state != RUNNING:
+            return
+        self.state = DRAINING
+        self.scheduler.accepting = False
+        for sess in list(self.scheduler.queue):
+            self.scheduler.cancel(sess.id, "the server is shutting down")
+        deadline = time.monotonic() + timeout_s
+        while self.scheduler.running and time.monotonic() < deadline:
+            await asyncio.sleep(0.1)
+
+    async def close(self) -> None:
+        if self.state == STOPPED:
+            return
+        self.state = STOPPING
+        if self.scheduler is not None:
+            self.scheduler.accepting = False
+            for sess in list(self.scheduler.sessions.values()):
+                self.scheduler.cancel(sess.id, "the server is shutting down")
+        if self.pool is not None:
+            await self.pool.shutdown()
+        for t in self._tasks:
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self.scheduler is not None:
+            self.scheduler.close()
+        if self._router is not None:
+            self._router.close(linger=0)
+        if self._ctx is not None:
+            self._ctx.term()
+        for ring in (self.latent_ring, self.frame_ring):
+            if ring is not None:
+                ring.close(unlink=True)
+        if self.runtime_dir:
+            shutil.rmtree(self.runtime_dir, ignore_errors=True)
+        self.state = STOPPED

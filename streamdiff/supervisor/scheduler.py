@@ -1,0 +1,405 @@
+"""Sessions, placement, ring slots and the block pipeline (supervisor process).
+
+The life of a block: the scheduler takes a free latent slot and sends GenerateBlock to the
+session's DiT worker; LatentDone puts it in the decode queue; when a frame slot is free,
+DecodeBlock goes to every shard of the session's VAE group; when all shards report, the latent
+slot frees and the encoder turns the frames into one CMAF fragment; then the frame slot frees
+and the fragment goes to the session's sink. Blocks of different sessions interleave at block
+boundaries; each session has at most `max_blocks_in_flight` blocks between "sent to the DiT"
+and "taken by its consumer", so a slow client throttles only its own session while the DiT
+runs ahead by up to that many blocks for everyone else.
+
+Slot ownership is exact: a slot is only freed by the reply of the worker that held it (a
+cancelled session's blocks are answered `skipped`), or after the pool reports that worker dead.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import numpy as np
+
+from ..config import Config
+from ..ipc import messages as m
+from ..ipc.shm import Ring, SlotPool
+from ..media.encoder import FragmentWriter, open_encoder
+from ..metrics import Metrics
+from ..plan import Block, Scene
+from .topology import Topology
+
+log = logging.getLogger("streamdiff.scheduler")
+
+QUEUED, RUNNING, DONE, FAILED, CANCELLED = "queued", "running", "done", "failed", "cancelled"
+
+
+class SessionSink(Protocol):
+    """Where a session's bytes go (the API's job)."""
+
+    def on_start(self, session: Session) -> None: ...
+    def on_data(self, session: Session, data: bytes, block: Block | None) -> None: ...
+    def on_end(self, session: Session, state: str, error: str | None) -> None: ...
+
+
+class QueueFull(Exception):
+    pass
+
+
+@dataclass
+class VaeWork:
+    latent_slot: int
+    frame_slot: int
+    reported: set[int] = field(default_factory=set)
+    skipped: bool = False
+
+
+@dataclass
+class Session:
+    id: str
+    scenes: list[Scene]
+    blocks: list[Block]
+    width: int
+    height: int
+    fps: int
+    seed: int
+    sink: SessionSink
+    state: str = QUEUED
+    dit: str | None = None
+    group: int | None = None
+    issued: int = 0  # blocks sent to the DiT
+    encoded: int = 0  # fragments made
+    delivered: int = 0  # fragments taken by the consumer
+    at_dit: dict[int, int] = field(default_factory=dict)  # block -> latent slot
+    at_vae: dict[int, VaeWork] = field(default_factory=dict)
+    writer: FragmentWriter | None = None
+    encode_tail: asyncio.Future | None = None
+    error: str | None = None
+    created: float = field(default_factory=time.monotonic)
+    started: float | None = None
+    fragment_times: list[float] = field(default_factory=list)  # monotonic, one per block
+    stall_s: float = 0.0  # playback delay accumulated so far (a player rebuffers, then continues)
+    stalls: int = 0
+    dit_ms: list[float] = field(default_factory=list)
+    vae_ms: list[float] = field(default_factory=list)
+
+    @property
+    def frames(self) -> int:
+        return sum(b.emit for b in self.blocks)
+
+    @property
+    def outstanding(self) -> int:
+        """Blocks some process or the encoder still holds slots for."""
+        return len(self.at_dit) + len(self.at_vae) + (1 if self.encode_tail and not self.encode_tail.done() else 0)
+
+    @property
+    def active(self) -> bool:
+        return self.state in (QUEUED, RUNNING)
+
+
+class Scheduler:
+    def __init__(self, cfg: Config, topology: Topology, latent_ring: Ring, frame_ring: Ring,
+                 send: Callable[[str, m.Message], None], worker_ready: Callable[[str], bool]) -> None:
+        self.cfg = cfg
+        self.topology = topology
+        self.latent_ring, self.frame_ring = latent_ring, frame_ring
+        self.latent_pool = SlotPool(latent_ring.spec.slots)
+        self.frame_pool = SlotPool(frame_ring.spec.slots)
+        self.send = send
+        self.worker_ready = worker_ready
+        self.sessions: dict[str, Session] = {}  # every session with work or slots outstanding
+        self.queue: deque[Session] = deque()
+        self.decode_wait: deque[tuple[Session, int, int, list[int]]] = deque()
+        self.encoder_pool = ThreadPoolExecutor(max_workers=cfg.encoder.threads, thread_name_prefix="encode")
+        self.stage_ms = {"dit": 0.0, "vae": 0.0, "encode": 0.0}  # summed compute time per stage
+        self.metrics = Metrics()
+        self.accepting = True
+
+    # -- admission and placement ------------------------------------------------------------
+    @property
+    def running(self) -> list[Session]:
+        return [s for s in self.sessions.values() if s.state == RUNNING]
+
+    def submit(self, sess: Session) -> None:
+        running = len(self.running)
+        if running >= self.cfg.limits.max_sessions and len(self.queue) >= self.cfg.limits.max_queue:
+            raise QueueFull(f"{running} sessions running and {len(self.queue)} queued")
+        self.sessions[sess.id] = sess
+        self.queue.append(sess)
+        self.pump()
+
+    def _place(self, sess: Session) -> bool:
+        ready_dit = [w for w in self.topology.dit_workers if self.worker_ready(w)]
+        ready_groups = [i for i, g in enumerate(self.topology.vae_groups) if all(self.worker_ready(w) for w in g)]
+        if not ready_dit or not ready_groups:
+            return False
+        load: dict[str, int] = {w: 0 for w in self.topology.dit_workers}
+        gload = [0] * len(self.topology.vae_groups)
+        for s in self.running:
+            load[s.dit] += 1
+            gload[s.group] += 1
+        dit = min(ready_dit, key=lambda w: (load[w], w))
+        colocated = [i for i in ready_groups if dit in self.topology.vae_groups[i]]
+        group = colocated[0] if colocated else min(ready_groups, key=lambda i: (gload[i], i))
+        sess.dit, sess.group = dit, group
+        return True
+
+    def _start(self, sess: Session) -> None:
+        sess.state, sess.started = RUNNING, time.monotonic()
+        self.metrics.queue_seconds.observe(sess.started - sess.created)
+        enc = self.cfg.encoder
+        keyframes = [b.start_frame for b in sess.blocks if b.index % enc.keyframe_every_blocks == 0]
+        encoder = open_encoder(enc.kind, sess.width, sess.height, sess.fps, keyframes, crf=enc.crf,
+                               bitrate_kbps=enc.bitrate_kbps, device=enc.vaapi_device)
+        sess.writer = FragmentWriter(encoder, sess.width, sess.height, sess.fps)
+        opened = m.OpenSession(sess.id, sess.width, sess.height, sess.seed)
+        for w in self._workers_of(sess):
+            self.send(w, opened)
+        sess.sink.on_start(sess)
+        init = sess.writer.init_segment()
+        if init:
+            sess.sink.on_data(sess, init, None)
+
+    def _workers_of(self, sess: Session) -> list[str]:
+        names = [sess.dit] + self.topology.vae_groups[sess.group]
+        return list(dict.fromkeys(names))  # an aggregated worker runs both stages: once
+
+    # -- the pump -----------------------------------------------------------------------------
+    def pump(self) -> None:
+        """Hand out free slots: decodes first (they hold latent slots), then admissions, then
+        new blocks round-robin over the running sessions."""
+        while self.decode_wait and self.frame_pool.free:
+            sess, block, lslot, shape = self.decode_wait.popleft()
+            if sess.state != RUNNING:
+                self.latent_pool.give(lslot)
+                self._maybe_forget(sess)
+                continue
+            fslot = self.frame_pool.take()
+            b = sess.blocks[block]
+            msg = m.DecodeBlock(sess.id, block, lslot, fslot, shape, b.frames_out, reset=b.shot_start)
+            sess.at_vae[block] = VaeWork(lslot, fslot)
+            for w in self.topology.vae_groups[sess.group]:
+                self.send(w, msg)
+        while self.queue and self.accepting and len(self.running) < self.cfg.limits.max_sessions:
+            sess = self.queue[0]
+            if not self._place(sess):
+                break
+            self.queue.popleft()
+            try:
+                self._start(sess)
+            except Exception as exc:  # e.g. the encoder could not open
+                log.exception("session %s could not start", sess.id)
+                self._finish(sess, FAILED, f"could not start: {exc}")
+        limit = self.cfg.pipeline.max_blocks_in_flight
+        progress = True
+        while progress and self.latent_pool.free:
+            progress = False
+            for sess in sorted(self.running, key=lambda s: (s.issued - s.delivered, s.created)):
+                if not self.latent_pool.free:
+                    break
+                if sess.issued >= len(sess.blocks) or sess.issued - sess.delivered >= limit:
+                    continue
+                if not self.worker_ready(sess.dit):
+                    continue
+                self._issue(sess)
+                progress = True
+
+    def _issue(self, sess: Session) -> None:
+        b = sess.blocks[sess.issued]
+        scene = sess.scenes[b.scene]
+        slot = self.latent_pool.take()
+        first = b.first_of_scene
+        self.send(sess.dit, m.GenerateBlock(sess.id, b.index, b.latent_frames, slot,
+                                            prompt=scene.prompt if first else None, cut=b.shot_start and first,
+                                            seed=scene.seed if first else None))
+        sess.at_dit[b.index] = slot
+        sess.issued += 1
+
+    # -- replies ------------------------------------------------------------------------------
+    def on_latent(self, msg: m.LatentDone) -> None:
+        sess = self.sessions.get(msg.session)
+        if sess is None or sess.at_dit.pop(msg.block, None) is None:
+            log.warning("latent for unknown block %s/%s", msg.session, msg.block)
+            return
+        if msg.skipped or sess.state != RUNNING:
+            self.latent_pool.give(msg.slot)
+            self._maybe_forget(sess)
+        else:
+            self.stage_ms["dit"] += msg.compute_ms
+            self.metrics.stage_seconds.observe(msg.compute_ms / 1000, "dit")
+            sess.dit_ms.append(msg.compute_ms)
+            self.decode_wait.append((sess, msg.block, msg.slot, msg.shape))
+        self.pump()
+
+    def on_frames(self, msg: m.FramesDone) -> None:
+        sess = self.sessions.get(msg.session)
+        work = sess.at_vae.get(msg.block) if sess else None
+        if work is None:
+            log.warning("frames for unknown block %s/%s", msg.session, msg.block)
+            return
+        work.reported.add(msg.rank)
+        work.skipped |= msg.skipped
+        if not msg.skipped and msg.rank == 0:
+            self.stage_ms["vae"] += msg.compute_ms
+            self.metrics.stage_seconds.observe(msg.compute_ms / 1000, "vae")
+            sess.vae_ms.append(msg.compute_ms)
+        if len(work.reported) < len(self.topology.vae_groups[sess.group]):
+            return
+        del sess.at_vae[msg.block]
+        self.latent_pool.give(work.latent_slot)
+        if work.skipped or sess.state != RUNNING:
+            self.frame_pool.give(work.frame_slot)
+            self._maybe_forget(sess)
+        else:
+            prev = sess.encode_tail
+            sess.encode_tail = asyncio.ensure_future(self._encode(sess, msg.block, work.frame_slot, prev))
+            sess.encode_tail.add_done_callback(lambda _t, s=sess: self._maybe_forget(s))
+        self.pump()
+
+    async def _encode(self, sess: Session, block: int, fslot: int, prev: asyncio.Future | None) -> None:
+        if prev is not None:
+            await asyncio.shield(prev)  # fragments leave in block order
+        b = sess.blocks[block]
+        data, error = None, None
+        try:
+            if sess.state == RUNNING:
+                frames = self.frame_ring.array(fslot, (b.frames_out, sess.height, sess.width, 3), np.uint8)[:b.emit]
+                idr = b.index % self.cfg.encoder.keyframe_every_blocks == 0
+                events = []
+                if b.first_of_scene:
+                    sc = sess.scenes[b.scene]
+                    events.append((0, str(b.scene), json.dumps(
+                        {"scene": b.scene, "prompt": sc.prompt, "start_frame": b.start_frame, "frames": sc.frames,
+                         "transition": sc.transition}).encode()))
+                t0 = time.perf_counter()
+                data = await asyncio.get_running_loop().run_in_executor(
+                    self.encoder_pool, sess.writer.fragment, frames, idr, events)
+                dt = time.perf_counter() - t0
+                self.stage_ms["encode"] += 1000 * dt
+                self.metrics.stage_seconds.observe(dt, "encode")
+        except Exception as exc:
+            log.exception("encoding block %d of %s failed", block, sess.id)
+            error = exc
+        finally:
+            self.frame_pool.give(fslot)
+        if error is not None:
+            self._finish(sess, FAILED, f"encoder failed: {error}")
+        elif data is not None and sess.state == RUNNING:
+            sess.encoded += 1
+            self._observe_fragment(sess, b)
+            sess.sink.on_data(sess, data, b)
+            if sess.encoded == len(sess.blocks):
+                self._finish(sess, DONE, None)
+        self.pump()
+
+    def _observe_fragment(self, sess: Session, b: Block) -> None:
+        """Time to first fragment, intervals, and stalls against real-time playback: playback
+        starts with the first fragment; a fragment that arrives after its first frame was due
+        is a stall, and the player's clock slips by the difference."""
+        now = time.monotonic()
+        mt = self.metrics
+        if sess.fragment_times:
+            mt.fragment_interval_seconds.observe(now - sess.fragment_times[-1])
+            due = sess.fragment_times[0] + sess.stall_s + b.start_frame / sess.fps
+            if now > due:
+                sess.stalls += 1
+                sess.stall_s += now - due
+                mt.stalls.inc()
+                mt.stall_seconds.inc(now - due)
+        else:
+            mt.ttff_seconds.observe(now - sess.created)
+        sess.fragment_times.append(now)
+        mt.fragments.inc()
+        mt.frames.inc(b.emit)
+
+    def acknowledge(self, session_id: str, blocks: int = 1) -> None:
+        """The consumer took `blocks` more fragments: room for more blocks in flight."""
+        sess = self.sessions.get(session_id)
+        if sess is not None:
+            sess.delivered += blocks
+            self.pump()
+
+    def on_failed(self, msg: m.Failed) -> None:
+        sess = self.sessions.get(msg.session) if msg.session else None
+        if sess is None:
+            return
+        # The worker that failed answers nothing else for this block: take its slots back.
+        if msg.block in sess.at_dit and msg.worker == sess.dit:
+            self.latent_pool.give(sess.at_dit.pop(msg.block))
+        elif msg.block in sess.at_vae and self.topology.vae_groups[sess.group] == [msg.worker]:
+            work = sess.at_vae.pop(msg.block)
+            self.latent_pool.give(work.latent_slot)
+            self.frame_pool.give(work.frame_slot)
+        self._finish(sess, FAILED, f"{msg.worker}: {msg.message}")
+        self.pump()
+
+    # -- ending -------------------------------------------------------------------------------
+    def cancel(self, session_id: str, reason: str = "cancelled") -> bool:
+        sess = self.sessions.get(session_id)
+        if sess is None or not sess.active:
+            return False
+        self._finish(sess, CANCELLED, reason)
+        self.pump()
+        return True
+
+    def _finish(self, sess: Session, state: str, error: str | None) -> None:
+        if not sess.active:
+            return
+        was_running = sess.state == RUNNING
+        sess.state, sess.error = state, error
+        if sess in self.queue:
+            self.queue.remove(sess)
+        if was_running:
+            closing = m.CloseSession(sess.id)
+            for w in self._workers_of(sess):
+                self.send(w, closing)
+        self.metrics.sessions.inc(1, state)
+        if state != DONE:
+            log.info("session %s %s: %s", sess.id, state, error)
+        sess.sink.on_end(sess, state, error)
+        self._maybe_forget(sess)
+
+    def _maybe_forget(self, sess: Session) -> None:
+        """Drop an ended session once nothing holds a slot for it; close its encoder."""
+        if sess.active or sess.outstanding or any(s is sess for s, *_ in self.decode_wait):
+            return
+        if self.sessions.pop(sess.id, None) is not None and sess.writer is not None:
+            self.encoder_pool.submit(sess.writer.close)
+
+    def workers_lost(self, names: set[str], why: str) -> None:
+        """The pool killed these workers and saw them exit: their slots are free again."""
+        for sess in list(self.sessions.values()):
+            dit_lost = sess.dit in names
+            group_lost = sess.group is not None and bool(names & set(self.topology.vae_groups[sess.group]))
+            if not (dit_lost or group_lost):
+                continue
+            if dit_lost:
+                for slot in sess.at_dit.values():
+                    self.latent_pool.give(slot)
+                sess.at_dit.clear()
+            if group_lost:
+                for work in sess.at_vae.values():
+                    self.latent_pool.give(work.latent_slot)
+                    self.frame_pool.give(work.frame_slot)
+                sess.at_vae.clear()
+            if sess.state == RUNNING:
+                self._finish(sess, FAILED, why)
+            self._maybe_forget(sess)
+        self.pump()
+
+    def snapshot(self) -> dict:
+        return {
+            "running": len(self.running), "queued": len(self.queue), "tracked": len(self.sessions),
+            "latent_slots_used": self.latent_pool.used, "latent_slots": self.latent_pool.total,
+            "frame_slots_used": self.frame_pool.used, "frame_slots": self.frame_pool.total,
+            "decode_wait": len(self.decode_wait),
+        }
+
+    def close(self) -> None:
+        self.encoder_pool.shutdown(wait=True, cancel_futures=True)

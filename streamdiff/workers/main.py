@@ -1,0 +1,189 @@
+"""Worker process: one DiT worker, one VAE shard, or both (aggregated mode) (runs in a worker).
+
+Started by the supervisor with the `spawn` method. The start-up is a handshake: build the
+stages, attach the rings, join the VAE group, then send READY (or FAILED with the reason). The
+loop reads control messages from the supervisor's ROUTER socket and runs one block at a time.
+
+Cancellation happens at block boundaries: before each block the loop drains every queued
+message, so a CloseSession that arrived while a block was running frees that session's caches
+before its next queued block would start; those queued blocks are answered `skipped` so the
+supervisor gets their ring slots back in order. Shards of a VAE group decide together (an
+all-reduce of "cancelled" per block): they must all run the block's collectives or none.
+
+A heartbeat thread reports how long the current block has been running, so the supervisor can
+tell a busy worker from a stuck one. The worker dies with its parent (PR_SET_PDEATHSIG, and the
+heartbeat thread checks the parent pid as well).
+"""
+
+from __future__ import annotations
+
+import collections
+import ctypes
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+import traceback
+
+from ..ipc import messages as m
+from .spec import WorkerSpec
+
+log = logging.getLogger("streamdiff.worker")
+
+
+def _die_with_parent() -> None:
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+def _setup_process(spec: WorkerSpec) -> None:
+    for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
+        os.environ[var] = str(spec.threads)
+    if spec.cpus and hasattr(os, "sched_setaffinity"):
+        try:
+            os.sched_setaffinity(0, spec.cpus)
+        except OSError:
+            pass
+    logging.basicConfig(level=spec.log_level.upper(), stream=sys.stderr,
+                        format=f"%(asctime)s %(levelname)s [{spec.name}] %(name)s: %(message)s")
+
+
+class Worker:
+    def __init__(self, spec: WorkerSpec) -> None:
+        import zmq
+
+        self.spec = spec
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.DEALER)  # both directions with the supervisor
+        self.sock.setsockopt(zmq.IDENTITY, spec.name.encode())
+        self.sock.setsockopt(zmq.LINGER, 1000)
+        self.sock.connect(spec.control_addr)
+        self.pending: collections.deque[m.Message] = collections.deque()
+        self.closed: set[str] = set()
+        self.stop = False
+        self.busy_since = 0.0
+        self.parent = os.getppid()
+        self.stages: dict[str, object] = {}
+
+    # -- start-up ---------------------------------------------------------------------------
+    def start(self) -> None:
+        from .stages import DiTStage, VAEStage
+
+        info: dict = {"device": self.spec.device, "roles": list(self.spec.roles)}
+        if "dit" in self.spec.roles:
+            self.stages["dit"] = DiTStage(self.spec)
+            info.update(self.stages["dit"].info())
+        if "vae" in self.spec.roles:
+            self.stages["vae"] = VAEStage(self.spec)
+            info.update(self.stages["vae"].info())
+        self.send(m.Ready(self.spec.name, os.getpid(), info))
+        threading.Thread(target=self._heartbeat, name="heartbeat", daemon=True).start()
+
+    def send(self, msg: m.Message) -> None:
+        self.sock.send(msg.encode())
+
+    def _heartbeat(self) -> None:
+        import zmq
+
+        sock = self.ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.IDENTITY, f"{self.spec.name}.hb".encode())
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(self.spec.control_addr)
+        while not self.stop:
+            if os.getppid() != self.parent:  # the supervisor is gone
+                os._exit(1)
+            busy = time.monotonic() - self.busy_since if self.busy_since else 0.0
+            sock.send(m.Heartbeat(self.spec.name, busy).encode())
+            time.sleep(self.spec.heartbeat_interval_s)
+        sock.close()
+
+    # -- loop ---------------------------------------------------------------------------------
+    def run(self) -> None:
+        import zmq
+
+        poller = zmq.Poller()
+        poller.register(self.sock, zmq.POLLIN)
+        while not self.stop:
+            if not self.pending:
+                poller.poll(timeout=1000)
+            self._drain()
+            if self.pending:
+                self._handle(self.pending.popleft())
+
+    def _drain(self) -> None:
+        import zmq
+
+        while True:
+            try:
+                raw = self.sock.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            msg = m.decode(raw)
+            if isinstance(msg, m.CloseSession):
+                self.closed.add(msg.session)
+                for stage in self.stages.values():
+                    stage.close(msg.session)
+            elif isinstance(msg, m.Shutdown):
+                self.stop = True
+                return
+            else:
+                self.pending.append(msg)
+
+    def _handle(self, msg: m.Message) -> None:
+        self.busy_since = time.monotonic()
+        try:
+            if isinstance(msg, m.OpenSession):
+                self.closed.discard(msg.session)
+                for stage in self.stages.values():
+                    stage.open(msg)
+            elif isinstance(msg, m.GenerateBlock):
+                self.send(self.stages["dit"].generate(msg, msg.session in self.closed))
+            elif isinstance(msg, m.DecodeBlock):
+                self.send(self.stages["vae"].decode(msg, msg.session in self.closed))
+        except Exception as exc:
+            session = getattr(msg, "session", None)
+            log.error("%s for session %s failed: %s", msg.type, session, traceback.format_exc())
+            if "vae" in self.stages and self.stages["vae"].world > 1:
+                # Our peers may be inside this block's collectives: leave, so they fail at once
+                # instead of waiting for the collective timeout; the supervisor restarts the group.
+                self.send(m.Failed(self.spec.name, f"VAE shard failed: {exc!r}", session, getattr(msg, "block", None)))
+                self.sock.close(linger=1000)
+                os._exit(3)
+            if session is not None:
+                self.closed.add(session)
+                for stage in self.stages.values():
+                    stage.close(session)
+            self.send(m.Failed(self.spec.name, f"{type(exc).__name__}: {exc}", session, getattr(msg, "block", None)))
+        finally:
+            self.busy_since = 0.0
+
+    def shutdown(self) -> None:
+        self.stop = True
+        for stage in self.stages.values():
+            stage.shutdown()
+        self.sock.close(linger=1000)
+        self.ctx.term()
+
+
+def worker_main(spec: WorkerSpec) -> None:
+    """spawn target."""
+    _die_with_parent()
+    _setup_process(spec)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the supervisor decides when we stop
+    worker = Worker(spec)
+    try:
+        worker.start()
+    except Exception as exc:
+        log.error("start-up failed: %s", traceback.format_exc())
+        worker.send(m.Failed(spec.name, f"start-up failed: {type(exc).__name__}: {exc}"))
+        worker.sock.close(linger=2000)
+        sys.exit(2)
+    try:
+        worker.run()
+    finally:
+        worker.shutdown()

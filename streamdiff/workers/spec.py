@@ -1,0 +1,36 @@
+"""What the supervisor tells a worker process at spawn (plain data; no torch)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..ipc.shm import RingSpec
+from ..models.spec import ModelSpec
+
+
+@dataclass(frozen=True)
+class GroupSpec:
+    """A VAE group: `world` shards split each latent by height; this worker is `rank`."""
+
+    name: str
+    rank: int = 0
+    world: int = 1
+    init_addr: str = ""  # tcp://127.0.0.1:PORT for torch.distributed's rendezvous (world > 1)
+    shard_front: bool = False  # shard the low-resolution front too (all-gather for attention)
+    timeout_s: float = 120.0
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    name: str  # "dit0", "vae0.1", "agg0": its ZeroMQ identity and log prefix
+    roles: tuple[str, ...]  # ("dit",), ("vae",) or both (aggregated mode)
+    device: str  # "cpu", "cuda:1", "xpu:0"
+    threads: int
+    cpus: tuple[int, ...]  # CPU affinity (empty: no pinning)
+    model: ModelSpec
+    control_addr: str  # the supervisor's ROUTER socket
+    latent_ring: RingSpec
+    frame_ring: RingSpec
+    group: GroupSpec | None = None  # set when this worker is a VAE shard
+    heartbeat_interval_s: float = 1.0
+    log_level: str = "info"
