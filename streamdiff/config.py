@@ -71,7 +71,7 @@ class TopologyConfig:
 
 @dataclass(frozen=True)
 class PipelineConfig:
-    max_blocks_in_flight: int = 2  # per session: blocks generated but not yet delivered
+    max_blocks_in_flight: int = 3  # per session: blocks generated but not yet delivered
     latent_slots: int = 8
     frame_slots: int = 6
     ready_timeout_s: float = 600.0  # workers must report READY within this

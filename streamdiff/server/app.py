@@ -46,7 +46,8 @@ async def errors_middleware(request: web.Request, handler):
         message = exc.text if exc.text and not exc.text.startswith(f"{exc.status}:") else exc.reason
         if exc.status == 413:
             message = f"request body too large (limit {request.app[CONFIG].server.max_body_bytes} bytes)"
-        return error_json(APIError(exc.status, message, None, code, kind, dict(exc.headers)))
+        keep = {k: v for k, v in exc.headers.items() if k in ("Allow", "Retry-After", "WWW-Authenticate")}
+        return error_json(APIError(exc.status, message, None, code, kind, keep))
     except (asyncio.CancelledError, ConnectionResetError):
         raise
     except Exception:

@@ -1,0 +1,70 @@
+"""Config: the shipped file documents every key with its default; bad values name the key."""
+
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+
+import pytest
+
+from streamdiff.cli import overrides_from_args, parse_args
+from streamdiff.config import Config, ConfigError, load, to_dict
+
+from .helpers import ROOT
+
+
+def test_shipped_config_has_every_key_with_its_default():
+    shipped = tomllib.loads((ROOT / "etc" / "streamdiff.toml").read_text())
+    defaults = to_dict(Config())
+    assert set(shipped) == set(defaults)
+    for section, values in defaults.items():
+        assert set(shipped[section]) == set(values), section
+        for key, value in values.items():
+            got = shipped[section][key]
+            assert (tuple(got) if isinstance(got, list) else got) == value, f"{section}.{key}"
+    assert load(ROOT / "etc" / "streamdiff.toml") == Config()
+
+
+@pytest.mark.parametrize("text,key", [
+    ("[server]\nport = 0", "server.port"),
+    ("[server]\nprot = 80", "prot"),
+    ("[topology]\nvae_devices = 3\nvae_group_size = 2", "topology.vae_group_size"),
+    ("[topology]\nmode = 'sideways'", "topology.mode"),
+    ("[topology]\ndit_devices = 'two'", "topology.dit_devices"),
+    ("[model]\npreset = 'wan2.1-t2v-1.3b'", "model.path"),
+    ("[encoder]\nkind = 'h265'", "encoder.kind"),
+    ("[limits]\nmax_width = 833", "limits.max_width"),
+    ("[pipeline]\nheartbeat_timeout_s = 0.5", "pipeline.heartbeat_timeout_s"),
+    ("[nonsense]\nx = 1", "nonsense"),
+    ("[server\nport = 1", "invalid TOML"),
+])
+def test_invalid_values_name_the_key(tmp_path, text, key):
+    f = tmp_path / "c.toml"
+    f.write_text(text)
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+        load(f)
+
+
+def test_flags_override_the_file(tmp_path):
+    f = tmp_path / "c.toml"
+    f.write_text("[server]\nport = 9000\n[topology]\nvae_devices = 4\n")
+    cfg = load(f, overrides_from_args(parse_args(["--port", "9100", "--dit-gpus", "2", "--vae-gpus", "2"])))
+    assert cfg.server.port == 9100 and cfg.topology.dit_devices == 2 and cfg.topology.vae_devices == 2
+    with pytest.raises(ConfigError, match="--model"):
+        overrides_from_args(parse_args(["--model", "/no/such/dir"]))
+
+
+def test_cli_reports_bad_values_without_a_traceback(capsys):
+    from streamdiff.cli import main
+
+    assert main(["--vae-gpus", "0"]) == 2
+    err = capsys.readouterr().err
+    assert "topology.vae_devices" in err and "Traceback" not in err
+
+
+def test_replace_validates():
+    cfg = Config()
+    assert cfg.replace(server={"port": 1234}).server.port == 1234
+    with pytest.raises(ConfigError):
+        cfg.replace(server={"port": -1})
+    assert dataclasses.is_dataclass(cfg)

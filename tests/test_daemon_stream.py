@@ -1,0 +1,233 @@
+"""End to end: the real daemon (tiny preset, CPU), a real HTTP client, decoded by FFmpeg.
+
+The same storyboard test runs on four layouts: disaggregated and aggregated, with a VAE group
+of one shard and of two.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import httpx
+import pytest
+
+from .helpers import Daemon, decode, ffprobe, fragments, stream_video
+
+STORYBOARD = {
+    "scenes": [
+        {"prompt": "a red fox runs through snow", "seconds": 2},
+        {"prompt": "the fox reaches a frozen lake", "num_frames": 30, "transition": "continue"},
+        {"prompt": "a city street at night", "seconds": 1.5, "transition": "cut", "seed": 9},
+    ],
+    "size": "256x144",
+    "fps": 16,
+    "seed": 42,
+}
+STORY_FRAMES = 32 + 30 + 24
+
+LAYOUTS = {
+    "disagg-k1": ["--dit-gpus", "1", "--vae-gpus", "1"],
+    "disagg-k2": ["--dit-gpus", "1", "--vae-gpus", "2"],
+    "agg-k1": ["--mode", "aggregated", "--dit-gpus", "1", "--vae-gpus", "1"],
+    "agg-k2": ["--mode", "aggregated", "--dit-gpus", "1", "--vae-gpus", "2"],
+}
+
+
+@pytest.fixture(scope="module", params=list(LAYOUTS))
+def layout_daemon(request):
+    d = Daemon(*LAYOUTS[request.param])
+    yield d
+    assert d.stop() == 0, d.logs()
+    assert d.segments() == []
+
+
+def check_video(data: bytes, frames: int, width: int, height: int, fps: int, blocks_expected: int | None = None):
+    frags = fragments(data)
+    assert data[4:8] == b"ftyp"
+    assert all(f["first_sync"] for f in frags), "every fragment must start with a keyframe"
+    assert [f["sequence"] for f in frags] == list(range(1, len(frags) + 1))
+    counts = [f["samples"] for f in frags]
+    per_frame = frags[1]["decode_time"] // counts[0] if len(frags) > 1 else 0
+    assert [f["decode_time"] for f in frags] == [per_frame * sum(counts[:i]) for i in range(len(frags))]
+    if blocks_expected is not None:
+        assert len(frags) == blocks_expected
+    dec = decode(data)
+    assert (dec["frames"], dec["width"], dec["height"]) == (frames, width, height)
+    assert abs(dec["fps"] - fps) < 1e-6
+    steps = {b - a for a, b in zip(dec["pts"], dec["pts"][1:])}
+    assert len(steps) <= 1, f"presentation times are not evenly spaced: {sorted(steps)}"
+    starts = [sum(counts[:i]) for i in range(len(counts))]
+    assert dec["keyframes"] == starts  # keyframes exactly at fragment starts
+    probe = ffprobe(data)
+    if probe is not None:
+        assert (probe["frames"], probe["width"], probe["height"]) == (frames, width, height)
+        assert probe["fps"] == f"{fps}/1" and probe["codec"] == "h264"
+        assert probe["decode_errors"] == ""
+    return frags, dec
+
+
+def test_storyboard_streams_progressively(layout_daemon):
+    d = layout_daemon
+    status_at_first_fragment = {}
+
+    def watch(headers_seen):
+        # While the stream is running, the job is in progress.
+        while "id" not in headers_seen:
+            time.sleep(0.01)
+        status_at_first_fragment.update(httpx.get(f"{d.url}/v1/videos/{headers_seen['id']}", timeout=10).json())
+
+    seen: dict = {}
+    chunks, arrivals = [], []
+    t0 = time.monotonic()
+    with httpx.stream("POST", d.url + "/v1/videos", json={**STORYBOARD, "stream": True}, timeout=300) as r:
+        assert r.status_code == 200
+        assert r.headers["content-type"] == "video/mp4"
+        watcher = None
+        for chunk in r.iter_raw():
+            chunks.append(chunk)
+            arrivals.append(time.monotonic() - t0)
+            data = b"".join(chunks)
+            if watcher is None and fragments(data) and "end" in fragments(data)[0]:
+                seen["id"] = r.headers["x-video-id"]
+                watcher = threading.Thread(target=watch, args=(seen,))
+                watcher.start()
+                watcher.join()
+    t_end = time.monotonic() - t0
+    data = b"".join(chunks)
+    frags, dec = check_video(data, STORY_FRAMES, 256, 144, 16)
+    # The first fragment came while the job was still generating, well before the end.
+    assert status_at_first_fragment["status"] == "in_progress"
+    assert status_at_first_fragment["progress"] < 100
+    assert arrivals[0] < t_end / 2
+    # Scene boundaries travel as emsg boxes in front of the fragment where each scene starts.
+    events = [(i, e["message"]["scene"], e["message"]["start_frame"]) for i, f in enumerate(frags) for e in f["emsg"]]
+    starts = [sum(f["samples"] for f in frags[:i]) for i in range(len(frags))]
+    assert [(s, sf) for _, s, sf in events] == [(0, 0), (1, 32), (2, 62)]
+    assert [starts[i] for i, _, _ in events] == [0, 32, 62]
+    job = httpx.get(f"{d.url}/v1/videos/{r.headers['x-video-id']}", timeout=10).json()
+    assert job["status"] == "completed" and job["progress"] == 100 and job["num_frames"] == STORY_FRAMES
+    assert [s["start_frame"] for s in job["scenes"]] == [0, 32, 62]
+
+
+def test_same_seed_same_video_across_requests(layout_daemon):
+    body = {"prompt": "waves on a beach", "num_frames": 21, "size": "128x64", "seed": 7}
+    a, _, _ = stream_video(layout_daemon.url, body)
+    b, _, _ = stream_video(layout_daemon.url, body)
+    assert a == b
+    check_video(a, 21, 128, 64, 16)
+
+
+@pytest.fixture(scope="module")
+def daemon():
+    d = Daemon()
+    yield d
+    assert d.stop() == 0, d.logs()
+    assert d.segments() == []
+
+
+def test_two_concurrent_streams_complete(daemon):
+    results = {}
+
+    def run(name, body):
+        results[name] = stream_video(daemon.url, body)[0]
+
+    bodies = {"a": {"prompt": "a lighthouse in a storm", "num_frames": 45, "seed": 1},
+              "b": {"prompt": "a desert at dawn", "num_frames": 33, "size": "192x112", "seed": 2}}
+    threads = [threading.Thread(target=run, args=item) for item in bodies.items()]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    check_video(results["a"], 45, 256, 144, 16)
+    check_video(results["b"], 33, 192, 112, 16)
+    # Each equals the same request made alone: sessions interleaved without interfering.
+    assert stream_video(daemon.url, bodies["b"])[0] == results["b"]
+
+
+def idle(d: Daemon, timeout_s: float = 30) -> dict:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        p = d.health()["pipeline"]
+        if p["tracked"] == 0 and p["latent_slots_used"] == 0 and p["frame_slots_used"] == 0:
+            return p
+        time.sleep(0.1)
+    raise AssertionError(f"pipeline not idle: {d.health()['pipeline']}")
+
+
+def test_client_disconnect_frees_the_session(daemon):
+    body = {"prompt": "an endless train", "seconds": 60, "stream": True}
+    with httpx.stream("POST", daemon.url + "/v1/videos", json=body, timeout=60) as r:
+        video_id = r.headers["x-video-id"]
+        data = b""
+        for chunk in r.iter_raw():
+            data += chunk
+            if len([f for f in fragments(data) if "end" in f]) >= 2:
+                break  # leave after two fragments: the context manager closes the connection
+    # The session is cancelled at the next block boundary and every slot comes back.
+    p = idle(daemon)
+    assert p["running"] == 0 and p["queued"] == 0
+    job = httpx.get(f"{daemon.url}/v1/videos/{video_id}", timeout=10).json()
+    assert job["status"] == "failed" and job["error"]["code"] == "cancelled"
+    assert job["frames_done"] < 960
+    data, _, _ = stream_video(daemon.url, {"prompt": "after the disconnect", "num_frames": 12})
+    check_video(data, 12, 256, 144, 16)
+
+
+BAD_REQUESTS = [
+    ({"prompt": "x", "size": "257x144"}, 400, "size"),
+    ({"prompt": "x", "size": "4096x4096"}, 400, "size"),
+    ({"prompt": "x", "size": "big"}, 400, "size"),
+    ({"prompt": "x", "seconds": -1}, 400, "seconds"),
+    ({"prompt": "x", "seconds": 1e9}, 400, "seconds"),
+    ({"prompt": "x", "num_frames": 0}, 400, "num_frames"),
+    ({"prompt": "x", "num_frames": 10**7}, 400, "num_frames"),
+    ({"prompt": "   "}, 400, "prompt"),
+    ({"prompt": ""}, 400, "prompt"),
+    ({}, 400, "prompt"),
+    ({"prompt": 5}, 400, "prompt"),
+    ({"prompt": "x" * 5000}, 400, "prompt"),
+    ({"scenes": [{"prompt": "s", "num_frames": 5}] * 40}, 400, "scenes"),
+    ({"scenes": []}, 400, "scenes"),
+    ({"scenes": [{"prompt": "a", "num_frames": 5, "transition": "dissolve"}]}, 400, "scenes[0].transition"),
+    ({"prompt": "x", "fps": 0}, 400, "fps"),
+    ({"prompt": "x", "fps": 1000}, 400, "fps"),
+    ({"prompt": "x", "seed": -3}, 400, "seed"),
+    ({"prompt": "x", "stream": "yes please"}, 400, "stream"),
+    ({"prompt": "x", "colour": "red"}, 400, "colour"),
+    ({"prompt": "x", "model": "sora-2"}, 404, "model"),
+    ({"prompt": "x", "negative_prompt": "blurry"}, 400, "negative_prompt"),
+]
+
+
+@pytest.mark.parametrize("body,status,param", BAD_REQUESTS, ids=[str(i) for i in range(len(BAD_REQUESTS))])
+def test_invalid_requests_get_openai_errors(daemon, body, status, param):
+    r = httpx.post(daemon.url + "/v1/videos", json=body, timeout=30)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and err["message"] and err["type"] == "invalid_request_error"
+
+
+def test_malformed_bodies_get_400_while_a_stream_runs(daemon):
+    result = {}
+    t = threading.Thread(target=lambda: result.update(data=stream_video(
+        daemon.url, {"prompt": "a calm river", "num_frames": 81, "seed": 5})[0]))
+    t.start()
+    time.sleep(0.5)
+    cases = [
+        (b"{not json", {"Content-Type": "application/json"}, 400),
+        (b"[1, 2, 3]", {"Content-Type": "application/json"}, 400),
+        (b'"just a string"', {"Content-Type": "application/json"}, 400),
+        (b"\xff\xfe\x00", {"Content-Type": "application/json"}, 400),
+        (b"<xml/>", {"Content-Type": "application/xml"}, 415),
+        (b"x" * 400_000, {"Content-Type": "application/json"}, 413),
+    ]
+    for body, headers, status in cases:
+        r = httpx.post(daemon.url + "/v1/videos", content=body, headers=headers, timeout=30)
+        assert r.status_code == status, (body[:20], r.text)
+        assert set(r.json()["error"]) == {"message", "type", "param", "code"}
+    for body, status, _ in BAD_REQUESTS[:6]:
+        assert httpx.post(daemon.url + "/v1/videos", json=body, timeout=30).status_code == status
+    t.join(timeout=300)
+    check_video(result["data"], 81, 256, 144, 16)
+    assert daemon.health()["status"] == "ok"
