@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .presets import ModelSpec, Preset, build_dit, build_text_encoder, build_vae
+from .presets import ModelSpec, build_dit, build_text_encoder, build_vae
 from .wan.dit import DiTState
 from .wan.sampler import denoise_block, warped_timesteps
 from .wan.vae import Halo, VAEState, to_uint8_frames
@@ -99,17 +99,9 @@ class VAEEngine:
     def frames_out(self, latent_frames: int, state: VAEState) -> int:
         return self.preset.vae.frames_out(latent_frames, first_block=state.latent_frames == 0)
 
-    def decode_block(self, state: VAEState, latent: torch.Tensor) -> torch.Tensor:
-        """(1, C, f, h, w) -> (frames, 8h, 8w, 3) uint8 on the CPU."""
-        return to_uint8_frames(self.model.decode(latent.to(self.device), state))
-
-    def decode_rows(self, state: VAEState, latent: torch.Tensor, rows: tuple[int, int], halo: Halo,
-                    shard_front: bool) -> torch.Tensor:
-        """This shard's row strip: (frames, 8*(r1-r0), 8w, 3) uint8 on the CPU."""
+    def decode_block(self, state: VAEState, latent: torch.Tensor, rows: tuple[int, int] | None = None,
+                     halo: Halo | None = None, shard_front: bool = False) -> torch.Tensor:
+        """(1, C, f, h, w) -> (frames, 8h, 8w, 3) uint8 on the CPU; with `rows`, only that
+        band of latent rows (one shard of a VAE group, exchanging through `halo`)."""
         x = self.model.decode_rows(latent.to(self.device), state, rows, halo, shard_front)
         return to_uint8_frames(x)
-
-
-def open_stage_engines(spec: ModelSpec, device: str) -> tuple[DiTEngine, VAEEngine, Preset]:
-    dit = DiTEngine(spec, device)
-    return dit, VAEEngine(spec, device), dit.preset

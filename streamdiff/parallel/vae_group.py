@@ -4,9 +4,9 @@ Each shard owns a horizontal band of latent rows (`split_rows`) and so a band of
 frame (8x the rows). The decoder (models/wan/vae.py) asks its `Halo` for one neighbour row
 above and below at every 3x3 convolution; `ExchangeHalo` answers with point-to-point sends
 and receives to the two neighbours (zero rows at the global top and bottom), posted all at once
-and then waited on, so no ordering between ranks can deadlock — whatever k is (the reference
-implementation hung at 3 ranks). The halo rows of cached frames are stored with the cache, so
-only the new frames' rows travel.
+before the conv's input buffer is filled and waited on after, so no ordering between ranks can
+deadlock — whatever k is (the reference implementation hung at 3 ranks). The halo rows of
+cached frames are stored with the cache, so only the new frames' rows travel.
 
 The middle attention is global over each frame. By default the low-resolution front (conv1,
 middle, first up stage) is replicated on every shard and the rows are cut before the first
@@ -71,26 +71,30 @@ class ExchangeHalo(Halo):
         r0, r1 = self.bands[self.rank]
         return x.shape[-2] // (r1 - r0)
 
-    def extend(self, x: torch.Tensor) -> tuple[torch.Tensor, int]:
+    rows = 1
+
+    def post(self, x: torch.Tensor):
+        """Send our first row up and our last row down; receive theirs. Non-blocking."""
         up, down = self.rank - 1, self.rank + 1
-        out = _empty_like_rows(x, x.shape[-2] + 2)
-        out[..., 1:-1, :] = x
-        ops = []
+        works, recv_up, recv_down = [], None, None
         if up >= 0:
             send_up = x[..., :1, :].contiguous()
             recv_up = torch.empty_like(send_up)
-            ops += [dist.isend(send_up, up), dist.irecv(recv_up, up)]
+            works += [dist.isend(send_up, up), dist.irecv(recv_up, up)]
             self.bytes_sent += send_up.numel() * send_up.element_size()
         if down < self.world:
             send_down = x[..., -1:, :].contiguous()
             recv_down = torch.empty_like(send_down)
-            ops += [dist.isend(send_down, down), dist.irecv(recv_down, down)]
+            works += [dist.isend(send_down, down), dist.irecv(recv_down, down)]
             self.bytes_sent += send_down.numel() * send_down.element_size()
-        for op in ops:
-            op.wait()
-        out[..., :1, :] = recv_up if up >= 0 else 0
-        out[..., -1:, :] = recv_down if down < self.world else 0
-        return out, 0
+        return works, recv_up, recv_down
+
+    def complete(self, pending, dest: torch.Tensor) -> None:
+        works, recv_up, recv_down = pending
+        for w in works:
+            w.wait()
+        dest[..., :1, :] = recv_up if recv_up is not None else 0  # zero rows at the global edges
+        dest[..., -1:, :] = recv_down if recv_down is not None else 0
 
     def gather(self, x: torch.Tensor) -> torch.Tensor:
         """Whole frames from every shard's band (bands may differ by a row: pad, gather, trim)."""

@@ -151,7 +151,9 @@ class Worker:
             if "vae" in self.stages and self.stages["vae"].world > 1:
                 # Our peers may be inside this block's collectives: leave, so they fail at once
                 # instead of waiting for the collective timeout; the supervisor restarts the group.
-                self.send(m.Failed(self.spec.name, f"VAE shard failed: {exc!r}", session, getattr(msg, "block", None)))
+                why = (f"VAE group {self.spec.group.name}: shard {self.spec.name} failed (a peer shard died, "
+                       f"or this one did): {type(exc).__name__}: {str(exc).splitlines()[0][:300]}")
+                self.send(m.Failed(self.spec.name, why, session, getattr(msg, "block", None)))
                 self.sock.close(linger=1000)
                 os._exit(3)
             if session is not None:

@@ -14,6 +14,7 @@ import torch
 
 from ..ipc import messages as m
 from ..ipc.shm import Ring
+from ..parallel.vae_group import ExchangeHalo, split_rows
 from .spec import WorkerSpec
 
 log = logging.getLogger("streamdiff.worker")
@@ -94,7 +95,6 @@ class VAEStage:
 
             init_group(g.init_addr, g.rank, g.world, spec.device, g.timeout_s)
         self.sessions: dict = {}
-        self.halo_bytes = 0
 
     def info(self) -> dict:
         p = self.engine.preset
@@ -122,16 +122,10 @@ class VAEStage:
         latent = torch.from_numpy(self.latents.array(msg.latent_slot, msg.shape, np.float32))[None]
         c, f, h, w = msg.shape
         sf = self.engine.preset.vae.spatial_factor
-        if self.world == 1:
-            strip, (y0, y1) = self.engine.decode_block(state, latent), (0, h * sf)
-        else:
-            from ..parallel.vae_group import ExchangeHalo, split_rows
-
-            bands = split_rows(h, self.world)
-            halo = ExchangeHalo(self.rank, bands)
-            strip = self.engine.decode_rows(state, latent, bands[self.rank], halo, self.shard_front)
-            y0, y1 = bands[self.rank][0] * sf, bands[self.rank][1] * sf
-            self.halo_bytes += halo.bytes_sent
+        bands = split_rows(h, self.world)
+        halo = ExchangeHalo(self.rank, bands) if self.world > 1 else None
+        strip = self.engine.decode_block(state, latent, bands[self.rank], halo, self.shard_front)
+        y0, y1 = bands[self.rank][0] * sf, bands[self.rank][1] * sf
         _sync(self.device)
         if strip.shape[0] != msg.frames_out:
             raise RuntimeError(f"decoded {strip.shape[0]} frames, expected {msg.frames_out}")

@@ -26,6 +26,10 @@ import torch.nn.functional as F
 from torch import nn
 
 CACHE_T = 2  # frames each causal 3x3x3 conv keeps: its temporal kernel is 3
+# CPU decode works on this many bytes of full-resolution activations at a time (a few latent
+# frames): at 416x240 one latent frame per call took 371 ms against 546 ms per frame for three
+# (docs/benchmarks.md); the L3 of the measuring machine was 32 MiB.
+CPU_DECODE_WORKING_SET_BYTES = 16 * 2**20
 
 WAN21_LATENTS_MEAN = (-0.7571, -0.7089, -0.9113, 0.1075, -0.1745, 0.9653, -0.1517, 1.5508,
                       0.4134, -0.0715, 0.5517, -0.3632, -0.1922, -0.9497, 0.2503, -0.2921)
@@ -73,18 +77,28 @@ class VAEState:
 class Halo:
     """Unsharded behaviour: zero rows at the top and bottom, whole frames already local.
 
-    `extend(x)` returns (tensor, h_pad): either x with one neighbour row on each side (h_pad 0)
-    or x unchanged with h_pad 1 for the convolution's own zero padding (no copy).
+    `rows` is how many neighbour rows each side a 3x3 conv's input gets from the halo: 0 here
+    (the convolution pads with zeros itself, no copy), 1 in a VAE group. `post(x)` starts the
+    exchange of x's edge rows and `complete(pending, dest)` writes the received rows into the
+    first and last row of `dest`, so the transfer overlaps filling the conv's input buffer.
     """
 
-    def extend(self, x: torch.Tensor) -> tuple[torch.Tensor, int]:
-        return x, 1
+    rows = 0
+
+    def post(self, x: torch.Tensor):
+        return None
+
+    def complete(self, pending, dest: torch.Tensor) -> None:
+        pass
 
     def gather(self, x: torch.Tensor) -> torch.Tensor:
         return x
 
     def local(self, x: torch.Tensor) -> torch.Tensor:
         return x
+
+
+NO_HALO = Halo()
 
 
 @dataclass
@@ -154,19 +168,45 @@ class CausalConv3d(nn.Conv3d):
 
     def forward(self, x: torch.Tensor, ctx: Ctx | None = None) -> torch.Tensor:
         kt, kh, kw = self.kernel_size
-        h_pad = 0
-        if kh > 1:
-            x, h_pad = ctx.halo.extend(x)
-        if kt > 1:
-            prev = ctx.state.cache[self.slot]
-            x = _cat_frames(prev, x, kt - 1)  # no cached frames at the start of a shot: zeros
-            ctx.state.cache[self.slot] = _cat_frames(None, x[:, :, -(kt - 1):], 0)
+        halo = ctx.halo if kh > 1 else NO_HALO
+        n = kt - 1  # cached frames in front; none at the start of a shot: zeros
+        x = with_halo(x, halo, ctx.state.cache[self.slot] if n else None, n)
+        if n:
+            ctx.state.cache[self.slot] = _cat_frames(None, x[:, :, -n:], 0)  # stored with their halo rows
+        h_pad = 1 if kh > 1 and halo.rows == 0 else 0
         return conv3d_valid_t(x, self.weight, self.bias, h_pad, self.padding[2])
 
 
 def _layout(x: torch.Tensor) -> torch.memory_format:
     """Frames-major channels-last on the CPU (oneDNN's fast path), the default elsewhere."""
     return torch.channels_last_3d if x.device.type == "cpu" else torch.contiguous_format
+
+
+def with_halo(x: torch.Tensor, halo: Halo, prev: torch.Tensor | None = None, front: int = 0) -> torch.Tensor:
+    """A conv's input: `front` cached frames (prev, or zeros) before x in time (5D inputs) and
+    `halo.rows` neighbour rows above and below, in one fresh buffer of the device's layout.
+    The neighbours' rows travel while the buffer is being filled."""
+    r = halo.rows
+    if r == 0 and front == 0:
+        return x
+    pending = halo.post(x) if r else None
+    shape = list(x.shape)
+    shape[-2] += 2 * r
+    if front:
+        shape[2] += front
+    fmt = _layout(x) if x.dim() == 5 else (torch.channels_last if x.device.type == "cpu" else torch.contiguous_format)
+    buf = torch.empty(shape, dtype=x.dtype, device=x.device, memory_format=fmt)
+    body = buf
+    if front:
+        if prev is None:
+            buf[:, :, :front].zero_()
+        else:
+            buf[:, :, :front] = prev
+        body = buf[:, :, front:]
+    body[..., r:r + x.shape[-2], :] = x
+    if pending is not None:
+        halo.complete(pending, body)
+    return buf
 
 
 def _cat_frames(prev: torch.Tensor | None, x: torch.Tensor, pad: int) -> torch.Tensor:
@@ -266,9 +306,9 @@ class Resample(nn.Module):
         if self.time_conv is not None:
             x = self._double_frames(x, ctx)
         y = F.interpolate(frames(x).float(), scale_factor=2.0, mode="nearest-exact").to(x.dtype)
-        y, h_pad = ctx.halo.extend(y)
+        y = with_halo(y, ctx.halo)
         conv = self.resample[1]
-        return unframes(conv2d(y, conv.weight, conv.bias, (h_pad, 1)), x.shape[0])
+        return unframes(conv2d(y, conv.weight, conv.bias, (1 - ctx.halo.rows, 1)), x.shape[0])
 
 
 class Decoder3d(nn.Module):
@@ -335,24 +375,40 @@ class WanVAEDecoder(nn.Module):
         z = z.to(w.dtype).contiguous(memory_format=_layout(z))
         return unframes(conv2d(frames(z), w[:, :, 0], self.conv2.bias), z.shape[0])
 
-    @torch.no_grad()
     def decode(self, z: torch.Tensor, state: VAEState) -> torch.Tensor:
         """z: (B, z_dim, T, h, w) normalised latents of one block -> (B, 3, T_out, 8h, 8w) in [-1, 1]."""
-        ctx = Ctx(state)
-        x = self.decoder.back(self.decoder.front(self._prologue(z), ctx), ctx)
-        state.latent_frames += z.shape[2]
-        return x.clamp_(-1.0, 1.0)
+        return self.decode_rows(z, state)
 
     @torch.no_grad()
-    def decode_rows(self, z: torch.Tensor, state: VAEState, rows: tuple[int, int], halo: Halo,
-                    shard_front: bool) -> torch.Tensor:
+    def decode_rows(self, z: torch.Tensor, state: VAEState, rows: tuple[int, int] | None = None,
+                    halo: Halo | None = None, shard_front: bool = False) -> torch.Tensor:
         """One shard's part of a block: output rows [8*rows[0], 8*rows[1]) of every frame.
 
         shard_front=False: the low-resolution front runs on the whole latent here (replicated on
         every shard, no communication) and the rows are cut before the first upsampler.
         shard_front=True: only `rows` of the latent are decoded from the start; the halo
         exchanges rows at every 3x3 conv and gathers whole frames for the middle attention.
+
+        On the CPU the block is decoded a few latent frames at a time, so the full-resolution
+        activations stay within the cache (the causal cache makes this exact).
         """
+        rows = rows or (0, z.shape[-2])
+        halo = halo or Halo()
+        step = self._frames_per_call(z, rows)
+        outs = [self._decode_chunk(z[:, :, i:i + step], state, rows, halo, shard_front)
+                for i in range(0, z.shape[2], step)]
+        return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
+
+    def _frames_per_call(self, z: torch.Tensor, rows: tuple[int, int]) -> int:
+        if z.device.type != "cpu":
+            return z.shape[2]
+        f = self.cfg.spatial_factor
+        px = (rows[1] - rows[0]) * f * z.shape[-1] * f
+        per_frame = self.cfg.base_dim * self.cfg.temporal_factor * px * self.conv2.weight.element_size() * 3
+        return max(1, min(z.shape[2], CPU_DECODE_WORKING_SET_BYTES // per_frame))
+
+    def _decode_chunk(self, z: torch.Tensor, state: VAEState, rows: tuple[int, int], halo: Halo,
+                      shard_front: bool) -> torch.Tensor:
         ctx = Ctx(state, halo)
         r0, r1 = rows
         if shard_front:

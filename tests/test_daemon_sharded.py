@@ -1,0 +1,59 @@
+"""The daemon with a three-shard VAE group: long streams do not hang, a dead shard fails fast."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import httpx
+import pytest
+
+from .helpers import Daemon, stream_video
+from .test_daemon_stream import check_video
+
+
+@pytest.fixture(scope="module")
+def k3():
+    d = Daemon("--vae-gpus", "3")
+    yield d
+    assert d.stop() == 0, d.logs()
+    assert d.segments() == []
+
+
+@pytest.mark.timeout(300)
+def test_twenty_blocks_at_k3_without_hanging(k3):
+    # 1 + 4 * (20 * 3 - 1) = 237 frames: 20 blocks of 3 latent frames.
+    t0 = time.monotonic()
+    data, _, _ = stream_video(k3.url, {"prompt": "a long walk", "num_frames": 237, "size": "128x64"}, timeout=240)
+    frags, _ = check_video(data, 237, 128, 64, 16, blocks_expected=20)
+    assert time.monotonic() - t0 < 240
+
+
+@pytest.mark.timeout(300)
+def test_killed_shard_fails_its_stream_fast_and_the_group_comes_back(k3):
+    shard = k3.health()["workers"]["vae0.1"]["pid"]
+    t0 = time.monotonic()
+    chunks, killed = [], None
+    with httpx.stream("POST", k3.url + "/v1/videos", timeout=120,
+                      json={"prompt": "doomed", "num_frames": 237, "size": "128x64", "stream": True}) as r:
+        video_id = r.headers["x-video-id"]
+        try:
+            for chunk in r.iter_raw():
+                chunks.append(chunk)
+                if killed is None and sum(map(len, chunks)) > 20_000:
+                    os.kill(shard, signal.SIGKILL)
+                    killed = time.monotonic()
+        except httpx.RemoteProtocolError:
+            pass  # the stream ends without its final chunk: a truncated transfer, not a short clip
+    ended = time.monotonic()
+    assert killed is not None and ended - killed < 15  # not the 120 s collective timeout
+    job = httpx.get(f"{k3.url}/v1/videos/{video_id}", timeout=10).json()
+    assert job["status"] == "failed"
+    assert "vae0" in job["error"]["message"]
+    health = k3.wait_healthy(timeout_s=120)  # the whole group was restarted
+    assert health["workers"]["vae0.1"]["pid"] != shard and health["workers"]["vae0.1"]["restarts"] == 1
+    assert health["pipeline"]["latent_slots_used"] == 0 and health["pipeline"]["frame_slots_used"] == 0
+    data, _, _ = stream_video(k3.url, {"prompt": "after the restart", "num_frames": 25, "size": "128x64"})
+    check_video(data, 25, 128, 64, 16)
+    assert time.monotonic() - t0 < 280
