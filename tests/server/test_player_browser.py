@@ -1,0 +1,63 @@
+"""The player page in real headless Chromium (Debian's package, driven by Playwright)."""
+
+from __future__ import annotations
+
+import shutil
+
+import httpx
+import pytest
+
+from ..helpers import Daemon
+
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+pytestmark = pytest.mark.skipif(CHROMIUM is None, reason="chromium is not installed (.ci/run installs it)")
+
+FLAGS = ["--no-sandbox", "--disable-gpu", "--autoplay-policy=no-user-gesture-required",
+         "--disable-background-networking", "--disable-component-update", "--disable-sync", "--no-first-run",
+         "--disable-quic"]
+
+
+@pytest.fixture(scope="module")
+def daemon():
+    d = Daemon()
+    yield d
+    d.stop()
+
+
+@pytest.mark.timeout(300)
+def test_page_plays_a_two_scene_stream_while_it_is_generated(daemon, tmp_path):
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=FLAGS)
+        page = browser.new_page()
+        console = []
+        page.on("console", lambda m: console.append(m.text))
+        page.goto(daemon.url + "/")
+        page.wait_for_function("document.getElementById('model').textContent.includes('fps')")
+        # Through the form, as a person would: a two-scene storyboard, the second a cut.
+        page.click("#tab-story")
+        page.locator(".scene button").nth(2).click()  # remove the third default scene
+        page.locator(".scene textarea").nth(1).fill("a city street at night")
+        page.locator(".scene select").nth(1).select_option("cut")
+        page.fill("#seed", "11")
+        page.click("#start")
+        page.wait_for_function("window.player.firstAdvanceAt !== null", timeout=120_000)
+        video_id = page.evaluate("window.player.videoId")
+        # currentTime advanced while the server was still generating the video.
+        job = httpx.get(f"{daemon.url}/v1/videos/{video_id}", timeout=10).json()
+        advanced_while = job["status"]
+        page.wait_for_function("window.player.state === 'complete'", timeout=120_000)
+        page.wait_for_function("window.player.sceneChanges >= 2", timeout=60_000)
+        state = page.evaluate("""() => ({...window.player, scenes: window.player.scenes.length,
+            currentTime: document.getElementById('video').currentTime,
+            mediaError: document.getElementById('video').error,
+            sceneText: document.getElementById('scene').textContent})""")
+        page.screenshot(path=str(tmp_path / "player.png"))
+        browser.close()
+    assert advanced_while == "in_progress" or state["firstAdvanceAt"] < state["streamEndAt"], (advanced_while, state)
+    assert state["firstAdvanceAt"] < state["streamEndAt"]
+    assert state["mediaError"] is None and state["mediaErrors"] == [], (state, console)
+    assert state["frames"] == 96 and state["scenes"] == 2
+    assert state["sceneChanges"] >= 2 and "city street" in state["sceneText"]
+    assert state["firstFrameMs"] is not None and state["firstFrameMs"] < 30_000
