@@ -153,20 +153,27 @@ def fragments(data: bytes) -> list[dict]:
     return out
 
 
-def decode(data: bytes) -> dict:
-    """Decode with PyAV (FFmpeg): frame count, size, rate, keyframe indices, the frames."""
+def decode(data: bytes, strict: bool = True) -> dict:
+    """Decode with PyAV (FFmpeg): frame count, size, rate, keyframe indices, the frames.
+    strict=False: stop quietly at the first error, as a player does with a truncated file."""
     import av
 
     with av.open(io.BytesIO(data)) as c:
         s = c.streams.video[0]
-        frames, keys, pts = [], [], []
-        for i, f in enumerate(c.decode(s)):
-            frames.append(f.to_ndarray(format="rgb24"))
-            pts.append(f.pts)
-            if f.key_frame:
-                keys.append(i)
+        frames, keys, pts, error = [], [], [], None
+        try:
+            for i, f in enumerate(c.decode(s)):
+                frames.append(f.to_ndarray(format="rgb24"))
+                pts.append(f.pts)
+                if f.key_frame:
+                    keys.append(i)
+        except av.error.FFmpegError as exc:
+            if strict:
+                raise
+            error = str(exc)
         return {"frames": len(frames), "width": s.codec_context.width, "height": s.codec_context.height,
-                "fps": float(s.average_rate or s.guessed_rate), "keyframes": keys, "pixels": frames, "pts": pts}
+                "fps": float(s.average_rate or s.guessed_rate), "keyframes": keys, "pixels": frames, "pts": pts,
+                "error": error}
 
 
 def ffprobe(data: bytes) -> dict | None:

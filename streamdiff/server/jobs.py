@@ -40,6 +40,8 @@ class Job:
         self.fragments = 0
         self.session_id: str | None = None
         self.expired = False
+        self.keep_s: float | None = None  # set by the store: how long the finished video is kept
+        self.on_finished: Callable[[Job], None] = lambda job: None
         self._ack = ack
         self.live_consumer = live_consumer
         self._changed = asyncio.Event()
@@ -75,7 +77,10 @@ class Job:
         if state != DONE:
             code = "cancelled" if state == CANCELLED else "generation_failed"
             self.error = {"code": code, "message": error or state}
+        elif self.keep_s is not None:
+            self.expires_at = int(self.completed_at + self.keep_s)
         self._notify()
+        self.on_finished(self)
 
     def _notify(self) -> None:
         self._changed.set()
@@ -130,6 +135,8 @@ class JobStore:
         self.max_jobs, self.keep_bytes, self.keep_s = max_jobs, keep_bytes, keep_s
 
     def add(self, job: Job) -> None:
+        job.keep_s = self.keep_s
+        job.on_finished = lambda _job: self.prune()
         self.jobs[job.id] = job
         self.prune()
 
@@ -156,9 +163,6 @@ class JobStore:
             if oldest is None:
                 break
             del self.jobs[oldest.id]
-        for j in self.jobs.values():
-            if j.finished and not j.expired and j.expires_at is None and j.completed_at is not None:
-                j.expires_at = int(j.completed_at + self.keep_s)
 
     def page(self, after: str | None, limit: int, order: str) -> tuple[list[Job], bool]:
         jobs = sorted(self.jobs.values(), key=lambda j: (j.created_at, j.t_created), reverse=order == "desc")
