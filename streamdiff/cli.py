@@ -138,6 +138,7 @@ async def serve(cfg: Config, api_keys: list[bytes]) -> int:
     log.info("shutting down: draining running streams (up to %.0fs)", cfg.server.drain_timeout_s)
     notifier.stopping("draining")
     await sup.drain(cfg.server.drain_timeout_s)
+    sup.cancel_all()  # past the deadline: what still runs ends now, truncated
     dog.cancel()
     await runner.shutdown()
     await runner.cleanup()

@@ -31,9 +31,10 @@ def free_port() -> int:
 class Daemon:
     """streamdiffd in a subprocess on a free port with a unique instance name."""
 
-    def __init__(self, *args: str, env: dict | None = None, wait: bool = True, timeout_s: float = 120) -> None:
+    def __init__(self, *args: str, env: dict | None = None, wait: bool = True, timeout_s: float = 120,
+                 instance: str | None = None) -> None:
         self.port = free_port()
-        self.instance = "t" + secrets.token_hex(4)
+        self.instance = instance or "t" + secrets.token_hex(4)
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = tempfile.NamedTemporaryFile(prefix="streamdiffd-", suffix=".log", delete=False)
         cmd = [sys.executable, "-m", "streamdiff.cli", "--port", str(self.port), "--instance", self.instance, *args]

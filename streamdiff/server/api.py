@@ -135,6 +135,8 @@ def parse_video_request(data, cfg: Config, facts: dict) -> VideoRequest:
             raise bad(f"'{param}' is not supported: {why}", param, "unsupported_parameter")
 
     model = data.get("model")
+    if model is not None and not isinstance(model, str):
+        raise bad("'model' must be a string", "model")
     served = {cfg.model_name, cfg.model.preset, facts.get("model", "")}
     if model is not None and model not in served:
         raise APIError(404, f"The model '{model}' does not exist; this server serves '{cfg.model_name}'", "model",

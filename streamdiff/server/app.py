@@ -33,6 +33,23 @@ def error_json(err: APIError) -> web.Response:
 
 
 @web.middleware
+async def count_middleware(request: web.Request, handler):
+    """streamdiff_http_requests_total by status class (a 5xx is always a bug or an outage)."""
+    sched = request.app[SUPERVISOR].scheduler
+    status = 500
+    try:
+        resp = await handler(request)
+        status = resp.status
+        return resp
+    except web.HTTPException as exc:
+        status = exc.status
+        raise
+    finally:
+        if sched is not None:
+            sched.metrics.requests.inc(1, f"{status // 100}xx")
+
+
+@web.middleware
 async def errors_middleware(request: web.Request, handler):
     try:
         return await handler(request)
@@ -80,16 +97,19 @@ async def read_request_data(request: web.Request) -> dict:
     timeout = request.app[CONFIG].server.request_read_timeout_s
     try:
         async with asyncio.timeout(timeout):
-            if ctype == "multipart/form-data":
+            if ctype in ("multipart/form-data", "application/x-www-form-urlencoded"):
+                try:
+                    form = await request.post()
+                except (web.HTTPException, TimeoutError):
+                    raise
+                except Exception as exc:  # no boundary, broken parts, bad encoding
+                    raise bad(f"malformed form body: {exc}", None, "invalid_body") from None
                 data = {}
-                form = await request.post()
                 for k, v in form.items():
                     if not isinstance(v, str):
                         raise bad(f"file uploads are not supported ('{k}')", k, "unsupported_parameter")
                     data[k] = v
                 return data
-            if ctype == "application/x-www-form-urlencoded":
-                return dict(await request.post())
             raw = await request.read()
     except TimeoutError:
         raise APIError(408, f"the request body did not arrive within {timeout:g}s", None, "request_timeout") from None
@@ -302,7 +322,8 @@ async def index(request: web.Request) -> web.StreamResponse:
 
 
 def make_app(sup: Supervisor, cfg: Config, api_keys: list[bytes]) -> web.Application:
-    app = web.Application(middlewares=[errors_middleware, auth_middleware], client_max_size=cfg.server.max_body_bytes)
+    app = web.Application(middlewares=[count_middleware, errors_middleware, auth_middleware],
+                          client_max_size=cfg.server.max_body_bytes)
     app[SUPERVISOR], app[CONFIG], app[API_KEYS] = sup, cfg, api_keys
     app[JOBS] = JobStore(cfg.limits.max_jobs, cfg.limits.keep_completed_bytes, cfg.limits.keep_completed_s)
 

@@ -39,6 +39,7 @@ class Job:
         self.frames_done = 0
         self.fragments = 0
         self.session_id: str | None = None
+        self.placement: dict | None = None  # the workers the session runs on
         self.expired = False
         self.keep_s: float | None = None  # set by the store: how long the finished video is kept
         self.on_finished: Callable[[Job], None] = lambda job: None
@@ -56,6 +57,7 @@ class Job:
     # -- SessionSink --------------------------------------------------------------------------
     def on_start(self, session: Session) -> None:
         self.state = "running"
+        self.placement = {"dit": session.dit, "vae": session.vae_workers}
         self._notify()
 
     def on_data(self, session: Session, data: bytes, block: Block | None) -> None:
@@ -124,6 +126,8 @@ class Job:
                         "start_seconds": self.scene_starts[i] / r.fps, "transition": s.transition, "seed": s.seed}
                        for i, s in enumerate(r.scenes)],
         }
+        if self.placement is not None:
+            obj["workers"] = self.placement
         if self.t_first_fragment is not None:
             obj["time_to_first_fragment_s"] = round(self.t_first_fragment - self.t_created, 3)
         return obj

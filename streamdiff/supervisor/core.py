@@ -34,6 +34,12 @@ log = logging.getLogger("streamdiff.supervisor")
 STARTING, RUNNING, DRAINING, STOPPING, STOPPED = "starting", "running", "draining", "stopping", "stopped"
 
 
+def runtime_base() -> str:
+    """Where the control socket lives: systemd's RuntimeDirectory when set, else the temp dir."""
+    base = os.environ.get("RUNTIME_DIRECTORY", "").split(":")[0]
+    return base if base and os.path.isdir(base) else tempfile.gettempdir()
+
+
 class Supervisor:
     def __init__(self, cfg: Config) -> None:
         self.cfg = cfg
@@ -67,8 +73,9 @@ class Supervisor:
         if removed:
             log.warning("removed %d shared-memory segment(s) left by a dead instance: %s", len(removed),
                         ", ".join(removed))
-        self._sweep_runtime_dirs(instance)
-        self.runtime_dir = tempfile.mkdtemp(prefix=f"sd-{instance}-{os.getpid()}-")
+        base = runtime_base()
+        self._sweep_runtime_dirs(base, instance)
+        self.runtime_dir = tempfile.mkdtemp(prefix=f"sd-{instance}-{os.getpid()}-", dir=base)
         latent_bytes, frame_bytes = self._ring_sizes()
         p = self.cfg.pipeline
         self.latent_ring = Ring.create(instance, "latent", p.latent_slots, latent_bytes)
@@ -120,8 +127,7 @@ class Supervisor:
                 hardware_available(codec, self.cfg.encoder.vaapi_device)
 
     @staticmethod
-    def _sweep_runtime_dirs(instance: str) -> None:
-        tmp = tempfile.gettempdir()
+    def _sweep_runtime_dirs(tmp: str, instance: str) -> None:
         prefix = f"sd-{instance}-"
         for name in os.listdir(tmp):
             if not name.startswith(prefix):
@@ -203,14 +209,18 @@ class Supervisor:
         while self.scheduler.running and time.monotonic() < deadline:
             await asyncio.sleep(0.1)
 
+    def cancel_all(self, reason: str = "the server is shutting down") -> None:
+        """End every session now (their streams end truncated)."""
+        if self.scheduler is not None:
+            self.scheduler.accepting = False
+            for sess in list(self.scheduler.sessions.values()):
+                self.scheduler.cancel(sess.id, reason)
+
     async def close(self) -> None:
         if self.state == STOPPED:
             return
         self.state = STOPPING
-        if self.scheduler is not None:
-            self.scheduler.accepting = False
-            for sess in list(self.scheduler.sessions.values()):
-                self.scheduler.cancel(sess.id, "the server is shutting down")
+        self.cancel_all()
         if self.pool is not None:
             await self.pool.shutdown()
         for t in self._tasks:

@@ -73,6 +73,7 @@ class Session:
     state: str = QUEUED
     dit: str | None = None
     group: int | None = None
+    vae_workers: list[str] = field(default_factory=list)  # the shards of its VAE group
     issued: int = 0  # blocks sent to the DiT
     encoded: int = 0  # fragments made
     delivered: int = 0  # fragments taken by the consumer
@@ -148,6 +149,7 @@ class Scheduler:
         colocated = [i for i in ready_groups if dit in self.topology.vae_groups[i]]
         group = colocated[0] if colocated else min(ready_groups, key=lambda i: (gload[i], i))
         sess.dit, sess.group = dit, group
+        sess.vae_workers = list(self.topology.vae_groups[group])
         return True
 
     def _start(self, sess: Session) -> None:

@@ -1,0 +1,112 @@
+"""Admission, limits, timeouts and auth."""
+
+from __future__ import annotations
+
+import socket
+import time
+
+import httpx
+import pytest
+
+from ..helpers import Daemon
+
+
+def daemon_with(tmp_path, text: str, **kw) -> Daemon:
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(text)
+    return Daemon("--config", str(cfg), **kw)
+
+
+@pytest.mark.timeout(300)
+def test_admission_queue_and_429(tmp_path):
+    d = daemon_with(tmp_path, "[limits]\nmax_sessions = 1\nmax_queue = 1\n")
+    try:
+        body = {"prompt": "long", "seconds": 60, "size": "128x64"}
+        a = httpx.post(d.url + "/v1/videos", json=body).json()
+        b = httpx.post(d.url + "/v1/videos", json=body).json()
+        time.sleep(0.3)
+        assert httpx.get(f"{d.url}/v1/videos/{b['id']}").json()["status"] == "queued"
+        c = httpx.post(d.url + "/v1/videos", json=body)
+        assert c.status_code == 429 and int(c.headers["retry-after"]) > 0
+        assert c.json()["error"]["type"] == "rate_limit_error"
+        httpx.delete(f"{d.url}/v1/videos/{a['id']}")
+        deadline = time.monotonic() + 30
+        while httpx.get(f"{d.url}/v1/videos/{b['id']}").json()["status"] == "queued":
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        httpx.delete(f"{d.url}/v1/videos/{b['id']}")
+    finally:
+        d.stop()
+
+
+@pytest.mark.timeout(300)
+def test_slow_request_body_gets_408_and_a_stalled_reader_is_dropped(tmp_path):
+    d = daemon_with(tmp_path, "[server]\nrequest_read_timeout_s = 1.0\nclient_write_timeout_s = 2.0\n")
+    try:
+        host, port = "127.0.0.1", d.port
+        # A client that promises a body and sends a few bytes only.
+        with socket.create_connection((host, port), timeout=10) as s:
+            s.sendall(b"POST /v1/videos HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                      b"Content-Length: 100\r\n\r\n{\"pro")
+            reply = s.recv(4096).decode()
+        assert reply.startswith("HTTP/1.1 408") and "request_timeout" in reply
+        # A streaming client that stops reading: its session is cancelled once the socket is full.
+        s = socket.socket()
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        s.connect((host, port))
+        body = b'{"prompt": "nobody watches", "seconds": 60, "size": "256x144", "stream": true}'
+        s.sendall(b"POST /v1/videos HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+        head = s.recv(1024).decode(errors="replace")
+        video_id = next(ln.split(":", 1)[1].strip() for ln in head.split("\r\n") if ln.lower().startswith("x-video-id"))
+        deadline = time.monotonic() + 60
+        while True:
+            job = httpx.get(f"{d.url}/v1/videos/{video_id}").json()
+            if job["status"] == "failed":
+                break
+            assert time.monotonic() < deadline, job
+            time.sleep(0.2)
+        s.close()
+        assert job["error"]["code"] == "cancelled" and job["frames_done"] < 960
+        assert d.health()["status"] == "ok"
+    finally:
+        d.stop()
+
+
+@pytest.mark.timeout(300)
+def test_bearer_keys_from_env_and_file(tmp_path):
+    keys = tmp_path / "keys"
+    keys.write_text("# operators\nfile-key-1\n\nfile-key-2\n")
+    d = daemon_with(tmp_path, f"[server]\napi_keys_file = '{keys}'\n", env={"STREAMDIFF_API_KEYS": "env-key"})
+    try:
+        url = d.url + "/v1/models"
+        for headers in ({}, {"Authorization": "Bearer nope"}, {"Authorization": "Basic env-key"},
+                        {"Authorization": "Bearer env-key-but-longer"}):
+            r = httpx.get(url, headers=headers)
+            assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key", headers
+            assert r.headers["www-authenticate"] == "Bearer"
+        for key in ("env-key", "file-key-1", "file-key-2"):
+            assert httpx.get(url, headers={"Authorization": f"Bearer {key}"}).status_code == 200
+        assert httpx.post(d.url + "/v1/videos", json={"prompt": "x"}).status_code == 401
+        assert httpx.get(d.url + "/health").status_code == 200  # always open
+        assert httpx.get(d.url + "/metrics").status_code == 200  # open unless metrics_require_auth
+        assert httpx.get(d.url + "/").status_code == 200
+    finally:
+        d.stop()
+    d = daemon_with(tmp_path, "[server]\nmetrics_require_auth = true\n", env={"STREAMDIFF_API_KEYS": "k"})
+    try:
+        assert httpx.get(d.url + "/metrics").status_code == 401
+        assert httpx.get(d.url + "/metrics", headers={"Authorization": "Bearer k"}).status_code == 200
+    finally:
+        d.stop()
+
+
+def test_missing_keys_file_is_a_config_error(tmp_path):
+    import subprocess
+    import sys
+
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(f"[server]\napi_keys_file = '{tmp_path / 'absent'}'\n")
+    r = subprocess.run([sys.executable, "-m", "streamdiff.cli", "--config", str(cfg)], capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 2 and "server.api_keys_file" in r.stderr
