@@ -69,7 +69,7 @@ def build(spec: ModelSpec, device: str, random_weights: bool, layers: int | None
 
 
 def bench(spec: ModelSpec, device: str, size: tuple[int, int], blocks: int, random_weights: bool,
-          layers: int | None = None, skip_vae: bool = False) -> dict:
+          layers: int | None = None, skip_vae: bool = False, warm_blocks: int | None = None) -> dict:
     preset, dit, vae = build(spec, device, random_weights, layers)
     s = preset.sampler
     w, h = size
@@ -104,7 +104,7 @@ def bench(spec: ModelSpec, device: str, size: tuple[int, int], blocks: int, rand
     first_dit, x0 = one_dit(True)
     first_vae = 0.0 if skip_vae else one_vae(x0)
     # Fill the attention window so the timed blocks are at the steady-state cost.
-    warm = max(0, (s.window_frames - s.sink_frames) // f - 1)
+    warm = max(0, (s.window_frames - s.sink_frames) // f - 1) if warm_blocks is None else warm_blocks
     for _ in range(warm):
         _, x0 = one_dit(False)
     dit_t, vae_t = [], []
@@ -117,7 +117,8 @@ def bench(spec: ModelSpec, device: str, size: tuple[int, int], blocks: int, rand
         "preset": preset.name, "device": device, "dtype": str(resolve_dtype(spec, device)).split(".")[-1],
         "size": f"{w}x{h}", "frames_per_block": f, "steps": len(ts), "dit_layers": dit.cfg.num_layers,
         "threads": torch.get_num_threads(), "first_block_dit_s": first_dit, "first_block_vae_s": first_vae,
-        "dit_block_s": statistics.median(dit_t), "dit_block_min_s": min(dit_t), "dit_block_max_s": max(dit_t),
+        "window_filled": warm_blocks is None, "dit_block_s": statistics.median(dit_t),
+        "dit_block_min_s": min(dit_t), "dit_block_max_s": max(dit_t),
         "frames_out_per_block": preset.vae.frames_out(f, first_block=False),
     }
     if vae_t:
@@ -154,6 +155,7 @@ def main() -> None:
     ap.add_argument("--blocks", type=int, default=5)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--dit-vae-ratio", type=float, default=0.74)
+    ap.add_argument("--warm-blocks", type=int, help="blocks before timing (default: fill the attention window)")
     ap.add_argument("--calibrate", action="store_true", help="measure the tiny DiT's per-layer fraction")
     ap.add_argument("--json", help="append results to this JSON file")
     a = ap.parse_args()
@@ -175,7 +177,7 @@ def main() -> None:
                   f"TINY_LAYER_FRACTION = {frac:.4f} -> {max(1, round(a.dit_vae_ratio / frac))} layers "
                   f"for ratio {a.dit_vae_ratio}")
             continue
-        r = bench(spec, a.device, size, a.blocks, a.random_weights)
+        r = bench(spec, a.device, size, a.blocks, a.random_weights, warm_blocks=a.warm_blocks)
         show(r)
         results.append(r)
     if a.json and results:
