@@ -29,6 +29,8 @@ from .wan.loading import (
     normalize_vae_state_dict,
     read_config,
     read_state_dict,
+    read_state_dicts,
+    unwrap_training_checkpoint,
     vae_config_from_json,
     vae_config_from_state_dict,
 )
@@ -107,8 +109,6 @@ def resolve_dtype(spec: ModelSpec, device: str) -> torch.dtype:
 
 def _dit_weights(spec: ModelSpec) -> dict[str, torch.Tensor]:
     if spec.dit_checkpoint:
-        from .wan.loading import unwrap_training_checkpoint
-
         p = Path(spec.dit_checkpoint)
         if p.suffix in (".pt", ".pth", ".bin"):
             try:
@@ -123,10 +123,7 @@ def _dit_weights(spec: ModelSpec) -> dict[str, torch.Tensor]:
     files = sorted(root.glob("diffusion_pytorch_model*.safetensors"))
     if not files:
         raise CheckpointError(f"{root}: no DiT weights (transformer/ or diffusion_pytorch_model*.safetensors)")
-    sd: dict[str, torch.Tensor] = {}
-    for f in files:
-        sd.update(read_state_dict(f))
-    return sd
+    return read_state_dicts(files)
 
 
 def _vae_weights(spec: ModelSpec) -> dict[str, torch.Tensor]:

@@ -172,7 +172,9 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return out.flatten(-2).type_as(x)
 
 
-class SelfAttention(nn.Module):
+class Attention(nn.Module):
+    """q/k/v/o projections with RMSNorm on q and k over the full width (before the head split)."""
+
     def __init__(self, cfg: DiTConfig) -> None:
         super().__init__()
         self.heads = cfg.num_heads
@@ -183,6 +185,8 @@ class SelfAttention(nn.Module):
         self.norm_q = RMSNorm(cfg.dim, cfg.eps)
         self.norm_k = RMSNorm(cfg.dim, cfg.eps)
 
+
+class SelfAttention(Attention):
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], kv: KVCache,
                 layer: int) -> torch.Tensor:
         b, n, _ = x.shape  # (B, L_block, C)
@@ -199,17 +203,7 @@ class SelfAttention(nn.Module):
         return self.o(out.transpose(1, 2).flatten(2))
 
 
-class CrossAttention(nn.Module):
-    def __init__(self, cfg: DiTConfig) -> None:
-        super().__init__()
-        self.heads = cfg.num_heads
-        self.q = nn.Linear(cfg.dim, cfg.dim)
-        self.k = nn.Linear(cfg.dim, cfg.dim)
-        self.v = nn.Linear(cfg.dim, cfg.dim)
-        self.o = nn.Linear(cfg.dim, cfg.dim)
-        self.norm_q = RMSNorm(cfg.dim, cfg.eps)
-        self.norm_k = RMSNorm(cfg.dim, cfg.eps)
-
+class CrossAttention(Attention):
     def project_context(self, ctx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(B, L_text, C) -> k, v as (B, heads, L_text, head_dim); computed once per prompt."""
         k = self.norm_k(self.k(ctx)).unflatten(2, (self.heads, -1)).transpose(1, 2)

@@ -35,6 +35,14 @@ class CheckpointError(ValueError):
 # ----------------------------------------------------------------------------- reading files
 
 
+def read_state_dicts(files) -> dict[str, torch.Tensor]:
+    """The union of several files' tensors (a sharded checkpoint)."""
+    out: dict[str, torch.Tensor] = {}
+    for f in files:
+        out.update(read_state_dict(f))
+    return out
+
+
 def read_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
     """Read a .safetensors, .pth/.pt/.bin file, or a directory of (sharded) safetensors."""
     p = Path(path)
@@ -44,10 +52,7 @@ def read_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
             files = sorted(p.glob("*.bin")) + sorted(p.glob("*.pth")) + sorted(p.glob("*.pt"))
         if not files:
             raise CheckpointError(f"no weight files (*.safetensors, *.bin, *.pth, *.pt) in {p}")
-        out: dict[str, torch.Tensor] = {}
-        for f in files:
-            out.update(read_state_dict(f))
-        return out
+        return read_state_dicts(files)
     if not p.exists():
         raise CheckpointError(f"checkpoint not found: {p}")
     try:

@@ -26,10 +26,11 @@ import torch.nn.functional as F
 from torch import nn
 
 CACHE_T = 2  # frames each causal 3x3x3 conv keeps: its temporal kernel is 3
-# CPU decode works on this many bytes of full-resolution activations at a time (a few latent
-# frames): at 416x240 one latent frame per call took 371 ms against 546 ms per frame for three
-# (docs/benchmarks.md); the L3 of the measuring machine was 32 MiB.
-CPU_DECODE_WORKING_SET_BYTES = 16 * 2**20
+# CPU decode works on about this many bytes of full-resolution activations per call (a few latent
+# frames; the estimate counts input, output and the conv buffer). Measured on a 32 MiB L3: at
+# 416x240 one latent frame per call took 371 ms against 546 ms per frame for three, while at
+# 256x144 three per call (42 MiB by this estimate) beat one per call (152 against 168 ms).
+CPU_DECODE_WORKING_SET_BYTES = 48 * 2**20
 
 WAN21_LATENTS_MEAN = (-0.7571, -0.7089, -0.9113, 0.1075, -0.1745, 0.9653, -0.1517, 1.5508,
                       0.4134, -0.0715, 0.5517, -0.3632, -0.1922, -0.9497, 0.2503, -0.2921)
