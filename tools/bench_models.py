@@ -170,12 +170,14 @@ def main() -> None:
             size = (256, 144) if name == "tiny" else (832, 480)
         if a.calibrate:
             one = bench(spec, a.device, size, a.blocks, a.random_weights, layers=1)
-            two = bench(spec, a.device, size, a.blocks, a.random_weights, layers=3, skip_vae=True)
-            per_layer = (two["dit_block_s"] - one["dit_block_s"]) / 2
-            frac = per_layer / one["vae_block_s"]
-            print(f"per-layer DiT {1000 * per_layer:.1f} ms/block, VAE {1000 * one['vae_block_s']:.0f} ms/block: "
-                  f"TINY_LAYER_FRACTION = {frac:.4f} -> {max(1, round(a.dit_vae_ratio / frac))} layers "
-                  f"for ratio {a.dit_vae_ratio}")
+            three = bench(spec, a.device, size, a.blocks, a.random_weights, layers=3, skip_vae=True)
+            per_layer = (three["dit_block_s"] - one["dit_block_s"]) / 2
+            overhead = one["dit_block_s"] - per_layer
+            frac, over = per_layer / one["vae_block_s"], overhead / one["vae_block_s"]
+            layers = max(1, round((a.dit_vae_ratio - over) / frac))
+            print(f"per-layer DiT {1000 * per_layer:.1f} ms/block, rest of the DiT {1000 * overhead:.1f} ms, "
+                  f"VAE {1000 * one['vae_block_s']:.0f} ms/block: TINY_LAYER_FRACTION = {frac:.4f}, "
+                  f"TINY_DIT_OVERHEAD_FRACTION = {over:.4f} -> {layers} layers for ratio {a.dit_vae_ratio}")
             continue
         r = bench(spec, a.device, size, a.blocks, a.random_weights, warm_blocks=a.warm_blocks)
         show(r)

@@ -41,12 +41,15 @@ from .wan.vae import VAEConfig, WanVAEDecoder
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
           "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
 
-# Calibration of the tiny preset's DiT depth: at the default 256x144, one DiT layer costs this
-# fraction of one VAE decode per steady-state block (full attention window, 4 steps + refresh),
-# measured with tools/bench_models.py --calibrate on this project's 2-core CI machine (fp32,
-# one thread per stage). The two stages are compute-bound fp32 on the same core, so the
-# fraction carries across CPUs far better than either time; re-measure with that tool.
-TINY_LAYER_FRACTION = 0.104
+# Calibration of the tiny preset's DiT depth, as fractions of one VAE decode per steady-state
+# block at the default 256x144 (full attention window, 4 steps + the cache refresh): each DiT
+# layer costs TINY_LAYER_FRACTION, the rest of the DiT (embeddings, head, sampler)
+# TINY_DIT_OVERHEAD_FRACTION. Measured with tools/bench_models.py --calibrate on this project's
+# 2-core CI machine (fp32, one thread per stage; docs/benchmarks.md). Both stages are
+# compute-bound fp32 on the same core, so the fractions carry across CPUs far better than
+# either time does.
+TINY_LAYER_FRACTION = 0.12
+TINY_DIT_OVERHEAD_FRACTION = 0.015
 
 
 @dataclass(frozen=True)
@@ -64,7 +67,7 @@ class Preset:
 def tiny_layers(ratio: float) -> int:
     if not 0 < ratio <= 20:
         raise ValueError(f"dit_vae_ratio must be in (0, 20], got {ratio}")
-    return max(1, round(ratio / TINY_LAYER_FRACTION))
+    return max(1, round((ratio - TINY_DIT_OVERHEAD_FRACTION) / TINY_LAYER_FRACTION))
 
 
 def get_preset(spec: ModelSpec) -> Preset:
