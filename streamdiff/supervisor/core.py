@@ -95,6 +95,7 @@ class Supervisor:
         self.pool.on_worker_ready = lambda name: self.scheduler.pump()
         self._tasks.append(asyncio.create_task(self._recv_loop(), name="control-recv"))
         self.pool.spawn_all()
+        self._pin_self()
         try:
             await self.pool.wait_ready(p.ready_timeout_s)
         except Exception:
@@ -106,6 +107,18 @@ class Supervisor:
         self.state = RUNNING
         log.info("pipeline up: %s mode, %d DiT worker(s), VAE groups %s, on %s", self.cfg.topology.mode,
                  len(self.topology.dit_workers), self.topology.vae_groups, self.cfg.topology.device)
+
+    def _pin_self(self) -> None:
+        """On the CPU, keep the supervisor (HTTP, encoding) off the VAE's cores: share the DiT
+        workers' cores instead. The VAE is the slower stage; the DiT has slack to give."""
+        if self.cfg.topology.device != "cpu" or not self.cfg.topology.pin_cpus:
+            return
+        cpus = {c for w in self.topology.workers if "dit" in w.roles for c in w.cpus}
+        if cpus and hasattr(os, "sched_setaffinity"):
+            try:
+                os.sched_setaffinity(0, cpus)
+            except OSError:
+                pass
 
     def _check_facts(self) -> None:
         """The workers' model must fit the rings the supervisor sized from the preset."""
