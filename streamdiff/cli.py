@@ -24,16 +24,23 @@ log = logging.getLogger("streamdiff")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="streamdiffd", description="Streaming text-to-video server (Wan 2.1 causal "
-                                "DiT + VAE, disaggregated), OpenAI-compatible, fMP4 over HTTP.")
+    p = argparse.ArgumentParser(
+        prog="streamdiffd",
+        description="Streaming text-to-video server (Wan 2.1 causal "
+        "DiT + VAE, disaggregated), OpenAI-compatible, fMP4 over HTTP.",
+    )
     p.add_argument("--config", help="TOML config file (see etc/streamdiff.toml); flags override it")
     p.add_argument("--dit-gpus", type=int, metavar="N", help="DiT workers, one per device (default 1)")
     p.add_argument("--vae-gpus", type=int, metavar="M", help="VAE shard workers, one per device (default 1)")
     p.add_argument("--vae-group-size", type=int, metavar="K", help="shards per VAE group (default: all VAE devices)")
     p.add_argument("--device", choices=("cpu", "cuda", "xpu"), help="device kind (default cpu)")
     p.add_argument("--mode", choices=("disaggregated", "aggregated"), help="stage layout (default disaggregated)")
-    p.add_argument("--model", metavar="PRESET|PATH", help="'tiny' (embedded), 'wan2.1-t2v-1.3b', or a weights "
-                   "directory (Wan 2.1 release or diffusers layout; implies wan2.1-t2v-1.3b)")
+    p.add_argument(
+        "--model",
+        metavar="PRESET|PATH",
+        help="'tiny' (embedded), 'wan2.1-t2v-1.3b', or a weights "
+        "directory (Wan 2.1 release or diffusers layout; implies wan2.1-t2v-1.3b)",
+    )
     p.add_argument("--dit-checkpoint", metavar="FILE", help="Causal Forcing / Self-Forcing generator checkpoint")
     p.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"))
     p.add_argument("--threads-per-worker", type=int, metavar="T", help="CPU threads per worker (default 1)")
@@ -47,13 +54,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def overrides_from_args(a: argparse.Namespace) -> dict[str, dict]:
     o: dict[str, dict] = {"server": {}, "model": {}, "topology": {}, "encoder": {}}
-    for flag, section, key in (("host", "server", "host"), ("port", "server", "port"),
-                               ("instance", "server", "instance"), ("log_level", "server", "log_level"),
-                               ("dit_gpus", "topology", "dit_devices"), ("vae_gpus", "topology", "vae_devices"),
-                               ("vae_group_size", "topology", "vae_group_size"), ("device", "topology", "device"),
-                               ("mode", "topology", "mode"), ("threads_per_worker", "topology", "threads_per_worker"),
-                               ("dit_checkpoint", "model", "dit_checkpoint"), ("dtype", "model", "dtype"),
-                               ("encoder", "encoder", "kind")):
+    for flag, section, key in (
+        ("host", "server", "host"),
+        ("port", "server", "port"),
+        ("instance", "server", "instance"),
+        ("log_level", "server", "log_level"),
+        ("dit_gpus", "topology", "dit_devices"),
+        ("vae_gpus", "topology", "vae_devices"),
+        ("vae_group_size", "topology", "vae_group_size"),
+        ("device", "topology", "device"),
+        ("mode", "topology", "mode"),
+        ("threads_per_worker", "topology", "threads_per_worker"),
+        ("dit_checkpoint", "model", "dit_checkpoint"),
+        ("dtype", "model", "dtype"),
+        ("encoder", "encoder", "kind"),
+    ):
         v = getattr(a, flag)
         if v is not None:
             o[section][key] = v
@@ -155,8 +170,11 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"streamdiffd: configuration error: {exc}", file=sys.stderr)
         return 2
-    logging.basicConfig(level=cfg.server.log_level.upper(), stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s [supervisor] %(name)s: %(message)s")
+    logging.basicConfig(
+        level=cfg.server.log_level.upper(),
+        stream=sys.stderr,
+        format="%(asctime)s %(levelname)s [supervisor] %(name)s: %(message)s",
+    )
     try:
         return asyncio.run(serve(cfg, api_keys))
     except KeyboardInterrupt:

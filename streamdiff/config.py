@@ -160,8 +160,9 @@ def _coerce(key: str, tp, value):
             raise ConfigError(f"{key}: expected a string, got {value!r}")
         return value
     if origin is tuple:
-        if not isinstance(value, list | tuple) or not all(isinstance(v, int) and not isinstance(v, bool)
-                                                          for v in value):
+        if not isinstance(value, list | tuple) or not all(
+            isinstance(v, int) and not isinstance(v, bool) for v in value
+        ):
             raise ConfigError(f"{key}: expected a list of integers, got {value!r}")
         return tuple(value)
     return value
@@ -213,44 +214,81 @@ def validate(cfg: Config) -> None:
     s, t, p, e, lim, m = cfg.server, cfg.topology, cfg.pipeline, cfg.encoder, cfg.limits, cfg.model
     _check(0 < s.port < 65536, "server.port", "must be 1-65535", s.port)
     _check(s.max_body_bytes >= 1024, "server.max_body_bytes", "must be >= 1024", s.max_body_bytes)
-    _check(s.log_level in ("debug", "info", "warning", "error"), "server.log_level",
-           "must be debug, info, warning or error", s.log_level)
+    _check(
+        s.log_level in ("debug", "info", "warning", "error"),
+        "server.log_level",
+        "must be debug, info, warning or error",
+        s.log_level,
+    )
     for k in ("client_write_timeout_s", "request_read_timeout_s", "drain_timeout_s"):
         _check(getattr(s, k) > 0, f"server.{k}", "must be > 0", getattr(s, k))
     _check(m.preset in ("tiny", "wan2.1-t2v-1.3b"), "model.preset", "must be tiny or wan2.1-t2v-1.3b", m.preset)
     _check(m.preset == "tiny" or bool(m.path), "model.path", "is required for real presets", m.path)
-    _check(m.dtype in ("auto", "float32", "bfloat16", "float16"), "model.dtype",
-           "must be auto, float32, bfloat16 or float16", m.dtype)
+    _check(
+        m.dtype in ("auto", "float32", "bfloat16", "float16"),
+        "model.dtype",
+        "must be auto, float32, bfloat16 or float16",
+        m.dtype,
+    )
     _check(0 < m.dit_vae_ratio <= 20, "model.dit_vae_ratio", "must be in (0, 20]", m.dit_vae_ratio)
     _check(t.mode in ("disaggregated", "aggregated"), "topology.mode", "must be disaggregated or aggregated", t.mode)
     _check(t.device in ("cpu", "cuda", "xpu"), "topology.device", "must be cpu, cuda or xpu", t.device)
     _check(1 <= t.dit_devices <= 64, "topology.dit_devices", "must be 1-64", t.dit_devices)
     _check(1 <= t.vae_devices <= 64, "topology.vae_devices", "must be 1-64", t.vae_devices)
     group = t.vae_group_size or t.vae_devices
-    _check(group >= 1 and t.vae_devices % group == 0, "topology.vae_group_size",
-           f"must divide vae_devices ({t.vae_devices})", t.vae_group_size)
+    _check(
+        group >= 1 and t.vae_devices % group == 0,
+        "topology.vae_group_size",
+        f"must divide vae_devices ({t.vae_devices})",
+        t.vae_group_size,
+    )
     _check(1 <= t.threads_per_worker <= 256, "topology.threads_per_worker", "must be 1-256", t.threads_per_worker)
     _check(p.max_blocks_in_flight >= 1, "pipeline.max_blocks_in_flight", "must be >= 1", p.max_blocks_in_flight)
     _check(p.latent_slots >= 2, "pipeline.latent_slots", "must be >= 2", p.latent_slots)
     _check(p.frame_slots >= 2, "pipeline.frame_slots", "must be >= 2", p.frame_slots)
-    for k in ("ready_timeout_s", "heartbeat_interval_s", "heartbeat_timeout_s", "block_timeout_s",
-              "collective_timeout_s"):
+    for k in (
+        "ready_timeout_s",
+        "heartbeat_interval_s",
+        "heartbeat_timeout_s",
+        "block_timeout_s",
+        "collective_timeout_s",
+    ):
         _check(getattr(p, k) > 0, f"pipeline.{k}", "must be > 0", getattr(p, k))
-    _check(p.heartbeat_timeout_s > p.heartbeat_interval_s, "pipeline.heartbeat_timeout_s",
-           "must exceed heartbeat_interval_s", p.heartbeat_timeout_s)
-    _check(e.kind in ("libx264", "auto", "h264_nvenc", "h264_vaapi", "h264_qsv", "ffmpeg-libx264"), "encoder.kind",
-           "must be libx264, auto, h264_nvenc, h264_vaapi, h264_qsv or ffmpeg-libx264", e.kind)
+    _check(
+        p.heartbeat_timeout_s > p.heartbeat_interval_s,
+        "pipeline.heartbeat_timeout_s",
+        "must exceed heartbeat_interval_s",
+        p.heartbeat_timeout_s,
+    )
+    _check(
+        e.kind in ("libx264", "auto", "h264_nvenc", "h264_vaapi", "h264_qsv", "ffmpeg-libx264"),
+        "encoder.kind",
+        "must be libx264, auto, h264_nvenc, h264_vaapi, h264_qsv or ffmpeg-libx264",
+        e.kind,
+    )
     _check(0 <= e.crf <= 51, "encoder.crf", "must be 0-51", e.crf)
     _check(e.keyframe_every_blocks >= 1, "encoder.keyframe_every_blocks", "must be >= 1", e.keyframe_every_blocks)
     _check(1 <= e.threads <= 64, "encoder.threads", "must be 1-64", e.threads)
     _check(lim.max_sessions >= 1, "limits.max_sessions", "must be >= 1", lim.max_sessions)
     _check(lim.max_queue >= 0, "limits.max_queue", "must be >= 0", lim.max_queue)
-    _check(16 <= lim.min_size <= min(lim.max_width, lim.max_height), "limits.min_size",
-           "must be >= 16 and <= max_width and max_height", lim.min_size)
-    _check(lim.max_width % 16 == 0 and lim.max_height % 16 == 0, "limits.max_width",
-           "max_width and max_height must be multiples of 16", (lim.max_width, lim.max_height))
-    _check(1 <= lim.min_fps <= lim.max_fps <= 240, "limits.max_fps", "need 1 <= min_fps <= max_fps <= 240",
-           (lim.min_fps, lim.max_fps))
+    _check(
+        16 <= lim.min_size <= min(lim.max_width, lim.max_height),
+        "limits.min_size",
+        "must be >= 16 and <= max_width and max_height",
+        lim.min_size,
+    )
+    _check(
+        lim.max_width % 16 == 0 and lim.max_height % 16 == 0,
+        "limits.max_width",
+        "max_width and max_height must be multiples of 16",
+        (lim.max_width, lim.max_height),
+    )
+    _check(
+        1 <= lim.min_fps <= lim.max_fps <= 240,
+        "limits.max_fps",
+        "need 1 <= min_fps <= max_fps <= 240",
+        (lim.min_fps, lim.max_fps),
+    )
     _check(lim.max_frames >= 1, "limits.max_frames", "must be >= 1", lim.max_frames)
     _check(lim.max_scenes >= 1, "limits.max_scenes", "must be >= 1", lim.max_scenes)
     _check(lim.max_prompt_chars >= 1, "limits.max_prompt_chars", "must be >= 1", lim.max_prompt_chars)

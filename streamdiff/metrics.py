@@ -60,25 +60,38 @@ class Counter:
 
 class Metrics:
     def __init__(self) -> None:
-        self.stage_seconds = Histogram("streamdiff_stage_block_seconds",
-                                       "Compute time of one block in a pipeline stage", labels=("stage",))
+        self.stage_seconds = Histogram(
+            "streamdiff_stage_block_seconds", "Compute time of one block in a pipeline stage", labels=("stage",)
+        )
         self.queue_seconds = Histogram("streamdiff_session_queue_seconds", "Time a session waited for admission")
-        self.ttff_seconds = Histogram("streamdiff_time_to_first_fragment_seconds",
-                                      "From request to the first fragment of a session")
-        self.fragment_interval_seconds = Histogram("streamdiff_fragment_interval_seconds",
-                                                   "Time between consecutive fragments of a session")
+        self.ttff_seconds = Histogram(
+            "streamdiff_time_to_first_fragment_seconds", "From request to the first fragment of a session"
+        )
+        self.fragment_interval_seconds = Histogram(
+            "streamdiff_fragment_interval_seconds", "Time between consecutive fragments of a session"
+        )
         self.frames = Counter("streamdiff_frames_total", "Video frames streamed")
         self.fragments = Counter("streamdiff_fragments_total", "CMAF fragments streamed")
-        self.stalls = Counter("streamdiff_stalls_total",
-                              "Fragments that arrived after real-time playback would have needed them")
+        self.stalls = Counter(
+            "streamdiff_stalls_total", "Fragments that arrived after real-time playback would have needed them"
+        )
         self.stall_seconds = Counter("streamdiff_stall_seconds_total", "Playback time lost to stalls")
         self.sessions = Counter("streamdiff_sessions_total", "Sessions that ended, by outcome", labels=("outcome",))
-        self.requests = Counter("streamdiff_http_requests_total", "HTTP requests by status class",
-                                labels=("status",))
+        self.requests = Counter("streamdiff_http_requests_total", "HTTP requests by status class", labels=("status",))
 
     def all(self):
-        return [self.stage_seconds, self.queue_seconds, self.ttff_seconds, self.fragment_interval_seconds,
-                self.frames, self.fragments, self.stalls, self.stall_seconds, self.sessions, self.requests]
+        return [
+            self.stage_seconds,
+            self.queue_seconds,
+            self.ttff_seconds,
+            self.fragment_interval_seconds,
+            self.frames,
+            self.fragments,
+            self.stalls,
+            self.stall_seconds,
+            self.sessions,
+            self.requests,
+        ]
 
 
 def _gauge(name: str, help: str, series) -> list[str]:
@@ -104,13 +117,22 @@ def render(supervisor, jobs) -> bytes:
         lines += _gauge("streamdiff_decode_queue_depth", "Latent blocks waiting for a frame slot", snap["decode_wait"])
         lines += _gauge("streamdiff_latent_slots_used", "Latent ring slots in use", snap["latent_slots_used"])
         lines += _gauge("streamdiff_frame_slots_used", "Frame ring slots in use", snap["frame_slots_used"])
-        lines += _gauge("streamdiff_stage_busy_seconds", "Summed compute time per stage",
-                        [({"stage": k}, ms / 1000) for k, ms in sched.stage_ms.items()])
+        lines += _gauge(
+            "streamdiff_stage_busy_seconds",
+            "Summed compute time per stage",
+            [({"stage": k}, ms / 1000) for k, ms in sched.stage_ms.items()],
+        )
     if supervisor.pool is not None:
         workers = supervisor.pool.workers
-        lines += _gauge("streamdiff_worker_up", "1 if the worker is ready",
-                        [({"worker": n}, 1 if w.ready else 0) for n, w in workers.items()])
-        lines += _gauge("streamdiff_worker_restarts", "Times the worker was restarted",
-                        [({"worker": n}, w.restarts) for n, w in workers.items()])
+        lines += _gauge(
+            "streamdiff_worker_up",
+            "1 if the worker is ready",
+            [({"worker": n}, 1 if w.ready else 0) for n, w in workers.items()],
+        )
+        lines += _gauge(
+            "streamdiff_worker_restarts",
+            "Times the worker was restarted",
+            [({"worker": n}, w.restarts) for n, w in workers.items()],
+        )
     lines += _gauge("streamdiff_jobs", "Jobs known to the API", len(jobs.jobs))
     return ("\n".join(lines) + "\n").encode()

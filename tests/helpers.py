@@ -31,15 +31,27 @@ def free_port() -> int:
 class Daemon:
     """streamdiffd in a subprocess on a free port with a unique instance name."""
 
-    def __init__(self, *args: str, env: dict | None = None, wait: bool = True, timeout_s: float = 120,
-                 instance: str | None = None) -> None:
+    def __init__(
+        self,
+        *args: str,
+        env: dict | None = None,
+        wait: bool = True,
+        timeout_s: float = 120,
+        instance: str | None = None,
+    ) -> None:
         self.port = free_port()
         self.instance = instance or "t" + secrets.token_hex(4)
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = tempfile.NamedTemporaryFile(prefix="streamdiffd-", suffix=".log", delete=False)
         cmd = [sys.executable, "-m", "streamdiff.cli", "--port", str(self.port), "--instance", self.instance, *args]
-        self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT,
-                                     env={**os.environ, **(env or {})}, start_new_session=True)
+        self.proc = subprocess.Popen(
+            cmd,
+            cwd=ROOT,
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, **(env or {})},
+            start_new_session=True,
+        )
         if wait:
             self.wait_healthy(timeout_s)
 
@@ -108,7 +120,7 @@ def boxes(data: bytes, start: int = 0, end: int | None = None) -> list[tuple[str
     end = len(data) if end is None else end
     out = []
     while start + 8 <= end:
-        size, kind = struct.unpack(">I4s", data[start:start + 8])
+        size, kind = struct.unpack(">I4s", data[start : start + 8])
         if size < 8:
             break
         out.append((kind.decode("latin-1"), start, size))
@@ -122,31 +134,38 @@ def fragments(data: bytes) -> list[dict]:
     out, pending_emsg = [], []
     for kind, off, size in boxes(data):
         if kind == "emsg":
-            body = data[off + 12:off + size]
+            body = data[off + 12 : off + size]
             timescale, pts, _dur, _id = struct.unpack(">IQII", body[:20])
             rest = body[20:]
             scheme, rest = rest.split(b"\0", 1)
             value, message = rest.split(b"\0", 1)
-            pending_emsg.append({"scheme": scheme.decode(), "value": value.decode(), "time": pts / timescale,
-                                 "message": json.loads(message)})
+            pending_emsg.append(
+                {
+                    "scheme": scheme.decode(),
+                    "value": value.decode(),
+                    "time": pts / timescale,
+                    "message": json.loads(message),
+                }
+            )
         elif kind == "moof":
             info = {"offset": off, "emsg": pending_emsg}
             pending_emsg = []
             for k2, o2, s2 in boxes(data, off + 8, off + size):
                 if k2 == "mfhd":
-                    info["sequence"] = struct.unpack(">I", data[o2 + 12:o2 + 16])[0]
+                    info["sequence"] = struct.unpack(">I", data[o2 + 12 : o2 + 16])[0]
                 if k2 == "traf":
                     for k3, o3, _s3 in boxes(data, o2 + 8, o2 + s2):
                         if k3 == "tfdt":
-                            info["decode_time"] = struct.unpack(">Q", data[o3 + 12:o3 + 20])[0]
+                            info["decode_time"] = struct.unpack(">Q", data[o3 + 12 : o3 + 20])[0]
                         if k3 == "trun":
-                            flags = struct.unpack(">I", data[o3 + 8:o3 + 12])[0] & 0xFFFFFF
-                            info["samples"] = struct.unpack(">I", data[o3 + 12:o3 + 16])[0]
+                            flags = struct.unpack(">I", data[o3 + 8 : o3 + 12])[0] & 0xFFFFFF
+                            info["samples"] = struct.unpack(">I", data[o3 + 12 : o3 + 16])[0]
                             p = o3 + 20 + (4 if flags & 0x4 else 0)
                             per = 4 * sum(bool(flags & b) for b in (0x100, 0x200, 0x400, 0x800))
                             first_flags_at = p + 4 * sum(bool(flags & b) for b in (0x100, 0x200))
                             info["first_sync"] = bool(flags & 0x400) and not (
-                                struct.unpack(">I", data[first_flags_at:first_flags_at + 4])[0] & 0x00010000)
+                                struct.unpack(">I", data[first_flags_at : first_flags_at + 4])[0] & 0x00010000
+                            )
                             info["entry_bytes"] = per
             out.append(info)
         elif kind == "mdat" and out:
@@ -172,9 +191,16 @@ def decode(data: bytes, strict: bool = True) -> dict:
             if strict:
                 raise
             error = str(exc)
-        return {"frames": len(frames), "width": s.codec_context.width, "height": s.codec_context.height,
-                "fps": float(s.average_rate or s.guessed_rate), "keyframes": keys, "pixels": frames, "pts": pts,
-                "error": error}
+        return {
+            "frames": len(frames),
+            "width": s.codec_context.width,
+            "height": s.codec_context.height,
+            "fps": float(s.average_rate or s.guessed_rate),
+            "keyframes": keys,
+            "pixels": frames,
+            "pts": pts,
+            "error": error,
+        }
 
 
 def ffprobe(data: bytes) -> dict | None:
@@ -185,13 +211,42 @@ def ffprobe(data: bytes) -> dict | None:
     with tempfile.NamedTemporaryFile(suffix=".mp4") as f:
         f.write(data)
         f.flush()
-        r = subprocess.run([exe, "-v", "error", "-count_frames", "-select_streams", "v:0", "-show_entries",
-                            "stream=nb_read_frames,width,height,r_frame_rate,codec_name,profile",
-                            "-of", "json", f.name], capture_output=True, text=True, timeout=60)
+        r = subprocess.run(
+            [
+                exe,
+                "-v",
+                "error",
+                "-count_frames",
+                "-select_streams",
+                "v:0",
+                "-show_entries",
+                "stream=nb_read_frames,width,height,r_frame_rate,codec_name,profile",
+                "-of",
+                "json",
+                f.name,
+            ],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         assert r.returncode == 0, r.stderr
         s = json.loads(r.stdout)["streams"][0]
-        errs = subprocess.run([shutil.which("ffmpeg") or "ffmpeg", "-v", "error", "-i", f.name, "-f", "null", "-"],
-                              capture_output=True, text=True, timeout=60).stderr if shutil.which("ffmpeg") else ""
-        return {"frames": int(s["nb_read_frames"]), "width": s["width"], "height": s["height"],
-                "fps": s["r_frame_rate"], "codec": s["codec_name"], "profile": s.get("profile"),
-                "decode_errors": errs.strip()}
+        errs = (
+            subprocess.run(
+                [shutil.which("ffmpeg") or "ffmpeg", "-v", "error", "-i", f.name, "-f", "null", "-"],
+                capture_output=True,
+                text=True,
+                timeout=60,
+            ).stderr
+            if shutil.which("ffmpeg")
+            else ""
+        )
+        return {
+            "frames": int(s["nb_read_frames"]),
+            "width": s["width"],
+            "height": s["height"],
+            "fps": s["r_frame_rate"],
+            "codec": s["codec_name"],
+            "profile": s.get("profile"),
+            "decode_errors": errs.strip(),
+        }

@@ -25,19 +25,22 @@ def test_shipped_config_has_every_key_with_its_default():
     assert load(ROOT / "etc" / "streamdiff.toml") == Config()
 
 
-@pytest.mark.parametrize("text,key", [
-    ("[server]\nport = 0", "server.port"),
-    ("[server]\nprot = 80", "prot"),
-    ("[topology]\nvae_devices = 3\nvae_group_size = 2", "topology.vae_group_size"),
-    ("[topology]\nmode = 'sideways'", "topology.mode"),
-    ("[topology]\ndit_devices = 'two'", "topology.dit_devices"),
-    ("[model]\npreset = 'wan2.1-t2v-1.3b'", "model.path"),
-    ("[encoder]\nkind = 'h265'", "encoder.kind"),
-    ("[limits]\nmax_width = 833", "limits.max_width"),
-    ("[pipeline]\nheartbeat_timeout_s = 0.5", "pipeline.heartbeat_timeout_s"),
-    ("[nonsense]\nx = 1", "nonsense"),
-    ("[server\nport = 1", "invalid TOML"),
-])
+@pytest.mark.parametrize(
+    "text,key",
+    [
+        ("[server]\nport = 0", "server.port"),
+        ("[server]\nprot = 80", "prot"),
+        ("[topology]\nvae_devices = 3\nvae_group_size = 2", "topology.vae_group_size"),
+        ("[topology]\nmode = 'sideways'", "topology.mode"),
+        ("[topology]\ndit_devices = 'two'", "topology.dit_devices"),
+        ("[model]\npreset = 'wan2.1-t2v-1.3b'", "model.path"),
+        ("[encoder]\nkind = 'h265'", "encoder.kind"),
+        ("[limits]\nmax_width = 833", "limits.max_width"),
+        ("[pipeline]\nheartbeat_timeout_s = 0.5", "pipeline.heartbeat_timeout_s"),
+        ("[nonsense]\nx = 1", "nonsense"),
+        ("[server\nport = 1", "invalid TOML"),
+    ],
+)
 def test_invalid_values_name_the_key(tmp_path, text, key):
     f = tmp_path / "c.toml"
     f.write_text(text)

@@ -35,8 +35,12 @@ def test_killed_shard_fails_its_stream_fast_and_the_group_comes_back(k3):
     shard = k3.health()["workers"]["vae0.1"]["pid"]
     t0 = time.monotonic()
     chunks, killed = [], None
-    with httpx.stream("POST", k3.url + "/v1/videos", timeout=120,
-                      json={"prompt": "doomed", "num_frames": 237, "size": "128x64", "stream": True}) as r:
+    with httpx.stream(
+        "POST",
+        k3.url + "/v1/videos",
+        timeout=120,
+        json={"prompt": "doomed", "num_frames": 237, "size": "128x64", "stream": True},
+    ) as r:
         video_id = r.headers["x-video-id"]
         try:
             for chunk in r.iter_raw():

@@ -132,8 +132,10 @@ def test_two_concurrent_streams_complete(daemon):
     def run(name, body):
         results[name] = stream_video(daemon.url, body)[0]
 
-    bodies = {"a": {"prompt": "a lighthouse in a storm", "num_frames": 45, "seed": 1},
-              "b": {"prompt": "a desert at dawn", "num_frames": 33, "size": "192x112", "seed": 2}}
+    bodies = {
+        "a": {"prompt": "a lighthouse in a storm", "num_frames": 45, "seed": 1},
+        "b": {"prompt": "a desert at dawn", "num_frames": 33, "size": "192x112", "seed": 2},
+    }
     threads = [threading.Thread(target=run, args=item) for item in bodies.items()]
     for t in threads:
         t.start()
@@ -210,8 +212,11 @@ def test_invalid_requests_get_openai_errors(daemon, body, status, param):
 
 def test_malformed_bodies_get_400_while_a_stream_runs(daemon):
     result = {}
-    t = threading.Thread(target=lambda: result.update(data=stream_video(
-        daemon.url, {"prompt": "a calm river", "num_frames": 81, "seed": 5})[0]))
+    t = threading.Thread(
+        target=lambda: result.update(
+            data=stream_video(daemon.url, {"prompt": "a calm river", "num_frames": 81, "seed": 5})[0]
+        )
+    )
     t.start()
     time.sleep(0.5)
     cases = [

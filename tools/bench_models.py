@@ -68,8 +68,16 @@ def build(spec: ModelSpec, device: str, random_weights: bool, layers: int | None
     return preset, dit, vae
 
 
-def bench(spec: ModelSpec, device: str, size: tuple[int, int], blocks: int, random_weights: bool,
-          layers: int | None = None, skip_vae: bool = False, warm_blocks: int | None = None) -> dict:
+def bench(
+    spec: ModelSpec,
+    device: str,
+    size: tuple[int, int],
+    blocks: int,
+    random_weights: bool,
+    layers: int | None = None,
+    skip_vae: bool = False,
+    warm_blocks: int | None = None,
+) -> dict:
     preset, dit, vae = build(spec, device, random_weights, layers)
     s = preset.sampler
     w, h = size
@@ -114,17 +122,30 @@ def bench(spec: ModelSpec, device: str, size: tuple[int, int], blocks: int, rand
         if not skip_vae:
             vae_t.append(one_vae(x0))
     out = {
-        "preset": preset.name, "device": device, "dtype": str(resolve_dtype(spec, device)).split(".")[-1],
-        "size": f"{w}x{h}", "frames_per_block": f, "steps": len(ts), "dit_layers": dit.cfg.num_layers,
-        "threads": torch.get_num_threads(), "first_block_dit_s": first_dit, "first_block_vae_s": first_vae,
-        "window_filled": warm_blocks is None, "dit_block_s": statistics.median(dit_t),
-        "dit_block_min_s": min(dit_t), "dit_block_max_s": max(dit_t),
+        "preset": preset.name,
+        "device": device,
+        "dtype": str(resolve_dtype(spec, device)).split(".")[-1],
+        "size": f"{w}x{h}",
+        "frames_per_block": f,
+        "steps": len(ts),
+        "dit_layers": dit.cfg.num_layers,
+        "threads": torch.get_num_threads(),
+        "first_block_dit_s": first_dit,
+        "first_block_vae_s": first_vae,
+        "window_filled": warm_blocks is None,
+        "dit_block_s": statistics.median(dit_t),
+        "dit_block_min_s": min(dit_t),
+        "dit_block_max_s": max(dit_t),
         "frames_out_per_block": preset.vae.frames_out(f, first_block=False),
     }
     if vae_t:
-        out.update(vae_block_s=statistics.median(vae_t), vae_block_min_s=min(vae_t), vae_block_max_s=max(vae_t),
-                   dit_vae_ratio=statistics.median(dit_t) / statistics.median(vae_t),
-                   vae_per_latent_frame_ms=1000 * statistics.median(vae_t) / f)
+        out.update(
+            vae_block_s=statistics.median(vae_t),
+            vae_block_min_s=min(vae_t),
+            vae_block_max_s=max(vae_t),
+            dit_vae_ratio=statistics.median(dit_t) / statistics.median(vae_t),
+            vae_per_latent_frame_ms=1000 * statistics.median(vae_t) / f,
+        )
     mem = peak_mem(device)
     if mem is not None:
         out["peak_mem_gib"] = mem
@@ -132,12 +153,16 @@ def bench(spec: ModelSpec, device: str, size: tuple[int, int], blocks: int, rand
 
 
 def show(r: dict) -> None:
-    line = (f"{r['preset']:>16} {r['size']:>8} {r['device']:>5} {r['dtype']:>8} threads={r['threads']} "
-            f"layers={r['dit_layers']} block={r['frames_per_block']}f/{r['steps']}st: "
-            f"DiT {1000 * r['dit_block_s']:.0f} ms/block")
+    line = (
+        f"{r['preset']:>16} {r['size']:>8} {r['device']:>5} {r['dtype']:>8} threads={r['threads']} "
+        f"layers={r['dit_layers']} block={r['frames_per_block']}f/{r['steps']}st: "
+        f"DiT {1000 * r['dit_block_s']:.0f} ms/block"
+    )
     if "vae_block_s" in r:
-        line += (f", VAE {1000 * r['vae_block_s']:.0f} ms/block ({r['vae_per_latent_frame_ms']:.0f} ms/latent frame), "
-                 f"DiT/VAE {r['dit_vae_ratio']:.2f}, {r['frames_out_per_block']} frames/block")
+        line += (
+            f", VAE {1000 * r['vae_block_s']:.0f} ms/block ({r['vae_per_latent_frame_ms']:.0f} ms/latent frame), "
+            f"DiT/VAE {r['dit_vae_ratio']:.2f}, {r['frames_out_per_block']} frames/block"
+        )
     if "peak_mem_gib" in r:
         line += f", peak {r['peak_mem_gib']:.1f} GiB"
     print(line, flush=True)
@@ -175,9 +200,11 @@ def main() -> None:
             overhead = one["dit_block_s"] - per_layer
             frac, over = per_layer / one["vae_block_s"], overhead / one["vae_block_s"]
             layers = max(1, round((a.dit_vae_ratio - over) / frac))
-            print(f"per-layer DiT {1000 * per_layer:.1f} ms/block, rest of the DiT {1000 * overhead:.1f} ms, "
-                  f"VAE {1000 * one['vae_block_s']:.0f} ms/block: TINY_LAYER_FRACTION = {frac:.4f}, "
-                  f"TINY_DIT_OVERHEAD_FRACTION = {over:.4f} -> {layers} layers for ratio {a.dit_vae_ratio}")
+            print(
+                f"per-layer DiT {1000 * per_layer:.1f} ms/block, rest of the DiT {1000 * overhead:.1f} ms, "
+                f"VAE {1000 * one['vae_block_s']:.0f} ms/block: TINY_LAYER_FRACTION = {frac:.4f}, "
+                f"TINY_DIT_OVERHEAD_FRACTION = {over:.4f} -> {layers} layers for ratio {a.dit_vae_ratio}"
+            )
             continue
         r = bench(spec, a.device, size, a.blocks, a.random_weights, warm_blocks=a.warm_blocks)
         show(r)

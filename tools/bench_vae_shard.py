@@ -107,27 +107,51 @@ def main() -> None:
     rows = []
     for size in a.sizes.split(","):
         w, h = (int(v) for v in size.split("x"))
-        layouts = [(k, front) for k in (int(v) for v in a.ks.split(","))
-                   for front in ([False, True] if a.front and k > 1 else [False])]
+        layouts = [
+            (k, front)
+            for k in (int(v) for v in a.ks.split(","))
+            for front in ([False, True] if a.front and k > 1 else [False])
+        ]
         times = {lay: [] for lay in layouts}
         halo = {}
         for _ in range(a.rounds):
             for k, front in layouts:
-                args = {"preset": a.preset, "model": a.model, "device": a.device, "size": (w, h), "frames": a.frames,
-                        "blocks": a.blocks, "warmup": a.warmup, "shard_front": front, "pin": not a.no_pin}
+                args = {
+                    "preset": a.preset,
+                    "model": a.model,
+                    "device": a.device,
+                    "size": (w, h),
+                    "frames": a.frames,
+                    "blocks": a.blocks,
+                    "warmup": a.warmup,
+                    "shard_front": front,
+                    "pin": not a.no_pin,
+                }
                 t, halo[(k, front)] = run(k, args)
                 times[(k, front)] += t
         base = statistics.median(times[layouts[0]])
         for (k, front), t in times.items():
             med = statistics.median(t)
-            r = {"k": k, "size": size, "frames_per_block": a.frames, "shard_front": front, "block_s": med,
-                 "min_s": min(t), "max_s": max(t), "samples": len(t), "speedup": base / med,
-                 "halo_bytes_per_block": halo[(k, front)]}
+            r = {
+                "k": k,
+                "size": size,
+                "frames_per_block": a.frames,
+                "shard_front": front,
+                "block_s": med,
+                "min_s": min(t),
+                "max_s": max(t),
+                "samples": len(t),
+                "speedup": base / med,
+                "halo_bytes_per_block": halo[(k, front)],
+            }
             rows.append(r)
             front_s = " sharded-front" if front else ""
-            print(f"{size:>8} k={k}{front_s}: {1000 * med:.0f} ms/block ({1000 * min(t):.0f}-{1000 * max(t):.0f}, "
-                  f"n={len(t)}), {1000 * med / a.frames:.0f} ms/latent frame, speedup {r['speedup']:.2f}x, "
-                  f"halo {r['halo_bytes_per_block'] / 1024:.0f} KiB/block/shard", flush=True)
+            print(
+                f"{size:>8} k={k}{front_s}: {1000 * med:.0f} ms/block ({1000 * min(t):.0f}-{1000 * max(t):.0f}, "
+                f"n={len(t)}), {1000 * med / a.frames:.0f} ms/latent frame, speedup {r['speedup']:.2f}x, "
+                f"halo {r['halo_bytes_per_block'] / 1024:.0f} KiB/block/shard",
+                flush=True,
+            )
     if a.json:
         p = Path(a.json)
         old = json.loads(p.read_text()) if p.exists() else []

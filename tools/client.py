@@ -68,11 +68,11 @@ def main() -> int:
                     break
                 box, buf = buf[:size], buf[size:]
                 if kind == b"emsg":
-                    msg = json.loads(box[box.index(b"\0", 32) + 1:].split(b"\0", 1)[1])
+                    msg = json.loads(box[box.index(b"\0", 32) + 1 :].split(b"\0", 1)[1])
                     print(f"  scene {msg['scene'] + 1} at frame {msg['start_frame']}: {msg['prompt']}")
                 elif kind == b"moof":
                     i = box.index(b"trun")
-                    frames += struct.unpack(">I", box[i + 8:i + 12])[0]
+                    frames += struct.unpack(">I", box[i + 8 : i + 12])[0]
                     fragments += 1
                     print(f"  {time.monotonic() - t0:6.2f}s fragment {fragments}: {frames} frames")
     print(f"done: {frames} frames in {time.monotonic() - t0:.1f}s")

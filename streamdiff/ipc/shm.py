@@ -95,8 +95,9 @@ class Ring:
         dtype = np.dtype(dtype)
         count = int(np.prod(shape))
         if count * dtype.itemsize > self.spec.slot_bytes:
-            raise ValueError(f"ring {self.spec.name}: {tuple(shape)} {dtype} does not fit a slot of "
-                             f"{self.spec.slot_bytes} bytes")
+            raise ValueError(
+                f"ring {self.spec.name}: {tuple(shape)} {dtype} does not fit a slot of {self.spec.slot_bytes} bytes"
+            )
         return np.frombuffer(self.segment.buf, dtype, count, slot * self.spec.slot_bytes).reshape(shape)
 
     def close(self, unlink: bool = False) -> None:
@@ -152,11 +153,3 @@ def sweep_stale(instance: str, shm_dir: str = SHM_DIR) -> list[str]:
             except FileNotFoundError:
                 pass
     return removed
-
-
-def instance_segments(instance: str, shm_dir: str = SHM_DIR) -> list[str]:
-    prefix = f"{PREFIX}{instance}-"
-    try:
-        return sorted(n for n in os.listdir(shm_dir) if n.startswith(prefix))
-    except FileNotFoundError:
-        return []

@@ -48,7 +48,7 @@ def split_annexb(data: bytes) -> list[bytes]:
         i = data.find(b"\x00\x00\x01", i + 3)
     nals = []
     for k, s in enumerate(starts):
-        nal = data[s:starts[k + 1] - 3 if k + 1 < len(starts) else len(data)].rstrip(b"\x00")
+        nal = data[s : starts[k + 1] - 3 if k + 1 < len(starts) else len(data)].rstrip(b"\x00")
         if nal:
             nals.append(nal)
     return nals
@@ -74,8 +74,8 @@ def filter_avcc(data: bytes) -> tuple[bytes, bool]:
     """AVCC sample -> (the same without SPS/PPS/AUD NAL units, is_idr)."""
     out, idr, i = [], False, 0
     while i + 4 <= len(data):
-        n = struct.unpack(">I", data[i:i + 4])[0]
-        nal = data[i + 4:i + 4 + n]
+        n = struct.unpack(">I", data[i : i + 4])[0]
+        nal = data[i + 4 : i + 4 + n]
         i += 4 + n
         t = nal_type(nal) if nal else 0
         if t in (7, 8, 9) or not nal:
@@ -88,11 +88,11 @@ def filter_avcc(data: bytes) -> tuple[bytes, bool]:
 def avcc_parameter_sets(record: bytes) -> tuple[bytes, bytes]:
     """SPS and PPS from an AVCDecoderConfigurationRecord (avcC body)."""
     i = 6
-    n = struct.unpack(">H", record[i:i + 2])[0]
-    sps = record[i + 2:i + 2 + n]
+    n = struct.unpack(">H", record[i : i + 2])[0]
+    sps = record[i + 2 : i + 2 + n]
     i += 2 + n + 1
-    n = struct.unpack(">H", record[i:i + 2])[0]
-    return sps, record[i + 2:i + 2 + n]
+    n = struct.unpack(">H", record[i : i + 2])[0]
+    return sps, record[i + 2 : i + 2 + n]
 
 
 def parameter_sets(annexb: bytes) -> tuple[bytes, bytes]:
@@ -125,21 +125,51 @@ def _avcc(sps: bytes, pps: bytes) -> bytes:
 
 def init_segment(width: int, height: int, timescale: int, sps: bytes, pps: bytes) -> bytes:
     ftyp = box(b"ftyp", b"cmfc", struct.pack(">I", 0), b"cmfc", b"iso6", b"mp41")
-    mvhd = full_box(b"mvhd", 0, 0, struct.pack(">IIII", 0, 0, timescale, 0),
-                    struct.pack(">IH", 0x00010000, 0x0100), bytes(10), struct.pack(">9I", *MATRIX), bytes(24),
-                    struct.pack(">I", 2))
-    tkhd = full_box(b"tkhd", 0, 3, struct.pack(">IIIII", 0, 0, 1, 0, 0), bytes(8),
-                    struct.pack(">hhhH", 0, 0, 0, 0), struct.pack(">9I", *MATRIX),
-                    struct.pack(">II", width << 16, height << 16))
+    mvhd = full_box(
+        b"mvhd",
+        0,
+        0,
+        struct.pack(">IIII", 0, 0, timescale, 0),
+        struct.pack(">IH", 0x00010000, 0x0100),
+        bytes(10),
+        struct.pack(">9I", *MATRIX),
+        bytes(24),
+        struct.pack(">I", 2),
+    )
+    tkhd = full_box(
+        b"tkhd",
+        0,
+        3,
+        struct.pack(">IIIII", 0, 0, 1, 0, 0),
+        bytes(8),
+        struct.pack(">hhhH", 0, 0, 0, 0),
+        struct.pack(">9I", *MATRIX),
+        struct.pack(">II", width << 16, height << 16),
+    )
     mdhd = full_box(b"mdhd", 0, 0, struct.pack(">IIII", 0, 0, timescale, 0), struct.pack(">HH", 0x55C4, 0))
     hdlr = full_box(b"hdlr", 0, 0, struct.pack(">I", 0), b"vide", bytes(12), b"streamdiff video\x00")
     name = b"streamdiff H.264"
-    avc1 = box(b"avc1", bytes(6), struct.pack(">H", 1), bytes(16), struct.pack(">HH", width, height),
-               struct.pack(">II", 0x00480000, 0x00480000), struct.pack(">I", 0), struct.pack(">H", 1),
-               bytes([len(name)]) + name + bytes(31 - len(name)), struct.pack(">Hh", 0x0018, -1), _avcc(sps, pps))
-    stbl = box(b"stbl", full_box(b"stsd", 0, 0, struct.pack(">I", 1), avc1),
-               full_box(b"stts", 0, 0, struct.pack(">I", 0)), full_box(b"stsc", 0, 0, struct.pack(">I", 0)),
-               full_box(b"stsz", 0, 0, struct.pack(">II", 0, 0)), full_box(b"stco", 0, 0, struct.pack(">I", 0)))
+    avc1 = box(
+        b"avc1",
+        bytes(6),
+        struct.pack(">H", 1),
+        bytes(16),
+        struct.pack(">HH", width, height),
+        struct.pack(">II", 0x00480000, 0x00480000),
+        struct.pack(">I", 0),
+        struct.pack(">H", 1),
+        bytes([len(name)]) + name + bytes(31 - len(name)),
+        struct.pack(">Hh", 0x0018, -1),
+        _avcc(sps, pps),
+    )
+    stbl = box(
+        b"stbl",
+        full_box(b"stsd", 0, 0, struct.pack(">I", 1), avc1),
+        full_box(b"stts", 0, 0, struct.pack(">I", 0)),
+        full_box(b"stsc", 0, 0, struct.pack(">I", 0)),
+        full_box(b"stsz", 0, 0, struct.pack(">II", 0, 0)),
+        full_box(b"stco", 0, 0, struct.pack(">I", 0)),
+    )
     dinf = box(b"dinf", full_box(b"dref", 0, 0, struct.pack(">I", 1), full_box(b"url ", 0, 1)))
     minf = box(b"minf", full_box(b"vmhd", 0, 1, bytes(8)), dinf, stbl)
     trak = box(b"trak", tkhd, box(b"mdia", mdhd, hdlr, minf))
@@ -147,11 +177,25 @@ def init_segment(width: int, height: int, timescale: int, sps: bytes, pps: bytes
     return ftyp + box(b"moov", mvhd, trak, mvex)
 
 
-def emsg(timescale: int, presentation_time: int, duration: int, event_id: int, value: str,
-         message: bytes, scheme: str = SCENE_SCHEME) -> bytes:
+def emsg(
+    timescale: int,
+    presentation_time: int,
+    duration: int,
+    event_id: int,
+    value: str,
+    message: bytes,
+    scheme: str = SCENE_SCHEME,
+) -> bytes:
     """A version-1 event message box (timed metadata, e.g. the start of a scene)."""
-    return full_box(b"emsg", 1, 0, struct.pack(">IQII", timescale, presentation_time, duration, event_id),
-                    scheme.encode() + b"\x00", value.encode() + b"\x00", message)
+    return full_box(
+        b"emsg",
+        1,
+        0,
+        struct.pack(">IQII", timescale, presentation_time, duration, event_id),
+        scheme.encode() + b"\x00",
+        value.encode() + b"\x00",
+        message,
+    )
 
 
 @dataclass
@@ -160,14 +204,14 @@ class Sample:
     keyframe: bool
 
 
-def media_fragment(sequence: int, decode_time: int, sample_duration: int, samples: Iterable[Sample],
-                   prefix: bytes = b"") -> bytes:
+def media_fragment(
+    sequence: int, decode_time: int, sample_duration: int, samples: Iterable[Sample], prefix: bytes = b""
+) -> bytes:
     """prefix (emsg boxes) + moof + mdat for consecutive samples of equal duration."""
     samples = list(samples)
     if not samples:
         raise ValueError("a fragment needs at least one sample")
-    entries = b"".join(struct.pack(">II", len(s.data), SYNC_SAMPLE if s.keyframe else NON_SYNC_SAMPLE)
-                       for s in samples)
+    entries = b"".join(struct.pack(">II", len(s.data), SYNC_SAMPLE if s.keyframe else NON_SYNC_SAMPLE) for s in samples)
 
     def moof(data_offset: int) -> bytes:
         tfhd = full_box(b"tfhd", 0, 0x020008, struct.pack(">II", 1, sample_duration))
@@ -178,14 +222,3 @@ def media_fragment(sequence: int, decode_time: int, sample_duration: int, sample
     size = len(moof(0))
     mdat = box(b"mdat", *(s.data for s in samples))
     return prefix + moof(size + 8) + mdat
-
-
-def iter_boxes(data: bytes, offset: int = 0, end: int | None = None):
-    """(type, start, size) of each top-level box in data[offset:end]."""
-    end = len(data) if end is None else end
-    while offset + 8 <= end:
-        size, kind = struct.unpack(">I4s", data[offset:offset + 8])
-        if size < 8 or offset + size > end:
-            return
-        yield kind.decode("latin-1"), offset, size
-        offset += size

@@ -49,8 +49,9 @@ class EncoderError(RuntimeError):
 class PyAVEncoder:
     name = "libx264"
 
-    def __init__(self, width: int, height: int, fps: int, crf: int = 23, profile: str = "baseline",
-                 threads: int = 1) -> None:
+    def __init__(
+        self, width: int, height: int, fps: int, crf: int = 23, profile: str = "baseline", threads: int = 1
+    ) -> None:
         import av
 
         self._av = av
@@ -59,8 +60,16 @@ class PyAVEncoder:
         c.time_base, c.framerate = Fraction(1, fps), Fraction(fps, 1)
         c.flags |= av.codec.context.Flags.global_header  # SPS/PPS in extradata, for avcC
         c.thread_count = threads
-        c.options = {"preset": "ultrafast", "tune": "zerolatency", "profile": profile, "crf": str(crf),
-                     "forced-idr": "1", "scenecut": "0", "keyint": "100000", "bframes": "0"}
+        c.options = {
+            "preset": "ultrafast",
+            "tune": "zerolatency",
+            "profile": profile,
+            "crf": str(crf),
+            "forced-idr": "1",
+            "scenecut": "0",
+            "keyint": "100000",
+            "bframes": "0",
+        }
         c.open()
         self._ctx = c
         self._pts = 0
@@ -94,9 +103,18 @@ class FFmpegEncoder:
     is (a raw Annex B stream only shows where a frame ends when the next one begins).
     """
 
-    def __init__(self, codec: str, width: int, height: int, fps: int, keyframe_times: list[float],
-                 bitrate_kbps: int = 0, device: str | None = None, ffmpeg: str = "ffmpeg",
-                 timeout_s: float = 30.0) -> None:
+    def __init__(
+        self,
+        codec: str,
+        width: int,
+        height: int,
+        fps: int,
+        keyframe_times: list[float],
+        bitrate_kbps: int = 0,
+        device: str | None = None,
+        ffmpeg: str = "ffmpeg",
+        timeout_s: float = 30.0,
+    ) -> None:
         self.name = codec
         self.width, self.height, self.timeout_s = width, height, timeout_s
         cmd = [ffmpeg, "-hide_banner", "-loglevel", "error", "-nostdin"]
@@ -166,8 +184,9 @@ class FFmpegEncoder:
             try:
                 packet = self._packets.get(timeout=self.timeout_s)
             except queue.Empty:
-                raise EncoderError(f"{self.name} held frames back for {self.timeout_s}s "
-                                   "(needs a zero-latency mode)") from None
+                raise EncoderError(
+                    f"{self.name} held frames back for {self.timeout_s}s (needs a zero-latency mode)"
+                ) from None
             if packet is None:
                 raise EncoderError(f"{self.name} exited: {self._stderr()}")
             data, _ = packet
@@ -216,8 +235,16 @@ def hardware_available(codec: str, device: str | None = None, ffmpeg: str = "ffm
     return _HW_PROBE[key]
 
 
-def open_encoder(kind: str, width: int, height: int, fps: int, keyframe_frames: list[int], crf: int = 23,
-                 bitrate_kbps: int = 0, device: str | None = None):
+def open_encoder(
+    kind: str,
+    width: int,
+    height: int,
+    fps: int,
+    keyframe_frames: list[int],
+    crf: int = 23,
+    bitrate_kbps: int = 0,
+    device: str | None = None,
+):
     """kind: 'libx264' (in-process), 'auto' (first working hardware encoder, else libx264),
     'ffmpeg-libx264' (the child-process path with a software codec), or a hardware codec name."""
     codec = kind
@@ -255,8 +282,10 @@ class FragmentWriter:
         """events: (frame offset in this block, value, message) -> emsg boxes before the moof."""
         samples = self.encoder.encode(frames, idr_first)
         self.sequence += 1
-        prefix = b"".join(emsg(self.timescale, self.decode_time + 1000 * off, 0, self.sequence * 100 + k, value, msg)
-                          for k, (off, value, msg) in enumerate(events))
+        prefix = b"".join(
+            emsg(self.timescale, self.decode_time + 1000 * off, 0, self.sequence * 100 + k, value, msg)
+            for k, (off, value, msg) in enumerate(events)
+        )
         out = self.init_segment() + media_fragment(self.sequence, self.decode_time, 1000, samples, prefix)
         self.decode_time += 1000 * len(samples)
         self.frames += len(samples)

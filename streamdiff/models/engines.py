@@ -99,8 +99,14 @@ class VAEEngine:
     def frames_out(self, latent_frames: int, state: VAEState) -> int:
         return self.preset.vae.frames_out(latent_frames, first_block=state.latent_frames == 0)
 
-    def decode_block(self, state: VAEState, latent: torch.Tensor, rows: tuple[int, int] | None = None,
-                     halo: Halo | None = None, shard_front: bool = False) -> torch.Tensor:
+    def decode_block(
+        self,
+        state: VAEState,
+        latent: torch.Tensor,
+        rows: tuple[int, int] | None = None,
+        halo: Halo | None = None,
+        shard_front: bool = False,
+    ) -> torch.Tensor:
         """(1, C, f, h, w) -> (frames, 8h, 8w, 3) uint8 on the CPU; with `rows`, only that
         band of latent rows (one shard of a VAE group, exchanging through `halo`)."""
         x = self.model.decode_rows(latent.to(self.device), state, rows, halo, shard_front)

@@ -38,8 +38,14 @@ from .wan.sampler import SamplerConfig
 from .wan.text import TinyTextEncoder, UMT5TextEncoder
 from .wan.vae import VAEConfig, WanVAEDecoder
 
-DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
-          "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+}
 
 # Calibration of the tiny preset's DiT depth, as fractions of one VAE decode per steady-state
 # block at the default 256x144 (full attention window, 4 steps + the cache refresh): each DiT
@@ -72,8 +78,15 @@ def tiny_layers(ratio: float) -> int:
 
 def get_preset(spec: ModelSpec) -> Preset:
     if spec.preset == "tiny":
-        dit = DiTConfig(dim=64, ffn_dim=256, freq_dim=64, num_heads=2, num_layers=tiny_layers(spec.dit_vae_ratio),
-                        text_dim=64, text_len=32)
+        dit = DiTConfig(
+            dim=64,
+            ffn_dim=256,
+            freq_dim=64,
+            num_heads=2,
+            num_layers=tiny_layers(spec.dit_vae_ratio),
+            text_dim=64,
+            text_len=32,
+        )
         vae = VAEConfig(base_dim=8, num_res_blocks=0)
         sampler = SamplerConfig(frames_per_block=3, window_frames=12)
         p = Preset("tiny", dit, vae, sampler, "tiny", (256, 144), embedded=True)

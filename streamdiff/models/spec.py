@@ -22,8 +22,20 @@ class ModelSpec:
 # What the supervisor needs to know about each preset before any worker has started (it sizes
 # the shared-memory rings with these; workers confirm them in their READY message).
 PRESET_FACTS = {
-    "tiny": {"latent_channels": 16, "spatial_factor": 8, "temporal_factor": 4, "frames_per_block": 3,
-             "fps": 16, "default_size": (256, 144)},
-    "wan2.1-t2v-1.3b": {"latent_channels": 16, "spatial_factor": 8, "temporal_factor": 4, "frames_per_block": 3,
-                        "fps": 16, "default_size": (832, 480)},
+    "tiny": {
+        "latent_channels": 16,
+        "spatial_factor": 8,
+        "temporal_factor": 4,
+        "frames_per_block": 3,
+        "fps": 16,
+        "default_size": (256, 144),
+    },
+    "wan2.1-t2v-1.3b": {
+        "latent_channels": 16,
+        "spatial_factor": 8,
+        "temporal_factor": 4,
+        "frames_per_block": 3,
+        "fps": 16,
+        "default_size": (832, 480),
+    },
 }

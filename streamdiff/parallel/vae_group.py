@@ -43,8 +43,14 @@ def split_rows(height: int, world: int) -> list[tuple[int, int]]:
 def init_group(init_addr: str, rank: int, world: int, device: str, timeout_s: float) -> None:
     dev = torch.device(device)
     kw = {"device_id": dev} if dev.type == "cuda" else {}
-    dist.init_process_group(BACKENDS[dev.type], init_method=init_addr, rank=rank, world_size=world,
-                            timeout=timedelta(seconds=timeout_s), **kw)
+    dist.init_process_group(
+        BACKENDS[dev.type],
+        init_method=init_addr,
+        rank=rank,
+        world_size=world,
+        timeout=timedelta(seconds=timeout_s),
+        **kw,
+    )
 
 
 def group_any(flag: bool, device: str) -> bool:
@@ -115,4 +121,4 @@ class ExchangeHalo(Halo):
     def local(self, x: torch.Tensor) -> torch.Tensor:
         r0, r1 = self.bands[self.rank]
         s = x.shape[-2] // self.bands[-1][1]
-        return x[..., r0 * s:r1 * s, :]
+        return x[..., r0 * s : r1 * s, :]

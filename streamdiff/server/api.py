@@ -16,15 +16,37 @@ from dataclasses import dataclass
 from ..config import Config
 from ..plan import Scene, shot_latent_frames
 
-KNOWN_FIELDS = {"prompt", "model", "seconds", "num_frames", "size", "width", "height", "fps", "seed", "stream",
-                "scenes", "input_reference", "negative_prompt", "num_inference_steps", "user"}
+KNOWN_FIELDS = {
+    "prompt",
+    "model",
+    "seconds",
+    "num_frames",
+    "size",
+    "width",
+    "height",
+    "fps",
+    "seed",
+    "stream",
+    "scenes",
+    "input_reference",
+    "negative_prompt",
+    "num_inference_steps",
+    "user",
+}
 SCENE_FIELDS = {"prompt", "seconds", "num_frames", "transition", "seed"}
 MAX_SEED = 2**63 - 1
 
 
 class APIError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 type: str = "invalid_request_error", headers: dict | None = None) -> None:
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        code: str | None = None,
+        type: str = "invalid_request_error",
+        headers: dict | None = None,
+    ) -> None:
         super().__init__(message)
         self.status, self.message, self.param, self.code, self.type = status, message, param, code, type
         self.headers = headers or {}
@@ -110,12 +132,18 @@ def _length(obj: dict, fps: int, param: str, max_frames: int) -> int | None:
         if secs <= 0:
             raise bad(f"'{param}seconds' must be positive, got {obj['seconds']!r}", f"{param}seconds")
         if secs * fps > max_frames:
-            raise bad(f"'{param}seconds' ({secs:g}) at {fps} fps is more than {max_frames} frames",
-                      f"{param}seconds", "too_long")
+            raise bad(
+                f"'{param}seconds' ({secs:g}) at {fps} fps is more than {max_frames} frames",
+                f"{param}seconds",
+                "too_long",
+            )
         from_secs = max(1, round(secs * fps))
         if frames is not None and frames != from_secs:
-            raise bad(f"'{param}num_frames' ({frames}) and '{param}seconds' ({secs:g} s = {from_secs} frames at "
-                      f"{fps} fps) disagree", f"{param}num_frames")
+            raise bad(
+                f"'{param}num_frames' ({frames}) and '{param}seconds' ({secs:g} s = {from_secs} frames at "
+                f"{fps} fps) disagree",
+                f"{param}num_frames",
+            )
         frames = from_secs
     return frames
 
@@ -128,9 +156,11 @@ def parse_video_request(data, cfg: Config, facts: dict) -> VideoRequest:
     if unknown:
         raise bad(f"Unrecognized request argument supplied: {', '.join(unknown)}", unknown[0], "unknown_parameter")
     lim = cfg.limits
-    for param, why in (("input_reference", "image-to-video is not supported by this server"),
-                       ("negative_prompt", "the distilled causal models sample without classifier-free guidance"),
-                       ("num_inference_steps", "the step list is fixed by the model (see [sampler] steps)")):
+    for param, why in (
+        ("input_reference", "image-to-video is not supported by this server"),
+        ("negative_prompt", "the distilled causal models sample without classifier-free guidance"),
+        ("num_inference_steps", "the step list is fixed by the model (see [sampler] steps)"),
+    ):
         if data.get(param) not in (None, ""):
             raise bad(f"'{param}' is not supported: {why}", param, "unsupported_parameter")
 
@@ -139,8 +169,12 @@ def parse_video_request(data, cfg: Config, facts: dict) -> VideoRequest:
         raise bad("'model' must be a string", "model")
     served = {cfg.model_name, cfg.model.preset, facts.get("model", "")}
     if model is not None and model not in served:
-        raise APIError(404, f"The model '{model}' does not exist; this server serves '{cfg.model_name}'", "model",
-                       "model_not_found")
+        raise APIError(
+            404,
+            f"The model '{model}' does not exist; this server serves '{cfg.model_name}'",
+            "model",
+            "model_not_found",
+        )
 
     fps = _integer(data["fps"], "fps", lim.min_fps, lim.max_fps) if data.get("fps") is not None else facts["fps"]
     width, height = facts["default_size"]
@@ -157,8 +191,11 @@ def parse_video_request(data, cfg: Config, facts: dict) -> VideoRequest:
         height = _integer(data.get("height", height), "height", 1, 1 << 16)
     mult = facts.get("size_multiple", 16)
     if not (lim.min_size <= width <= lim.max_width and lim.min_size <= height <= lim.max_height):
-        raise bad(f"size {width}x{height} is outside {lim.min_size}x{lim.min_size} .. "
-                  f"{lim.max_width}x{lim.max_height}", "size", "unsupported_size")
+        raise bad(
+            f"size {width}x{height} is outside {lim.min_size}x{lim.min_size} .. {lim.max_width}x{lim.max_height}",
+            "size",
+            "unsupported_size",
+        )
     if width % mult or height % mult:
         raise bad(f"width and height must be multiples of {mult}, got {width}x{height}", "size", "unsupported_size")
 
@@ -187,8 +224,12 @@ def parse_video_request(data, cfg: Config, facts: dict) -> VideoRequest:
     longest = shot_latent_frames(scenes, facts["temporal_factor"])
     max_shot = facts.get("max_shot_latent_frames", 1024)
     if longest > max_shot:
-        raise bad(f"one shot would need {longest} latent frames; the model's positions stop at {max_shot}: "
-                  "split it with a 'cut'", "scenes", "too_long")
+        raise bad(
+            f"one shot would need {longest} latent frames; the model's positions stop at {max_shot}: "
+            "split it with a 'cut'",
+            "scenes",
+            "too_long",
+        )
     return VideoRequest(model or cfg.model_name, scenes, width, height, fps, seed, stream)
 
 
@@ -205,8 +246,9 @@ def _parse_scenes(raw, total: int | None, fps: int, cfg: Config) -> list[Scene]:
             raise bad(f"'scenes[{i}]' must be an object", f"scenes[{i}]")
         unknown = sorted(set(sc) - SCENE_FIELDS)
         if unknown:
-            raise bad(f"Unrecognized scene argument supplied: {', '.join(unknown)}", p + unknown[0],
-                      "unknown_parameter")
+            raise bad(
+                f"Unrecognized scene argument supplied: {', '.join(unknown)}", p + unknown[0], "unknown_parameter"
+            )
         prompt = _prompt(sc.get("prompt"), p + "prompt", lim.max_prompt_chars)
         transition = sc.get("transition", "cut")
         if transition not in ("cut", "continue"):
@@ -219,8 +261,11 @@ def _parse_scenes(raw, total: int | None, fps: int, cfg: Config) -> list[Scene]:
     missing = [i for i, n in enumerate(lengths) if n is None]
     if missing:
         if total is None:
-            raise bad(f"scene {missing[0]} has no 'seconds' or 'num_frames' and the request gives no total",
-                      f"scenes[{missing[0]}].seconds", "missing_required_parameter")
+            raise bad(
+                f"scene {missing[0]} has no 'seconds' or 'num_frames' and the request gives no total",
+                f"scenes[{missing[0]}].seconds",
+                "missing_required_parameter",
+            )
         left = total - sum(n for n in lengths if n is not None)
         if left < len(missing):
             raise bad(f"the scenes' lengths exceed the request's total of {total} frames", "scenes")

@@ -25,7 +25,6 @@ JOBS = web.AppKey("jobs", JobStore)
 CONFIG = web.AppKey("config", Config)
 API_KEYS = web.AppKey("api_keys", list)
 STATIC = Path(__file__).with_name("static")
-_session_counter = 0
 
 
 def error_json(err: APIError) -> web.Response:
@@ -84,8 +83,14 @@ async def auth_middleware(request: web.Request, handler):
         for key in keys:
             ok |= hmac.compare_digest(token, key)
         if not ok:
-            raise APIError(401, "Incorrect API key provided", None, "invalid_api_key", "invalid_request_error",
-                           {"WWW-Authenticate": "Bearer"})
+            raise APIError(
+                401,
+                "Incorrect API key provided",
+                None,
+                "invalid_api_key",
+                "invalid_request_error",
+                {"WWW-Authenticate": "Bearer"},
+            )
     return await handler(request)
 
 
@@ -114,8 +119,12 @@ async def read_request_data(request: web.Request) -> dict:
     except TimeoutError:
         raise APIError(408, f"the request body did not arrive within {timeout:g}s", None, "request_timeout") from None
     if ctype not in ("application/json", "", "application/octet-stream", "text/plain"):
-        raise APIError(415, f"unsupported content type {ctype!r}: send application/json or multipart/form-data",
-                       None, "unsupported_media_type")
+        raise APIError(
+            415,
+            f"unsupported content type {ctype!r}: send application/json or multipart/form-data",
+            None,
+            "unsupported_media_type",
+        )
     try:
         data = json.loads(raw or b"null")
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
@@ -130,12 +139,17 @@ async def read_request_data(request: web.Request) -> dict:
 
 def _supervisor_ready(sup: Supervisor) -> None:
     if sup.state != RUNNING:
-        raise APIError(503, "the server is shutting down" if sup.state != "starting" else "the server is starting",
-                       None, "unavailable", "server_error", {"Retry-After": "5"})
+        raise APIError(
+            503,
+            "the server is shutting down" if sup.state != "starting" else "the server is starting",
+            None,
+            "unavailable",
+            "server_error",
+            {"Retry-After": "5"},
+        )
 
 
 async def create_video(request: web.Request) -> web.StreamResponse:
-    global _session_counter
     sup, cfg, jobs = request.app[SUPERVISOR], request.app[CONFIG], request.app[JOBS]
     _supervisor_ready(sup)
     data = await read_request_data(request)
@@ -144,18 +158,31 @@ async def create_video(request: web.Request) -> web.StreamResponse:
 
     blocks = plan_blocks(req.scenes, sup.facts["frames_per_block"], sup.facts["temporal_factor"])
     job = Job(req, sup.scheduler.acknowledge, live_consumer=req.stream)
-    _session_counter += 1
-    sess = Session(f"s{_session_counter}-{job.id[-6:]}", req.scenes, blocks, req.width, req.height, req.fps,
-                   req.seed, job)
+    sess = Session(job.id, req.scenes, blocks, req.width, req.height, req.fps, req.seed, job)
     job.session_id = sess.id
     try:
         sup.scheduler.submit(sess)
     except QueueFull as exc:
-        raise APIError(429, f"the server is busy ({exc}); retry later", None, "rate_limit_exceeded",
-                       "rate_limit_error", {"Retry-After": "10"}) from None
+        raise APIError(
+            429,
+            f"the server is busy ({exc}); retry later",
+            None,
+            "rate_limit_exceeded",
+            "rate_limit_error",
+            {"Retry-After": "10"},
+        ) from None
     jobs.add(job)
-    log.info("job %s: %d frames %dx%d@%d, %d scene(s), %d blocks, stream=%s", job.id, req.frames, req.width,
-             req.height, req.fps, len(req.scenes), len(blocks), req.stream)
+    log.info(
+        "job %s: %d frames %dx%d@%d, %d scene(s), %d blocks, stream=%s",
+        job.id,
+        req.frames,
+        req.width,
+        req.height,
+        req.fps,
+        len(req.scenes),
+        len(blocks),
+        req.stream,
+    )
     if not req.stream:
         return web.json_response(job.video_object(), headers={"openai-poll-after-ms": "1000"})
     return await stream_job(request, job, live=True)
@@ -165,8 +192,14 @@ async def stream_job(request: web.Request, job: Job, live: bool, start_chunk: in
     """Write the job's bytes as they come. `live`: this response is the job's consumer (acks
     each fragment: backpressure) and its disconnect cancels the job."""
     sup = request.app[SUPERVISOR]
-    resp = web.StreamResponse(headers={"Content-Type": "video/mp4", "Cache-Control": "no-store",
-                                       "X-Video-Id": job.id, "X-Content-Type-Options": "nosniff"})
+    resp = web.StreamResponse(
+        headers={
+            "Content-Type": "video/mp4",
+            "Cache-Control": "no-store",
+            "X-Video-Id": job.id,
+            "X-Content-Type-Options": "nosniff",
+        }
+    )
     resp.enable_chunked_encoding()
     await resp.prepare(request)
     timeout = request.app[CONFIG].server.client_write_timeout_s
@@ -223,8 +256,15 @@ async def list_videos(request: web.Request) -> web.Response:
         raise bad(f"'after' names no video: {after!r}", "after")
     jobs, more = request.app[JOBS].page(after, limit, order)
     data = [j.video_object() for j in jobs]
-    return web.json_response({"object": "list", "data": data, "first_id": data[0]["id"] if data else None,
-                              "last_id": data[-1]["id"] if data else None, "has_more": more})
+    return web.json_response(
+        {
+            "object": "list",
+            "data": data,
+            "first_id": data[0]["id"] if data else None,
+            "last_id": data[-1]["id"] if data else None,
+            "has_more": more,
+        }
+    )
 
 
 async def delete_video(request: web.Request) -> web.Response:
@@ -265,13 +305,21 @@ async def video_content(request: web.Request) -> web.StreamResponse:
     if job.expired:
         raise APIError(404, f"the content of video '{job.id}' has expired", "video_id", "expired")
     if job.state in ("failed", "cancelled"):
-        raise APIError(409, f"video '{job.id}' {job.state}: {job.error['message'] if job.error else ''}", "video_id",
-                       "video_failed")
+        raise APIError(
+            409,
+            f"video '{job.id}' {job.state}: {job.error['message'] if job.error else ''}",
+            "video_id",
+            "video_failed",
+        )
     if not job.finished:
         return await stream_job(request, job, live=False)
     body = job.body()
-    headers = {"Content-Type": "video/mp4", "Accept-Ranges": "bytes", "ETag": f'"{job.id}"',
-               "Content-Disposition": f'inline; filename="{job.id}.mp4"'}
+    headers = {
+        "Content-Type": "video/mp4",
+        "Accept-Ranges": "bytes",
+        "ETag": f'"{job.id}"',
+        "Content-Disposition": f'inline; filename="{job.id}.mp4"',
+    }
     rng = request.headers.get("Range")
     if rng:
         r = _parse_range(rng, len(body))
@@ -279,7 +327,7 @@ async def video_content(request: web.Request) -> web.StreamResponse:
             return web.Response(status=416, headers={"Content-Range": f"bytes */{len(body)}", **headers})
         start, end = r
         headers["Content-Range"] = f"bytes {start}-{end}/{len(body)}"
-        return web.Response(status=206, body=body[start:end + 1], headers=headers)
+        return web.Response(status=206, body=body[start : end + 1], headers=headers)
     return web.Response(body=body, headers=headers)
 
 
@@ -290,10 +338,18 @@ async def list_models(request: web.Request) -> web.Response:
 
 def _model_object(cfg: Config, sup: Supervisor) -> dict:
     f = sup.facts
-    return {"id": cfg.model_name, "object": "model", "created": int(sup.started_at), "owned_by": "streamdiff",
-            "preset": cfg.model.preset, "fps": f["fps"], "default_size": "x".join(map(str, f["default_size"])),
-            "frames_per_block": f["frames_per_block"], "embedded_weights": f.get("embedded_weights", False),
-            "max_size": f"{cfg.limits.max_width}x{cfg.limits.max_height}"}
+    return {
+        "id": cfg.model_name,
+        "object": "model",
+        "created": int(sup.started_at),
+        "owned_by": "streamdiff",
+        "preset": cfg.model.preset,
+        "fps": f["fps"],
+        "default_size": "x".join(map(str, f["default_size"])),
+        "frames_per_block": f["frames_per_block"],
+        "embedded_weights": f.get("embedded_weights", False),
+        "max_size": f"{cfg.limits.max_width}x{cfg.limits.max_height}",
+    }
 
 
 async def retrieve_model(request: web.Request) -> web.Response:
@@ -306,15 +362,20 @@ async def retrieve_model(request: web.Request) -> web.Response:
 async def health(request: web.Request) -> web.Response:
     ok, detail = request.app[SUPERVISOR].health()
     detail["jobs"] = len(request.app[JOBS].jobs)
-    return web.json_response({"status": "ok" if ok else "unavailable", **detail}, status=200 if ok else 503,
-                             headers={} if ok else {"Retry-After": "5"})
+    return web.json_response(
+        {"status": "ok" if ok else "unavailable", **detail},
+        status=200 if ok else 503,
+        headers={} if ok else {"Retry-After": "5"},
+    )
 
 
 async def metrics(request: web.Request) -> web.Response:
     from ..metrics import render
 
-    return web.Response(body=render(request.app[SUPERVISOR], request.app[JOBS]),
-                        headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
+    return web.Response(
+        body=render(request.app[SUPERVISOR], request.app[JOBS]),
+        headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"},
+    )
 
 
 async def index(request: web.Request) -> web.StreamResponse:
@@ -322,8 +383,9 @@ async def index(request: web.Request) -> web.StreamResponse:
 
 
 def make_app(sup: Supervisor, cfg: Config, api_keys: list[bytes]) -> web.Application:
-    app = web.Application(middlewares=[count_middleware, errors_middleware, auth_middleware],
-                          client_max_size=cfg.server.max_body_bytes)
+    app = web.Application(
+        middlewares=[count_middleware, errors_middleware, auth_middleware], client_max_size=cfg.server.max_body_bytes
+    )
     app[SUPERVISOR], app[CONFIG], app[API_KEYS] = sup, cfg, api_keys
     app[JOBS] = JobStore(cfg.limits.max_jobs, cfg.limits.keep_completed_bytes, cfg.limits.keep_completed_s)
 
@@ -353,4 +415,3 @@ def make_app(sup: Supervisor, cfg: Config, api_keys: list[bytes]) -> web.Applica
     if STATIC.is_dir():
         r.add_static("/static/", STATIC)
     return app
-

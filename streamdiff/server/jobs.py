@@ -20,8 +20,7 @@ from collections.abc import AsyncIterator, Callable
 from ..plan import Block
 from ..supervisor.scheduler import CANCELLED, DONE, Session
 
-STATUS = {"queued": "queued", "running": "in_progress", DONE: "completed", "failed": "failed",
-          CANCELLED: "failed"}
+STATUS = {"queued": "queued", "running": "in_progress", DONE: "completed", "failed": "failed", CANCELLED: "failed"}
 
 
 class Job:
@@ -117,14 +116,35 @@ class Job:
         total = r.frames
         progress = 100 if self.state == DONE else int(100 * self.frames_done / total) if total else 0
         obj = {
-            "id": self.id, "object": "video", "model": r.model, "status": STATUS[self.state],
-            "progress": min(progress, 100), "created_at": self.created_at, "completed_at": self.completed_at,
-            "expires_at": self.expires_at, "prompt": r.prompt, "seconds": f"{total / r.fps:g}",
-            "size": f"{r.width}x{r.height}", "error": self.error, "remixed_from_video_id": None,
-            "fps": r.fps, "num_frames": total, "frames_done": self.frames_done, "seed": r.seed,
-            "scenes": [{"index": i, "prompt": s.prompt, "start_frame": self.scene_starts[i], "num_frames": s.frames,
-                        "start_seconds": self.scene_starts[i] / r.fps, "transition": s.transition, "seed": s.seed}
-                       for i, s in enumerate(r.scenes)],
+            "id": self.id,
+            "object": "video",
+            "model": r.model,
+            "status": STATUS[self.state],
+            "progress": min(progress, 100),
+            "created_at": self.created_at,
+            "completed_at": self.completed_at,
+            "expires_at": self.expires_at,
+            "prompt": r.prompt,
+            "seconds": f"{total / r.fps:g}",
+            "size": f"{r.width}x{r.height}",
+            "error": self.error,
+            "remixed_from_video_id": None,
+            "fps": r.fps,
+            "num_frames": total,
+            "frames_done": self.frames_done,
+            "seed": r.seed,
+            "scenes": [
+                {
+                    "index": i,
+                    "prompt": s.prompt,
+                    "start_frame": self.scene_starts[i],
+                    "num_frames": s.frames,
+                    "start_seconds": self.scene_starts[i] / r.fps,
+                    "transition": s.transition,
+                    "seed": s.seed,
+                }
+                for i, s in enumerate(r.scenes)
+            ],
         }
         if self.placement is not None:
             obj["workers"] = self.placement
@@ -172,5 +192,5 @@ class JobStore:
         jobs = sorted(self.jobs.values(), key=lambda j: (j.created_at, j.t_created), reverse=order == "desc")
         if after is not None:
             ids = [j.id for j in jobs]
-            jobs = jobs[ids.index(after) + 1:]
+            jobs = jobs[ids.index(after) + 1 :]
         return jobs[:limit], len(jobs) > limit

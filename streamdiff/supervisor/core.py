@@ -71,8 +71,9 @@ class Supervisor:
         instance = self.cfg.server.instance
         removed = sweep_stale(instance)
         if removed:
-            log.warning("removed %d shared-memory segment(s) left by a dead instance: %s", len(removed),
-                        ", ".join(removed))
+            log.warning(
+                "removed %d shared-memory segment(s) left by a dead instance: %s", len(removed), ", ".join(removed)
+            )
         base = runtime_base()
         self._sweep_runtime_dirs(base, instance)
         self.runtime_dir = tempfile.mkdtemp(prefix=f"sd-{instance}-{os.getpid()}-", dir=base)
@@ -87,10 +88,10 @@ class Supervisor:
         addr = f"ipc://{self.runtime_dir}/control"
         self._router.bind(addr)
         self.topology = build_topology(self.cfg, addr, self.latent_ring.spec, self.frame_ring.spec)
-        self.pool = WorkerPool(self.topology, self._send, p.heartbeat_timeout_s, p.block_timeout_s,
-                               p.restart_workers)
-        self.scheduler = Scheduler(self.cfg, self.topology, self.latent_ring, self.frame_ring, self._send,
-                                   self.pool.ready)
+        self.pool = WorkerPool(self.topology, self._send, p.heartbeat_timeout_s, p.block_timeout_s, p.restart_workers)
+        self.scheduler = Scheduler(
+            self.cfg, self.topology, self.latent_ring, self.frame_ring, self._send, self.pool.ready
+        )
         self.pool.on_lost = self.scheduler.workers_lost
         self.pool.on_worker_ready = lambda name: self.scheduler.pump()
         self._tasks.append(asyncio.create_task(self._recv_loop(), name="control-recv"))
@@ -105,8 +106,13 @@ class Supervisor:
         await asyncio.get_running_loop().run_in_executor(None, self._probe_encoder)
         self._tasks.append(asyncio.create_task(self._monitor_loop(), name="monitor"))
         self.state = RUNNING
-        log.info("pipeline up: %s mode, %d DiT worker(s), VAE groups %s, on %s", self.cfg.topology.mode,
-                 len(self.topology.dit_workers), self.topology.vae_groups, self.cfg.topology.device)
+        log.info(
+            "pipeline up: %s mode, %d DiT worker(s), VAE groups %s, on %s",
+            self.cfg.topology.mode,
+            len(self.topology.dit_workers),
+            self.topology.vae_groups,
+            self.cfg.topology.device,
+        )
 
     def _pin_self(self) -> None:
         """On the CPU, keep the supervisor (HTTP, encoding) off the VAE's cores: share the DiT
@@ -126,10 +132,14 @@ class Supervisor:
             info = w.info
             for key in ("frames_per_block", "spatial_factor", "temporal_factor", "latent_channels"):
                 if key in info and info[key] != self.facts[key]:
-                    raise RuntimeError(f"worker {w.spec.name} reports {key}={info[key]}, "
-                                       f"expected {self.facts[key]}")
-            self.facts.update({k: v for k, v in info.items() if k in ("model", "max_shot_latent_frames",
-                                                                     "size_multiple", "embedded_weights")})
+                    raise RuntimeError(f"worker {w.spec.name} reports {key}={info[key]}, expected {self.facts[key]}")
+            self.facts.update(
+                {
+                    k: v
+                    for k, v in info.items()
+                    if k in ("model", "max_shot_latent_frames", "size_multiple", "embedded_weights")
+                }
+            )
 
     def _probe_encoder(self) -> None:
         from ..media.encoder import HW_ENCODERS, hardware_available
@@ -146,7 +156,7 @@ class Supervisor:
             if not name.startswith(prefix):
                 continue
             try:
-                pid = int(name[len(prefix):].split("-")[0])
+                pid = int(name[len(prefix) :].split("-")[0])
                 os.kill(pid, 0)
             except (ValueError, IndexError):
                 continue
@@ -198,16 +208,30 @@ class Supervisor:
     def health(self) -> tuple[bool, dict]:
         now = time.monotonic()
         interval = self.cfg.pipeline.heartbeat_interval_s
-        workers = {n: {"ready": w.ready, "pid": w.process.pid if w.process else None,
-                       "heartbeat_age_s": round(now - w.last_heartbeat, 2), "busy_s": round(w.busy_s, 2),
-                       "restarts": w.restarts, "failure": w.failure}
-                   for n, w in self.pool.workers.items()} if self.pool else {}
+        workers = (
+            {
+                n: {
+                    "ready": w.ready,
+                    "pid": w.process.pid if w.process else None,
+                    "heartbeat_age_s": round(now - w.last_heartbeat, 2),
+                    "busy_s": round(w.busy_s, 2),
+                    "restarts": w.restarts,
+                    "failure": w.failure,
+                }
+                for n, w in self.pool.workers.items()
+            }
+            if self.pool
+            else {}
+        )
         tasks_ok = all(not t.done() for t in self._tasks) and bool(self._tasks)
         monitor_fresh = now - self.loop_alive.get("monitor", now) < 5 * interval + 5
-        ok = (self.state == RUNNING and tasks_ok and monitor_fresh and self.pool is not None
-              and self.pool.all_ready())
-        return ok, {"state": self.state, "workers": workers, "tasks_alive": tasks_ok,
-                    "pipeline": self.scheduler.snapshot() if self.scheduler else {}}
+        ok = self.state == RUNNING and tasks_ok and monitor_fresh and self.pool is not None and self.pool.all_ready()
+        return ok, {
+            "state": self.state,
+            "workers": workers,
+            "tasks_alive": tasks_ok,
+            "pipeline": self.scheduler.snapshot() if self.scheduler else {},
+        }
 
     # -- stop -----------------------------------------------------------------------------------
     async def drain(self, timeout_s: float) -> None:

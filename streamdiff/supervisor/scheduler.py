@@ -105,8 +105,15 @@ class Session:
 
 
 class Scheduler:
-    def __init__(self, cfg: Config, topology: Topology, latent_ring: Ring, frame_ring: Ring,
-                 send: Callable[[str, m.Message], None], worker_ready: Callable[[str], bool]) -> None:
+    def __init__(
+        self,
+        cfg: Config,
+        topology: Topology,
+        latent_ring: Ring,
+        frame_ring: Ring,
+        send: Callable[[str, m.Message], None],
+        worker_ready: Callable[[str], bool],
+    ) -> None:
         self.cfg = cfg
         self.topology = topology
         self.latent_ring, self.frame_ring = latent_ring, frame_ring
@@ -157,8 +164,16 @@ class Scheduler:
         self.metrics.queue_seconds.observe(sess.started - sess.created)
         enc = self.cfg.encoder
         keyframes = [b.start_frame for b in sess.blocks if b.index % enc.keyframe_every_blocks == 0]
-        encoder = open_encoder(enc.kind, sess.width, sess.height, sess.fps, keyframes, crf=enc.crf,
-                               bitrate_kbps=enc.bitrate_kbps, device=enc.vaapi_device)
+        encoder = open_encoder(
+            enc.kind,
+            sess.width,
+            sess.height,
+            sess.fps,
+            keyframes,
+            crf=enc.crf,
+            bitrate_kbps=enc.bitrate_kbps,
+            device=enc.vaapi_device,
+        )
         sess.writer = FragmentWriter(encoder, sess.width, sess.height, sess.fps)
         opened = m.OpenSession(sess.id, sess.width, sess.height, sess.seed)
         for w in self._workers_of(sess):
@@ -217,9 +232,18 @@ class Scheduler:
         scene = sess.scenes[b.scene]
         slot = self.latent_pool.take()
         first = b.first_of_scene
-        self.send(sess.dit, m.GenerateBlock(sess.id, b.index, b.latent_frames, slot,
-                                            prompt=scene.prompt if first else None, cut=b.shot_start and first,
-                                            seed=scene.seed if first else None))
+        self.send(
+            sess.dit,
+            m.GenerateBlock(
+                sess.id,
+                b.index,
+                b.latent_frames,
+                slot,
+                prompt=scene.prompt if first else None,
+                cut=b.shot_start and first,
+                seed=scene.seed if first else None,
+            ),
+        )
         sess.at_dit[b.index] = slot
         sess.issued += 1
 
@@ -271,17 +295,30 @@ class Scheduler:
         data, error = None, None
         try:
             if sess.state == RUNNING:
-                frames = self.frame_ring.array(fslot, (b.frames_out, sess.height, sess.width, 3), np.uint8)[:b.emit]
+                frames = self.frame_ring.array(fslot, (b.frames_out, sess.height, sess.width, 3), np.uint8)[: b.emit]
                 idr = b.index % self.cfg.encoder.keyframe_every_blocks == 0
                 events = []
                 if b.first_of_scene:
                     sc = sess.scenes[b.scene]
-                    events.append((0, str(b.scene), json.dumps(
-                        {"scene": b.scene, "prompt": sc.prompt, "start_frame": b.start_frame, "frames": sc.frames,
-                         "transition": sc.transition}).encode()))
+                    events.append(
+                        (
+                            0,
+                            str(b.scene),
+                            json.dumps(
+                                {
+                                    "scene": b.scene,
+                                    "prompt": sc.prompt,
+                                    "start_frame": b.start_frame,
+                                    "frames": sc.frames,
+                                    "transition": sc.transition,
+                                }
+                            ).encode(),
+                        )
+                    )
                 t0 = time.perf_counter()
                 data = await asyncio.get_running_loop().run_in_executor(
-                    self.encoder_pool, sess.writer.fragment, frames, idr, events)
+                    self.encoder_pool, sess.writer.fragment, frames, idr, events
+                )
                 dt = time.perf_counter() - t0
                 self.stage_ms["encode"] += 1000 * dt
                 self.metrics.stage_seconds.observe(dt, "encode")
@@ -397,9 +434,13 @@ class Scheduler:
 
     def snapshot(self) -> dict:
         return {
-            "running": len(self.running), "queued": len(self.queue), "tracked": len(self.sessions),
-            "latent_slots_used": self.latent_pool.used, "latent_slots": self.latent_pool.total,
-            "frame_slots_used": self.frame_pool.used, "frame_slots": self.frame_pool.total,
+            "running": len(self.running),
+            "queued": len(self.queue),
+            "tracked": len(self.sessions),
+            "latent_slots_used": self.latent_pool.used,
+            "latent_slots": self.latent_pool.total,
+            "frame_slots_used": self.frame_pool.used,
+            "frame_slots": self.frame_pool.total,
             "decode_wait": len(self.decode_wait),
         }
 

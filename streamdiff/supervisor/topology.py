@@ -18,13 +18,6 @@ class Topology:
     dit_workers: list[str]  # names of the workers with the DiT stage
     vae_groups: list[list[str]]  # each group's shards in rank order
 
-    def group_of(self, worker: str) -> int | None:
-        return next((i for i, g in enumerate(self.vae_groups) if worker in g), None)
-
-    @property
-    def device_count(self) -> int:
-        return len(self.workers)
-
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -34,9 +27,16 @@ def free_port() -> int:
 
 def model_spec(cfg: Config) -> ModelSpec:
     m = cfg.model
-    return ModelSpec(preset=m.preset, path=m.path or None, dit_checkpoint=m.dit_checkpoint or None,
-                     use_ema=m.use_ema, dtype=m.dtype, dit_vae_ratio=m.dit_vae_ratio, seed=m.seed,
-                     sampler=sampler_overrides(cfg))
+    return ModelSpec(
+        preset=m.preset,
+        path=m.path or None,
+        dit_checkpoint=m.dit_checkpoint or None,
+        use_ema=m.use_ema,
+        dtype=m.dtype,
+        dit_vae_ratio=m.dit_vae_ratio,
+        seed=m.seed,
+        sampler=sampler_overrides(cfg),
+    )
 
 
 def _device(kind: str, index: int) -> str:
@@ -67,7 +67,7 @@ def build_topology(cfg: Config, control_addr: str, latent_ring: RingSpec, frame_
         roles.setdefault(i, set()).add("dit")
     for i in vae_dev:
         roles.setdefault(i, set()).add("vae")
-    groups = [vae_dev[g:g + group_size] for g in range(0, len(vae_dev), group_size)]
+    groups = [vae_dev[g : g + group_size] for g in range(0, len(vae_dev), group_size)]
     names = {}
     for i in sorted(roles):
         gi = next((k for k, g in enumerate(groups) if i in g), None)
@@ -80,13 +80,23 @@ def build_topology(cfg: Config, control_addr: str, latent_ring: RingSpec, frame_
         addr = f"tcp://127.0.0.1:{free_port()}" if len(g) > 1 else ""
         for rank, i in enumerate(g):
             group_specs[i] = GroupSpec(f"vae{gi}", rank, len(g), addr, t.shard_front, p.collective_timeout_s)
-    workers = [WorkerSpec(name=names[i], roles=tuple(r for r in ("dit", "vae") if r in roles[i]),
-                          device=_device(t.device, i), threads=t.threads_per_worker,
-                          cpus=_cpus(i, t.threads_per_worker, t.pin_cpus and t.device == "cpu"),
-                          model=spec, control_addr=control_addr, latent_ring=latent_ring, frame_ring=frame_ring,
-                          group=group_specs.get(i), heartbeat_interval_s=p.heartbeat_interval_s,
-                          log_level=cfg.server.log_level)
-               for i in sorted(roles)]
+    workers = [
+        WorkerSpec(
+            name=names[i],
+            roles=tuple(r for r in ("dit", "vae") if r in roles[i]),
+            device=_device(t.device, i),
+            threads=t.threads_per_worker,
+            cpus=_cpus(i, t.threads_per_worker, t.pin_cpus and t.device == "cpu"),
+            model=spec,
+            control_addr=control_addr,
+            latent_ring=latent_ring,
+            frame_ring=frame_ring,
+            group=group_specs.get(i),
+            heartbeat_interval_s=p.heartbeat_interval_s,
+            log_level=cfg.server.log_level,
+        )
+        for i in sorted(roles)
+    ]
     return Topology(workers, [names[i] for i in dit_dev], [[names[i] for i in g] for g in groups])
 
 

@@ -43,8 +43,14 @@ class StartupError(RuntimeError):
 
 
 class WorkerPool:
-    def __init__(self, topology: Topology, send: Callable[[str, m.Message], None], heartbeat_timeout_s: float,
-                 block_timeout_s: float, restart: bool) -> None:
+    def __init__(
+        self,
+        topology: Topology,
+        send: Callable[[str, m.Message], None],
+        heartbeat_timeout_s: float,
+        block_timeout_s: float,
+        restart: bool,
+    ) -> None:
         self.topology = topology
         self.workers = {s.name: WorkerState(s) for s in topology.workers}
         self._send = send
@@ -67,8 +73,13 @@ class WorkerPool:
         w.process = self.ctx.Process(target=worker_main, args=(w.spec,), name=w.spec.name, daemon=True)
         w.process.start()
         asyncio.get_running_loop().add_reader(w.process.sentinel, self._on_exit, w.spec.name)
-        log.info("started worker %s (pid %d, %s, roles %s)", w.spec.name, w.process.pid, w.spec.device,
-                 "+".join(w.spec.roles))
+        log.info(
+            "started worker %s (pid %d, %s, roles %s)",
+            w.spec.name,
+            w.process.pid,
+            w.spec.device,
+            "+".join(w.spec.roles),
+        )
 
     def spawn_all(self) -> None:
         for w in self.workers.values():

@@ -49,8 +49,11 @@ def _setup_process(spec: WorkerSpec) -> None:
             os.sched_setaffinity(0, spec.cpus)
         except OSError:
             pass
-    logging.basicConfig(level=spec.log_level.upper(), stream=sys.stderr,
-                        format=f"%(asctime)s %(levelname)s [{spec.name}] %(name)s: %(message)s")
+    logging.basicConfig(
+        level=spec.log_level.upper(),
+        stream=sys.stderr,
+        format=f"%(asctime)s %(levelname)s [{spec.name}] %(name)s: %(message)s",
+    )
 
 
 class Worker:
@@ -151,8 +154,10 @@ class Worker:
             if "vae" in self.stages and self.stages["vae"].world > 1:
                 # Our peers may be inside this block's collectives: leave, so they fail at once
                 # instead of waiting for the collective timeout; the supervisor restarts the group.
-                why = (f"VAE group {self.spec.group.name}: shard {self.spec.name} failed (a peer shard died, "
-                       f"or this one did): {type(exc).__name__}: {str(exc).splitlines()[0][:300]}")
+                why = (
+                    f"VAE group {self.spec.group.name}: shard {self.spec.name} failed (a peer shard died, "
+                    f"or this one did): {type(exc).__name__}: {str(exc).splitlines()[0][:300]}"
+                )
                 self.send(m.Failed(self.spec.name, why, session, getattr(msg, "block", None)))
                 self.sock.close(linger=1000)
                 os._exit(3)

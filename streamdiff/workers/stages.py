@@ -49,11 +49,18 @@ class DiTStage:
 
     def info(self) -> dict:
         p = self.engine.preset
-        return {"model": p.name, "frames_per_block": p.sampler.frames_per_block, "fps": p.fps,
-                "spatial_factor": p.vae.spatial_factor, "temporal_factor": p.vae.temporal_factor,
-                "size_multiple": p.vae.spatial_factor * p.dit.patch_size[1], "latent_channels": p.dit.in_channels,
-                "default_size": list(p.default_size), "max_shot_latent_frames": p.dit.rope_max_positions,
-                "embedded_weights": p.embedded}
+        return {
+            "model": p.name,
+            "frames_per_block": p.sampler.frames_per_block,
+            "fps": p.fps,
+            "spatial_factor": p.vae.spatial_factor,
+            "temporal_factor": p.vae.temporal_factor,
+            "size_multiple": p.vae.spatial_factor * p.dit.patch_size[1],
+            "latent_channels": p.dit.in_channels,
+            "default_size": list(p.default_size),
+            "max_shot_latent_frames": p.dit.rope_max_positions,
+            "embedded_weights": p.embedded,
+        }
 
     def open(self, msg: m.OpenSession) -> None:
         self.sessions[msg.session] = self.engine.open_session(msg.width, msg.height, msg.seed)
@@ -98,8 +105,12 @@ class VAEStage:
 
     def info(self) -> dict:
         p = self.engine.preset
-        return {"vae_rank": self.rank, "vae_world": self.world, "spatial_factor": p.vae.spatial_factor,
-                "temporal_factor": p.vae.temporal_factor}
+        return {
+            "vae_rank": self.rank,
+            "vae_world": self.world,
+            "spatial_factor": p.vae.spatial_factor,
+            "temporal_factor": p.vae.temporal_factor,
+        }
 
     def open(self, msg: m.OpenSession) -> None:
         self.sessions[msg.session] = self.engine.open_session()

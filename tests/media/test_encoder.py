@@ -48,7 +48,7 @@ def test_fragments_decode_with_keyframes_at_block_starts(kind):
     data = write_stream(kind)
     kinds = [k for k, _, _ in boxes(data)]
     assert kinds[:2] == ["ftyp", "moov"] and kinds.count("moof") == len(BLOCKS) and kinds.count("emsg") == 2
-    ftyp = data[8:boxes(data)[0][2]]
+    ftyp = data[8 : boxes(data)[0][2]]
     assert ftyp[:4] == b"cmfc" and b"iso6" in ftyp  # CMAF brands
     frags = fragments(data)
     assert [f["samples"] for f in frags] == BLOCKS and all(f["first_sync"] for f in frags)
@@ -78,9 +78,9 @@ def test_avcc_init_and_codec_string():
     assert codec_string(enc.sps).startswith("avc1.42")  # Constrained Baseline
     data = FragmentWriter(enc, W, H, FPS).init_segment()
     i = data.index(b"avcC")
-    assert data[i + 4] == 1 and data[i + 5:i + 8] == enc.sps[1:4]
-    n = struct.unpack(">H", data[i + 10:i + 12])[0]
-    assert data[i + 12:i + 12 + n] == enc.sps
+    assert data[i + 4] == 1 and data[i + 5 : i + 8] == enc.sps[1:4]
+    n = struct.unpack(">H", data[i + 10 : i + 12])[0]
+    assert data[i + 12 : i + 12 + n] == enc.sps
 
 
 def test_annexb_split_handles_3_and_4_byte_start_codes():

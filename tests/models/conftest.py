@@ -12,8 +12,18 @@ from streamdiff.models.wan.dit import DiTConfig, WanDiT  # noqa: E402
 from streamdiff.models.wan.loading import load_into, normalize_dit_state_dict, normalize_vae_state_dict  # noqa: E402
 from streamdiff.models.wan.vae import VAEConfig, WanVAEDecoder  # noqa: E402
 
-SMALL_DIT = dict(num_attention_heads=2, attention_head_dim=24, in_channels=16, out_channels=16, text_dim=32,
-                 freq_dim=256, ffn_dim=64, num_layers=2, cross_attn_norm=True, rope_max_seq_len=1024)
+SMALL_DIT = dict(
+    num_attention_heads=2,
+    attention_head_dim=24,
+    in_channels=16,
+    out_channels=16,
+    text_dim=32,
+    freq_dim=256,
+    ffn_dim=64,
+    num_layers=2,
+    cross_attn_norm=True,
+    rope_max_seq_len=1024,
+)
 TEXT_LEN = 12
 
 
@@ -37,8 +47,9 @@ def dit_pair():
 @pytest.fixture(scope="session")
 def vae_pair():
     torch.manual_seed(0)
-    ref = diffusers.AutoencoderKLWan(base_dim=8, z_dim=16, dim_mult=[1, 2, 4, 4], num_res_blocks=2,
-                                     temperal_downsample=[False, True, True]).eval()
+    ref = diffusers.AutoencoderKLWan(
+        base_dim=8, z_dim=16, dim_mult=[1, 2, 4, 4], num_res_blocks=2, temperal_downsample=[False, True, True]
+    ).eval()
     perturb_(ref, 0.05, 2)
     cfg = VAEConfig(base_dim=8)
     ours = WanVAEDecoder(cfg).eval()

@@ -50,7 +50,7 @@ def allowed_frames(num_frames: int, blocks: list[tuple[int, int]], window: int |
         keys = torch.zeros(num_frames, dtype=torch.bool)
         keys[:e] = True
         if window is not None and e > window:
-            keys[sink:e - (window - sink)] = False
+            keys[sink : e - (window - sink)] = False
         allow[s:e] = keys
     return allow
 
@@ -79,7 +79,8 @@ class Reference:
         self.self_proc.mask = allow.repeat_interleave(TOKENS_PER_FRAME, 0).repeat_interleave(TOKENS_PER_FRAME, 1)
         per_block = self.prompt_of_block + [self.current_prompt]
         self.cross_proc.frame_prompt = torch.tensor(
-            [p for blk, p in zip(self.clean + [x_block], per_block, strict=False) for _ in range(blk.shape[2])])
+            [p for blk, p in zip(self.clean + [x_block], per_block, strict=False) for _ in range(blk.shape[2])]
+        )
         tt = torch.cat([torch.zeros(f_total - f_block), torch.full((f_block,), t)])
         with torch.no_grad():
             out = self.ref(frames, tt.repeat_interleave(TOKENS_PER_FRAME)[None], torch.cat(prompts, 1)).sample

@@ -51,9 +51,21 @@ def test_batch_of_two(dit_pair):
     assert (ours.forward_full(x, tt, ctx) - expected).abs().max().item() <= 1e-4
 
 
-REAL_DIT = dict(patch_size=(1, 2, 2), num_attention_heads=12, attention_head_dim=128, in_channels=16,
-                out_channels=16, text_dim=4096, freq_dim=256, ffn_dim=8960, num_layers=30, cross_attn_norm=True,
-                qk_norm="rms_norm_across_heads", eps=1e-6, rope_max_seq_len=1024)
+REAL_DIT = dict(
+    patch_size=(1, 2, 2),
+    num_attention_heads=12,
+    attention_head_dim=128,
+    in_channels=16,
+    out_channels=16,
+    text_dim=4096,
+    freq_dim=256,
+    ffn_dim=8960,
+    num_layers=30,
+    cross_attn_norm=True,
+    qk_norm="rms_norm_across_heads",
+    eps=1e-6,
+    rope_max_seq_len=1024,
+)
 
 
 def shapes(module: torch.nn.Module) -> dict[str, tuple]:
@@ -92,4 +104,5 @@ def test_real_vae_config_key_mapping_covers_diffusers_decoder():
     converted = convert_wan_vae_to_diffusers(dict(ours.state_dict()))
     ref_shapes = shapes(ref)
     assert {k: tuple(v.shape) for k, v in converted.items()} == {
-        k: s for k, s in ref_shapes.items() if k.startswith(("decoder.", "post_quant_conv."))}
+        k: s for k, s in ref_shapes.items() if k.startswith(("decoder.", "post_quant_conv."))
+    }

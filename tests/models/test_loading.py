@@ -19,9 +19,19 @@ from streamdiff.models.wan.text import UMT5TextEncoder, t5_key_from_original
 from .conftest import SMALL_DIT, perturb_
 
 transformers = pytest.importorskip("transformers")
-T5_TINY = dict(vocab_size=40, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4,
-               relative_attention_num_buckets=32, relative_attention_max_distance=128,
-               feed_forward_proj="gated-gelu", layer_norm_epsilon=1e-6, dropout_rate=0.0)
+T5_TINY = dict(
+    vocab_size=40,
+    d_model=32,
+    d_kv=8,
+    d_ff=64,
+    num_layers=2,
+    num_heads=4,
+    relative_attention_num_buckets=32,
+    relative_attention_max_distance=128,
+    feed_forward_proj="gated-gelu",
+    layer_norm_epsilon=1e-6,
+    dropout_rate=0.0,
+)
 WORDS = "a red fox runs through snow blue whale city at night".split()
 
 
@@ -32,8 +42,9 @@ def write_tokenizer(path: Path) -> None:
     vocab = {"<pad>": 0, "</s>": 1, "<unk>": 2, **{w: i + 3 for i, w in enumerate(WORDS)}}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="</s>",
-                            unk_token="<unk>").save_pretrained(str(path))
+    PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token="<pad>", eos_token="</s>", unk_token="<unk>"
+    ).save_pretrained(str(path))
 
 
 def original_t5_state(hf_sd: dict) -> dict:
@@ -41,8 +52,13 @@ def original_t5_state(hf_sd: dict) -> dict:
     names = {}
     for i in range(T5_TINY["num_layers"]):
         orig = [f"blocks.{i}.attn.{p}.weight" for p in "qkvo"] + [
-            f"blocks.{i}.pos_embedding.embedding.weight", f"blocks.{i}.norm1.weight", f"blocks.{i}.norm2.weight",
-            f"blocks.{i}.ffn.gate.0.weight", f"blocks.{i}.ffn.fc1.weight", f"blocks.{i}.ffn.fc2.weight"]
+            f"blocks.{i}.pos_embedding.embedding.weight",
+            f"blocks.{i}.norm1.weight",
+            f"blocks.{i}.norm2.weight",
+            f"blocks.{i}.ffn.gate.0.weight",
+            f"blocks.{i}.ffn.fc1.weight",
+            f"blocks.{i}.ffn.fc2.weight",
+        ]
         names.update({t5_key_from_original(k): k for k in orig})
     names.update({"shared.weight": "token_embedding.weight", "encoder.final_layer_norm.weight": "norm.weight"})
     return {names[k]: v for k, v in hf_sd.items() if k in names}
@@ -72,10 +88,25 @@ def checkpoints(tmp_path_factory):
     ours_dit, _ = build_dit(ModelSpec(preset="wan2.1-t2v-1.3b", path=str(d)))
     original_sd = {k: v.contiguous() for k, v in ours_dit.state_dict().items()}
     save_file(original_sd, str(o / "diffusion_pytorch_model.safetensors"))
-    (o / "config.json").write_text(json.dumps({"_class_name": "WanModel", "model_type": "t2v", "dim": 48,
-                                               "ffn_dim": 64, "freq_dim": 256, "in_dim": 16, "out_dim": 16,
-                                               "num_heads": 2, "num_layers": 2, "text_len": 512, "text_dim": 32,
-                                               "eps": 1e-6, "patch_size": [1, 2, 2]}))
+    (o / "config.json").write_text(
+        json.dumps(
+            {
+                "_class_name": "WanModel",
+                "model_type": "t2v",
+                "dim": 48,
+                "ffn_dim": 64,
+                "freq_dim": 256,
+                "in_dim": 16,
+                "out_dim": 16,
+                "num_heads": 2,
+                "num_layers": 2,
+                "text_len": 512,
+                "text_dim": 32,
+                "eps": 1e-6,
+                "patch_size": [1, 2, 2],
+            }
+        )
+    )
     ours_vae, _ = build_vae(ModelSpec(preset="wan2.1-t2v-1.3b", path=str(d)))
     vae_sd = dict(ours_vae.state_dict())
     vae_sd["encoder.conv1.weight"] = torch.zeros(8, 3, 3, 3, 3)  # the release carries the encoder too
@@ -106,11 +137,13 @@ def test_dit_formats_give_identical_outputs(checkpoints):
     original_out = dit_out(ModelSpec(**real, path=str(r / "original")))
     cf_out = dit_out(ModelSpec(**real, path=str(r / "original"), dit_checkpoint=str(r / "causal_forcing.pt")))
     assert torch.equal(diffusers_out, original_out) and torch.equal(diffusers_out, cf_out)
-    non_ema = dit_out(ModelSpec(**real, path=str(r / "original"), dit_checkpoint=str(r / "causal_forcing.pt"),
-                                use_ema=False))
+    non_ema = dit_out(
+        ModelSpec(**real, path=str(r / "original"), dit_checkpoint=str(r / "causal_forcing.pt"), use_ema=False)
+    )
     assert not torch.equal(non_ema, cf_out)
-    assert torch.equal(non_ema, dit_out(ModelSpec(**real, path=str(r / "original"),
-                                                  dit_checkpoint=str(r / "self_forcing_no_ema.pt"))))
+    assert torch.equal(
+        non_ema, dit_out(ModelSpec(**real, path=str(r / "original"), dit_checkpoint=str(r / "self_forcing_no_ema.pt")))
+    )
 
 
 def test_vae_formats_give_identical_frames(checkpoints):

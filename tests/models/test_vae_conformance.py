@@ -30,7 +30,7 @@ def test_block_by_block_equals_whole(vae_pair, split):
     whole = ours.decode(z, ours.new_state())
     state, parts, start = ours.new_state(), [], 0
     for n in split:
-        out = ours.decode(z[:, :, start:start + n], state)
+        out = ours.decode(z[:, :, start : start + n], state)
         assert out.shape[2] == ours.cfg.frames_out(n, first_block=start == 0)
         parts.append(out)
         start += n
@@ -45,8 +45,8 @@ def test_sessions_are_independent(vae_pair):
     alone_a, alone_b = ours.decode(za, ours.new_state()), ours.decode(zb, ours.new_state())
     sa, sb, pa, pb = ours.new_state(), ours.new_state(), [], []
     for i in range(4):
-        pa.append(ours.decode(za[:, :, i:i + 1], sa))
-        pb.append(ours.decode(zb[:, :, i:i + 1], sb))
+        pa.append(ours.decode(za[:, :, i : i + 1], sa))
+        pb.append(ours.decode(zb[:, :, i : i + 1], sb))
     assert (torch.cat(pa, 2) - alone_a).abs().max() <= 1e-5
     assert (torch.cat(pb, 2) - alone_b).abs().max() <= 1e-5
 

@@ -78,10 +78,14 @@ def wait_for(pred, timeout_s=60):
 
 
 @pytest.mark.timeout(400)
-@pytest.mark.parametrize("layout,victim_role", [
-    (["--dit-gpus", "2", "--vae-gpus", "1"], "dit"),
-    (["--dit-gpus", "1", "--vae-gpus", "2", "--vae-group-size", "1"], "vae"),
-], ids=["kill-dit", "kill-vae"])
+@pytest.mark.parametrize(
+    "layout,victim_role",
+    [
+        (["--dit-gpus", "2", "--vae-gpus", "1"], "dit"),
+        (["--dit-gpus", "1", "--vae-gpus", "2", "--vae-group-size", "1"], "vae"),
+    ],
+    ids=["kill-dit", "kill-vae"],
+)
 def test_killed_worker_fails_its_session_only(layout, victim_role):
     d = Daemon(*layout)
     try:
@@ -169,9 +173,12 @@ def test_hundred_disconnects_at_random_points():
         segments = d.segments()
         for i in range(100):
             stop_at = rng.choice([0, 1, 200, 5_000, 30_000, 80_000, 150_000])
-            with httpx.stream("POST", d.url + "/v1/videos", timeout=60,
-                              json={"prompt": f"disconnect {i}", "seconds": 20, "size": "128x64", "stream": True,
-                                    "seed": i}) as r:
+            with httpx.stream(
+                "POST",
+                d.url + "/v1/videos",
+                timeout=60,
+                json={"prompt": f"disconnect {i}", "seconds": 20, "size": "128x64", "stream": True, "seed": i},
+            ) as r:
                 got = 0
                 for chunk in r.iter_raw():
                     got += len(chunk)
@@ -212,4 +219,3 @@ def test_supervisor_kill_then_restart_cleans_up():
         assert d2.stop() == 0
     assert d2.segments() == []
     assert subprocess.run(["pgrep", "-f", f"--instance {instance}"], capture_output=True).stdout == b""
-

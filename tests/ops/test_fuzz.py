@@ -11,26 +11,51 @@ from hypothesis import strategies as st
 
 from ..helpers import Daemon
 
-FIELDS = ["prompt", "model", "seconds", "num_frames", "size", "width", "height", "fps", "seed", "stream", "scenes",
-          "input_reference", "negative_prompt", "num_inference_steps", "user"]
+FIELDS = [
+    "prompt",
+    "model",
+    "seconds",
+    "num_frames",
+    "size",
+    "width",
+    "height",
+    "fps",
+    "seed",
+    "stream",
+    "scenes",
+    "input_reference",
+    "negative_prompt",
+    "num_inference_steps",
+    "user",
+]
 SCENE_FIELDS = ["prompt", "seconds", "num_frames", "transition", "seed"]
 
-scalars = st.one_of(st.none(), st.booleans(), st.integers(-2**70, 2**70), st.floats(allow_nan=True),
-                    st.text(max_size=40), st.sampled_from(["128x64", "64x64", "0x0", "x", "cut", "continue", "tiny",
-                                                           "4", "-1", "1e9", "NaN", "true"]))
-json_values = st.recursive(scalars, lambda inner: st.one_of(st.lists(inner, max_size=4),
-                                                            st.dictionaries(st.text(max_size=8), inner, max_size=4)),
-                           max_leaves=12)
+scalars = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(-(2**70), 2**70),
+    st.floats(allow_nan=True),
+    st.text(max_size=40),
+    st.sampled_from(["128x64", "64x64", "0x0", "x", "cut", "continue", "tiny", "4", "-1", "1e9", "NaN", "true"]),
+)
+json_values = st.recursive(
+    scalars,
+    lambda inner: st.one_of(st.lists(inner, max_size=4), st.dictionaries(st.text(max_size=8), inner, max_size=4)),
+    max_leaves=12,
+)
 scene = st.dictionaries(st.sampled_from(SCENE_FIELDS + ["bogus"]), json_values, max_size=5)
-bodies = st.dictionaries(st.sampled_from(FIELDS + ["", "colour", "prompt "]),
-                         st.one_of(json_values, st.lists(scene, max_size=5)), max_size=8)
+bodies = st.dictionaries(
+    st.sampled_from(FIELDS + ["", "colour", "prompt "]), st.one_of(json_values, st.lists(scene, max_size=5)), max_size=8
+)
 
 
 @pytest.fixture(scope="module")
 def d(tmp_path_factory):
     cfg = tmp_path_factory.mktemp("fuzz") / "c.toml"
-    cfg.write_text("[limits]\nmax_frames = 16\nmax_width = 128\nmax_height = 64\nmax_queue = 64\n"
-                   "max_scenes = 4\nmax_prompt_chars = 64\n")
+    cfg.write_text(
+        "[limits]\nmax_frames = 16\nmax_width = 128\nmax_height = 64\nmax_queue = 64\n"
+        "max_scenes = 4\nmax_prompt_chars = 64\n"
+    )
     daemon = Daemon("--config", str(cfg))
     yield daemon
     daemon.stop()
@@ -48,30 +73,57 @@ def check(d: Daemon, r: httpx.Response) -> None:
 @settings(max_examples=250, deadline=None, suppress_health_check=list(HealthCheck))
 @given(body=bodies)
 def test_fuzzed_json_bodies(d, body):
-    check(d, httpx.post(d.url + "/v1/videos", content=json.dumps(body, allow_nan=True),
-                        headers={"Content-Type": "application/json"}, timeout=30))
+    check(
+        d,
+        httpx.post(
+            d.url + "/v1/videos",
+            content=json.dumps(body, allow_nan=True),
+            headers={"Content-Type": "application/json"},
+            timeout=30,
+        ),
+    )
 
 
 @settings(max_examples=120, deadline=None, suppress_health_check=list(HealthCheck))
-@given(raw=st.binary(max_size=300), ctype=st.sampled_from(["application/json", "text/plain", "application/xml",
-                                                           "multipart/form-data", "application/x-www-form-urlencoded",
-                                                           "", "application/json; charset=latin-1"]))
+@given(
+    raw=st.binary(max_size=300),
+    ctype=st.sampled_from(
+        [
+            "application/json",
+            "text/plain",
+            "application/xml",
+            "multipart/form-data",
+            "application/x-www-form-urlencoded",
+            "",
+            "application/json; charset=latin-1",
+        ]
+    ),
+)
 def test_fuzzed_raw_bodies_and_content_types(d, raw, ctype):
-    check(d, httpx.post(d.url + "/v1/videos", content=raw, headers={"Content-Type": ctype} if ctype else {},
-                        timeout=30))
+    check(
+        d, httpx.post(d.url + "/v1/videos", content=raw, headers={"Content-Type": ctype} if ctype else {}, timeout=30)
+    )
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
 @given(form=st.dictionaries(st.sampled_from(FIELDS), st.text(max_size=30), max_size=6))
 def test_fuzzed_multipart_forms(d, form):
-    check(d, httpx.post(d.url + "/v1/videos", files={k: (None, v) for k, v in form.items()} or {"x": (None, "")},
-                        timeout=30))
+    check(
+        d,
+        httpx.post(
+            d.url + "/v1/videos", files={k: (None, v) for k, v in form.items()} or {"x": (None, "")}, timeout=30
+        ),
+    )
 
 
 def test_no_server_errors_and_still_healthy(d):
     for size in (300_000, 2_000_000):
-        r = httpx.post(d.url + "/v1/videos", content=b"{" + b" " * size + b"}",
-                       headers={"Content-Type": "application/json"}, timeout=30)
+        r = httpx.post(
+            d.url + "/v1/videos",
+            content=b"{" + b" " * size + b"}",
+            headers={"Content-Type": "application/json"},
+            timeout=30,
+        )
         assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
     metrics = httpx.get(d.url + "/metrics").text
     assert 'streamdiff_http_requests_total{status="5xx"}' not in metrics, metrics

@@ -46,8 +46,10 @@ def test_slow_request_body_gets_408_and_a_stalled_reader_is_dropped(tmp_path):
         host, port = "127.0.0.1", d.port
         # A client that promises a body and sends a few bytes only.
         with socket.create_connection((host, port), timeout=10) as s:
-            s.sendall(b"POST /v1/videos HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                      b"Content-Length: 100\r\n\r\n{\"pro")
+            s.sendall(
+                b"POST /v1/videos HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                b'Content-Length: 100\r\n\r\n{"pro'
+            )
             reply = s.recv(4096).decode()
         assert reply.startswith("HTTP/1.1 408") and "request_timeout" in reply
         # A streaming client that stops reading: its session is cancelled once the socket is full.
@@ -55,8 +57,10 @@ def test_slow_request_body_gets_408_and_a_stalled_reader_is_dropped(tmp_path):
         s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
         s.connect((host, port))
         body = b'{"prompt": "nobody watches", "seconds": 60, "size": "256x144", "stream": true}'
-        s.sendall(b"POST /v1/videos HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                  b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+        s.sendall(
+            b"POST /v1/videos HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Content-Length: %d\r\n\r\n%s" % (len(body), body)
+        )
         head = s.recv(1024).decode(errors="replace")
         video_id = next(ln.split(":", 1)[1].strip() for ln in head.split("\r\n") if ln.lower().startswith("x-video-id"))
         deadline = time.monotonic() + 60
@@ -80,8 +84,12 @@ def test_bearer_keys_from_env_and_file(tmp_path):
     d = daemon_with(tmp_path, f"[server]\napi_keys_file = '{keys}'\n", env={"STREAMDIFF_API_KEYS": "env-key"})
     try:
         url = d.url + "/v1/models"
-        for headers in ({}, {"Authorization": "Bearer nope"}, {"Authorization": "Basic env-key"},
-                        {"Authorization": "Bearer env-key-but-longer"}):
+        for headers in (
+            {},
+            {"Authorization": "Bearer nope"},
+            {"Authorization": "Basic env-key"},
+            {"Authorization": "Bearer env-key-but-longer"},
+        ):
             r = httpx.get(url, headers=headers)
             assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key", headers
             assert r.headers["www-authenticate"] == "Bearer"
@@ -107,6 +115,7 @@ def test_missing_keys_file_is_a_config_error(tmp_path):
 
     cfg = tmp_path / "c.toml"
     cfg.write_text(f"[server]\napi_keys_file = '{tmp_path / 'absent'}'\n")
-    r = subprocess.run([sys.executable, "-m", "streamdiff.cli", "--config", str(cfg)], capture_output=True,
-                       text=True, timeout=60)
+    r = subprocess.run(
+        [sys.executable, "-m", "streamdiff.cli", "--config", str(cfg)], capture_output=True, text=True, timeout=60
+    )
     assert r.returncode == 2 and "server.api_keys_file" in r.stderr

@@ -18,9 +18,18 @@ from ..helpers import ROOT, Daemon
 
 def test_unit_file_has_the_agreed_settings_and_verifies(tmp_path):
     text = (ROOT / "systemd" / "streamdiffd.service").read_text()
-    for line in ("Type=notify", "WatchdogSec=", "KillMode=mixed", "Restart=on-failure", "EnvironmentFile=",
-                 "SupplementaryGroups=render video", "DeviceAllow=char-drm rw", "DeviceAllow=char-nvidia-frontend rw",
-                 "NoNewPrivileges=yes", "ProtectSystem=strict"):
+    for line in (
+        "Type=notify",
+        "WatchdogSec=",
+        "KillMode=mixed",
+        "Restart=on-failure",
+        "EnvironmentFile=",
+        "SupplementaryGroups=render video",
+        "DeviceAllow=char-drm rw",
+        "DeviceAllow=char-nvidia-frontend rw",
+        "NoNewPrivileges=yes",
+        "ProtectSystem=strict",
+    ):
         assert line in text, line
     assert "MemoryDenyWriteExecute=yes" not in text and "PrivateDevices=yes" not in text  # would break PyTorch/GPUs
     if shutil.which("systemd-analyze") is None:

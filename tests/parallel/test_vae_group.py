@@ -38,8 +38,12 @@ def shard_main(rank, world, addr, sessions, shard_front, out, die_at=None):
         init_group(addr, rank, world, "cpu", timeout_s=60)
         vae = make_decoder()
         states = {name: vae.new_state() for name in sessions}
-        order = [(name, i) for i in range(max(len(b) for b in sessions.values()))
-                 for name in sessions if i < len(sessions[name])]
+        order = [
+            (name, i)
+            for i in range(max(len(b) for b in sessions.values()))
+            for name in sessions
+            if i < len(sessions[name])
+        ]
         for step, (name, i) in enumerate(order):
             if die_at is not None and rank == die_at[0] and step == die_at[1]:
                 os._exit(9)
@@ -56,8 +60,9 @@ def run_group(world, sessions, shard_front=False, die_at=None, timeout_s=120):
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     addr = f"tcp://127.0.0.1:{free_port()}"
-    procs = [ctx.Process(target=shard_main, args=(r, world, addr, sessions, shard_front, out, die_at))
-             for r in range(world)]
+    procs = [
+        ctx.Process(target=shard_main, args=(r, world, addr, sessions, shard_front, out, die_at)) for r in range(world)
+    ]
     for p in procs:
         p.start()
     strips, finished, errors = {}, set(), {}

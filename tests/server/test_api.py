@@ -74,8 +74,12 @@ def test_byte_ranges_of_a_finished_video(d):
 
 
 def test_unknown_ids_are_404(d):
-    for method, path in (("GET", "/v1/videos/video_nope"), ("GET", "/v1/videos/video_nope/content"),
-                         ("DELETE", "/v1/videos/video_nope"), ("GET", "/v1/models/sora-2")):
+    for method, path in (
+        ("GET", "/v1/videos/video_nope"),
+        ("GET", "/v1/videos/video_nope/content"),
+        ("DELETE", "/v1/videos/video_nope"),
+        ("GET", "/v1/models/sora-2"),
+    ):
         r = httpx.request(method, d.url + path)
         assert r.status_code == 404, path
         assert set(r.json()["error"]) == {"message", "type", "param", "code"}
@@ -112,8 +116,10 @@ def test_delete_of_a_finished_job_removes_it(d):
 
 
 def test_list_pagination_and_order(d):
-    ids = [httpx.post(d.url + "/v1/videos", json={"prompt": f"p{i}", "num_frames": 1, "size": "64x64"}).json()["id"]
-           for i in range(5)]
+    ids = [
+        httpx.post(d.url + "/v1/videos", json={"prompt": f"p{i}", "num_frames": 1, "size": "64x64"}).json()["id"]
+        for i in range(5)
+    ]
     for i in ids:
         wait_done(d, i)
     listed = httpx.get(d.url + "/v1/videos", params={"limit": 100, "order": "asc"}).json()
@@ -124,8 +130,12 @@ def test_list_pagination_and_order(d):
     assert len(page1["data"]) == 2 and page1["has_more"] is True and page1["data"][0]["id"] == ids[-1]
     page2 = httpx.get(d.url + "/v1/videos", params={"limit": 2, "order": "desc", "after": page1["last_id"]}).json()
     assert [v["id"] for v in page2["data"]] == ids[-4:-2][::-1]
-    for params, param in (({"limit": 0}, "limit"), ({"limit": "x"}, "limit"), ({"order": "up"}, "order"),
-                          ({"after": "video_nope"}, "after")):
+    for params, param in (
+        ({"limit": 0}, "limit"),
+        ({"limit": "x"}, "limit"),
+        ({"order": "up"}, "order"),
+        ({"after": "video_nope"}, "after"),
+    ):
         r = httpx.get(d.url + "/v1/videos", params=params)
         assert r.status_code == 400 and r.json()["error"]["param"] == param
 
@@ -144,15 +154,22 @@ def test_openai_style_multipart_and_size_field(d):
     assert r.status_code == 200, r.text
     v = wait_done(d, r.json()["id"])
     assert v["num_frames"] == 4 and v["fps"] == 8
-    r = httpx.post(d.url + "/v1/videos", files={"input_reference": ("a.png", b"png", "image/png")},
-                   data={"prompt": "with an image"})
+    r = httpx.post(
+        d.url + "/v1/videos",
+        files={"input_reference": ("a.png", b"png", "image/png")},
+        data={"prompt": "with an image"},
+    )
     assert r.status_code == 400 and r.json()["error"]["param"] == "input_reference"
 
 
 def test_failed_stream_is_a_truncated_transfer_and_a_failed_job(d):
     """Cancel a streaming job with DELETE: its stream must end without the final chunk."""
-    with httpx.stream("POST", d.url + "/v1/videos", timeout=60,
-                      json={"prompt": "interrupted", "seconds": 30, "size": "128x64", "stream": True}) as r:
+    with httpx.stream(
+        "POST",
+        d.url + "/v1/videos",
+        timeout=60,
+        json={"prompt": "interrupted", "seconds": 30, "size": "128x64", "stream": True},
+    ) as r:
         vid = r.headers["x-video-id"]
         got = b""
         with pytest.raises(httpx.RemoteProtocolError):
@@ -182,10 +199,16 @@ def test_metrics(d):
     assert "# TYPE streamdiff_stage_block_seconds histogram" in text
     for stage in ("dit", "vae", "encode"):
         assert f'streamdiff_stage_block_seconds_count{{stage="{stage}"}}' in text
-    for name in ("streamdiff_time_to_first_fragment_seconds_count", "streamdiff_fragments_total",
-                 "streamdiff_frames_total", "streamdiff_stalls_total", "streamdiff_sessions_active",
-                 "streamdiff_sessions_queued", "streamdiff_decode_queue_depth",
-                 'streamdiff_worker_up{worker="dit0"} 1'):
+    for name in (
+        "streamdiff_time_to_first_fragment_seconds_count",
+        "streamdiff_fragments_total",
+        "streamdiff_frames_total",
+        "streamdiff_stalls_total",
+        "streamdiff_sessions_active",
+        "streamdiff_sessions_queued",
+        "streamdiff_decode_queue_depth",
+        'streamdiff_worker_up{worker="dit0"} 1',
+    ):
         assert name in text, name
     frames = float(next(ln.split()[1] for ln in text.splitlines() if ln.startswith("streamdiff_frames_total")))
     assert frames >= 25
@@ -198,9 +221,25 @@ def test_client_example(d, tmp_path):
     from ..helpers import ROOT
 
     out = tmp_path / "c.mp4"
-    r = subprocess.run([sys.executable, str(ROOT / "tools" / "client.py"), "--url", d.url, "--size", "128x64",
-                        "--scene", "a fox in snow|1", "--scene", "the fox at a lake|1|continue", "-o", str(out)],
-                       capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "tools" / "client.py"),
+            "--url",
+            d.url,
+            "--size",
+            "128x64",
+            "--scene",
+            "a fox in snow|1",
+            "--scene",
+            "the fox at a lake|1|continue",
+            "-o",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 0, r.stderr
     assert "scene 2 at frame 16: the fox at a lake" in r.stdout and "done: 32 frames" in r.stdout
     assert decode(out.read_bytes())["frames"] == 32
@@ -213,12 +252,17 @@ def test_finished_videos_are_kept_within_the_byte_budget(tmp_path):
     try:
         ids = []
         for i in range(3):
-            v = httpx.post(daemon.url + "/v1/videos", json={"prompt": f"v{i}", "num_frames": 33, "size": "128x64",
-                                                            "seed": i}).json()
+            v = httpx.post(
+                daemon.url + "/v1/videos", json={"prompt": f"v{i}", "num_frames": 33, "size": "128x64", "seed": i}
+            ).json()
             wait_done(daemon, v["id"])
             ids.append(v["id"])
-        sizes = [len(httpx.get(f"{daemon.url}/v1/videos/{i}/content").content) if
-                 httpx.get(f"{daemon.url}/v1/videos/{i}/content").status_code == 200 else None for i in ids]
+        sizes = [
+            len(httpx.get(f"{daemon.url}/v1/videos/{i}/content").content)
+            if httpx.get(f"{daemon.url}/v1/videos/{i}/content").status_code == 200
+            else None
+            for i in ids
+        ]
         assert sizes[0] is None  # the oldest expired first
         assert sizes[-1] is not None
         gone = httpx.get(f"{daemon.url}/v1/videos/{ids[0]}/content")

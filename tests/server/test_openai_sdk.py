@@ -25,8 +25,9 @@ def test_openai_client_creates_polls_and_downloads(d, tmp_path):
         warnings.simplefilter("ignore", DeprecationWarning)  # the SDK marks the Sora endpoints deprecated
         video = client.videos.create(prompt="a paper boat on a stream", model="tiny", seconds="2", size="128x64")
         assert video.status in ("queued", "in_progress") and video.object == "video"
-        done = client.videos.create_and_poll(prompt="a kite in the wind", seconds="1", size="128x64",
-                                             poll_interval_ms=100)
+        done = client.videos.create_and_poll(
+            prompt="a kite in the wind", seconds="1", size="128x64", poll_interval_ms=100
+        )
         for _ in range(600):
             video = client.videos.retrieve(video.id)
             if video.status in ("completed", "failed"):

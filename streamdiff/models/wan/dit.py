@@ -65,8 +65,16 @@ class KVCache:
     just past the committed frames during the denoising steps and committed by the clean pass.
     """
 
-    def __init__(self, cfg: DiTConfig, batch: int, tokens_per_frame: int, window_frames: int,
-                 sink_frames: int, device: torch.device, dtype: torch.dtype) -> None:
+    def __init__(
+        self,
+        cfg: DiTConfig,
+        batch: int,
+        tokens_per_frame: int,
+        window_frames: int,
+        sink_frames: int,
+        device: torch.device,
+        dtype: torch.dtype,
+    ) -> None:
         if sink_frames >= window_frames:
             raise ValueError(f"sink_frames ({sink_frames}) must be < window_frames ({window_frames})")
         self.tpf = tokens_per_frame
@@ -80,8 +88,10 @@ class KVCache:
     def make_room(self, new_frames: int) -> None:
         """Evict the oldest non-sink frames so that `new_frames` more fit in the window."""
         if new_frames > self.window - self.sink:
-            raise ValueError(f"a block of {new_frames} frames does not fit a window of {self.window} "
-                             f"frames with {self.sink} sink frames")
+            raise ValueError(
+                f"a block of {new_frames} frames does not fit a window of {self.window} "
+                f"frames with {self.sink} sink frames"
+            )
         excess = self.frames + new_frames - self.window
         if excess <= 0:
             return
@@ -89,11 +99,8 @@ class KVCache:
         lo, hi = self.sink * t, self.frames * t
         for buf in (*self.k, *self.v):
             # Shift the kept tail down over the evicted frames (clone: the ranges overlap).
-            buf[:, :, lo:hi - excess * t] = buf[:, :, lo + excess * t:hi].clone()
+            buf[:, :, lo : hi - excess * t] = buf[:, :, lo + excess * t : hi].clone()
         self.frames -= excess
-
-    def nbytes(self) -> int:
-        return sum(b.numel() * b.element_size() for b in (*self.k, *self.v))
 
 
 class DiTState:
@@ -153,11 +160,13 @@ class Rope:
     def tables(self, start_frame: int, f: int, h: int, w: int) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin of shape (f*h*w, 1, pairs) for frames [start_frame, start_frame+f)."""
         if start_frame + f > self.max_positions:
-            raise ValueError(f"frame position {start_frame + f} exceeds the RoPE table "
-                             f"({self.max_positions}); start a new shot (cut)")
+            raise ValueError(
+                f"frame position {start_frame + f} exceeds the RoPE table "
+                f"({self.max_positions}); start a new shot (cut)"
+            )
         out = []
         for tabs in (self.cos, self.sin):
-            ct = tabs[0][start_frame:start_frame + f].view(f, 1, 1, -1).expand(f, h, w, -1)
+            ct = tabs[0][start_frame : start_frame + f].view(f, 1, 1, -1).expand(f, h, w, -1)
             ch = tabs[1][:h].view(1, h, 1, -1).expand(f, h, w, -1)
             cw = tabs[2][:w].view(1, 1, w, -1).expand(f, h, w, -1)
             out.append(torch.cat([ct, ch, cw], dim=-1).reshape(f * h * w, 1, -1))
@@ -187,8 +196,9 @@ class Attention(nn.Module):
 
 
 class SelfAttention(Attention):
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], kv: KVCache,
-                layer: int) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], kv: KVCache, layer: int
+    ) -> torch.Tensor:
         b, n, _ = x.shape  # (B, L_block, C)
         q = apply_rope(self.norm_q(self.q(x)).unflatten(2, (self.heads, -1)), *rope)
         k = apply_rope(self.norm_k(self.k(x)).unflatten(2, (self.heads, -1)), *rope)
@@ -196,10 +206,11 @@ class SelfAttention(Attention):
         # Write this block's keys just past the committed frames (keys are cached after RoPE),
         # then attend over committed + block as one view of the buffer: no concatenation copy.
         lo = kv.frames * kv.tpf
-        kv.k[layer][:, :, lo:lo + n] = k.transpose(1, 2)
-        kv.v[layer][:, :, lo:lo + n] = v.transpose(1, 2)
-        out = F.scaled_dot_product_attention(q.transpose(1, 2), kv.k[layer][:, :, :lo + n],
-                                             kv.v[layer][:, :, :lo + n])
+        kv.k[layer][:, :, lo : lo + n] = k.transpose(1, 2)
+        kv.v[layer][:, :, lo : lo + n] = v.transpose(1, 2)
+        out = F.scaled_dot_product_attention(
+            q.transpose(1, 2), kv.k[layer][:, :, : lo + n], kv.v[layer][:, :, : lo + n]
+        )
         return self.o(out.transpose(1, 2).flatten(2))
 
 
@@ -224,12 +235,12 @@ class Block(nn.Module):
         self.norm3 = LayerNorm(cfg.dim, cfg.eps, elementwise_affine=True)
         self.cross_attn = CrossAttention(cfg)
         self.norm2 = LayerNorm(cfg.dim, cfg.eps, elementwise_affine=False)
-        self.ffn = nn.Sequential(nn.Linear(cfg.dim, cfg.ffn_dim), nn.GELU(approximate="tanh"),
-                                 nn.Linear(cfg.ffn_dim, cfg.dim))
+        self.ffn = nn.Sequential(
+            nn.Linear(cfg.dim, cfg.ffn_dim), nn.GELU(approximate="tanh"), nn.Linear(cfg.ffn_dim, cfg.dim)
+        )
         self.modulation = nn.Parameter(torch.randn(1, 6, cfg.dim) / cfg.dim**0.5)
 
-    def forward(self, x: torch.Tensor, e: torch.Tensor, f: int, rope, state: DiTState,
-                layer: int) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, e: torch.Tensor, f: int, rope, state: DiTState, layer: int) -> torch.Tensor:
         # x: (B, L, C) with L = f * tokens_per_frame; e: (B, f, 6, C) float32, one per frame.
         b, n, c = x.shape
         shift, scale, gate, c_shift, c_scale, c_gate = (self.modulation.unsqueeze(1) + e).unbind(2)
@@ -270,24 +281,32 @@ class WanDiT(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.patch_embedding = nn.Conv3d(cfg.in_channels, cfg.dim, cfg.patch_size, cfg.patch_size)
-        self.text_embedding = nn.Sequential(nn.Linear(cfg.text_dim, cfg.dim), nn.GELU(approximate="tanh"),
-                                            nn.Linear(cfg.dim, cfg.dim))
-        self.time_embedding = nn.Sequential(nn.Linear(cfg.freq_dim, cfg.dim), nn.SiLU(),
-                                            nn.Linear(cfg.dim, cfg.dim))
+        self.text_embedding = nn.Sequential(
+            nn.Linear(cfg.text_dim, cfg.dim), nn.GELU(approximate="tanh"), nn.Linear(cfg.dim, cfg.dim)
+        )
+        self.time_embedding = nn.Sequential(nn.Linear(cfg.freq_dim, cfg.dim), nn.SiLU(), nn.Linear(cfg.dim, cfg.dim))
         self.time_projection = nn.Sequential(nn.SiLU(), nn.Linear(cfg.dim, 6 * cfg.dim))
         self.blocks = nn.ModuleList([Block(cfg) for _ in range(cfg.num_layers)])
         self.head = Head(cfg)
         self._rope: Rope | None = None
 
     # -- session state ------------------------------------------------------------------
-    def new_state(self, latent_h: int, latent_w: int, window_frames: int, sink_frames: int = 0,
-                  batch: int = 1) -> DiTState:
+    def new_state(
+        self, latent_h: int, latent_w: int, window_frames: int, sink_frames: int = 0, batch: int = 1
+    ) -> DiTState:
         p = self.cfg.patch_size
         if latent_h % p[1] or latent_w % p[2]:
             raise ValueError(f"latent size {latent_h}x{latent_w} is not divisible by the patch {p[1:]}")
         w = self.patch_embedding.weight
-        kv = KVCache(self.cfg, batch, self.cfg.tokens_per_frame(latent_h, latent_w), window_frames,
-                     sink_frames, w.device, w.dtype)
+        kv = KVCache(
+            self.cfg,
+            batch,
+            self.cfg.tokens_per_frame(latent_h, latent_w),
+            window_frames,
+            sink_frames,
+            w.device,
+            w.dtype,
+        )
         return DiTState(kv)
 
     @torch.no_grad()
@@ -314,8 +333,7 @@ class WanDiT(nn.Module):
 
     # -- one block ------------------------------------------------------------------------
     @torch.no_grad()
-    def forward_block(self, x: torch.Tensor, t: torch.Tensor, state: DiTState,
-                      commit: bool) -> torch.Tensor:
+    def forward_block(self, x: torch.Tensor, t: torch.Tensor, state: DiTState, commit: bool) -> torch.Tensor:
         """Flow prediction for one block of latent frames.
 
         x: (B, C, f, H, W) latents of the block; t: (B, f) timesteps, one per frame (0..1000).

@@ -66,8 +66,7 @@ def read_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
     return unwrap_training_checkpoint(obj, str(p))
 
 
-def unwrap_training_checkpoint(obj, origin: str = "checkpoint", prefer_ema: bool = True
-                               ) -> dict[str, torch.Tensor]:
+def unwrap_training_checkpoint(obj, origin: str = "checkpoint", prefer_ema: bool = True) -> dict[str, torch.Tensor]:
     """Causal Forcing / Self-Forcing files hold {'generator', 'generator_ema'}; others may hold
     {'state_dict'} or {'model'}; plain state dicts pass through."""
     if not isinstance(obj, Mapping):
@@ -95,8 +94,14 @@ def read_config(directory: Path) -> dict:
 # ----------------------------------------------------------------------------- DiT keys
 
 
-_PREFIXES = ("model._fsdp_wrapped_module.", "_fsdp_wrapped_module.", "model.diffusion_model.",
-             "diffusion_model.", "model.", "module.")
+_PREFIXES = (
+    "model._fsdp_wrapped_module.",
+    "_fsdp_wrapped_module.",
+    "model.diffusion_model.",
+    "diffusion_model.",
+    "model.",
+    "module.",
+)
 
 _DIT_DIFFUSERS = [
     (r"^condition_embedder\.time_embedder\.linear_1\.", "time_embedding.0."),
@@ -109,7 +114,10 @@ _DIT_DIFFUSERS = [
     (r"^blocks\.(\d+)\.scale_shift_table$", r"blocks.\1.modulation"),
     (r"^blocks\.(\d+)\.attn1\.", r"blocks.\1.self_attn."),
     (r"^blocks\.(\d+)\.attn2\.", r"blocks.\1.cross_attn."),
-    (r"\.to_q\.", ".q."), (r"\.to_k\.", ".k."), (r"\.to_v\.", ".v."), (r"\.to_out\.0\.", ".o."),
+    (r"\.to_q\.", ".q."),
+    (r"\.to_k\.", ".k."),
+    (r"\.to_v\.", ".v."),
+    (r"\.to_out\.0\.", ".o."),
     (r"^blocks\.(\d+)\.norm2\.", r"blocks.\1.norm3."),  # diffusers' norm2 is the cross-attn norm
     (r"^blocks\.(\d+)\.ffn\.net\.0\.proj\.", r"blocks.\1.ffn.0."),
     (r"^blocks\.(\d+)\.ffn\.net\.2\.", r"blocks.\1.ffn.2."),
@@ -124,7 +132,7 @@ def strip_prefixes(sd: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
             changed = False
             for p in _PREFIXES:
                 if k.startswith(p):
-                    k, changed = k[len(p):], True
+                    k, changed = k[len(p) :], True
         out[k] = v
     return out
 
@@ -152,26 +160,47 @@ def dit_config_from_json(cfg: dict, base: DiTConfig | None = None) -> DiTConfig:
     base = base or DiTConfig()
     if "num_attention_heads" in cfg:  # diffusers
         heads = cfg["num_attention_heads"]
-        return DiTConfig(dim=heads * cfg.get("attention_head_dim", 128), ffn_dim=cfg["ffn_dim"],
-                         freq_dim=cfg.get("freq_dim", 256), num_heads=heads,
-                         num_layers=cfg["num_layers"], in_channels=cfg.get("in_channels", 16),
-                         out_channels=cfg.get("out_channels", 16), text_dim=cfg.get("text_dim", 4096),
-                         text_len=base.text_len, patch_size=tuple(cfg.get("patch_size", (1, 2, 2))),
-                         eps=cfg.get("eps", 1e-6), rope_max_positions=cfg.get("rope_max_seq_len", 1024))
+        return DiTConfig(
+            dim=heads * cfg.get("attention_head_dim", 128),
+            ffn_dim=cfg["ffn_dim"],
+            freq_dim=cfg.get("freq_dim", 256),
+            num_heads=heads,
+            num_layers=cfg["num_layers"],
+            in_channels=cfg.get("in_channels", 16),
+            out_channels=cfg.get("out_channels", 16),
+            text_dim=cfg.get("text_dim", 4096),
+            text_len=base.text_len,
+            patch_size=tuple(cfg.get("patch_size", (1, 2, 2))),
+            eps=cfg.get("eps", 1e-6),
+            rope_max_positions=cfg.get("rope_max_seq_len", 1024),
+        )
     if "dim" in cfg:  # original Wan 2.1
-        return DiTConfig(dim=cfg["dim"], ffn_dim=cfg["ffn_dim"], freq_dim=cfg.get("freq_dim", 256),
-                         num_heads=cfg["num_heads"], num_layers=cfg["num_layers"],
-                         in_channels=cfg.get("in_dim", 16), out_channels=cfg.get("out_dim", 16),
-                         text_dim=cfg.get("text_dim", base.text_dim), text_len=cfg.get("text_len", base.text_len),
-                         patch_size=tuple(cfg.get("patch_size", (1, 2, 2))), eps=cfg.get("eps", 1e-6))
+        return DiTConfig(
+            dim=cfg["dim"],
+            ffn_dim=cfg["ffn_dim"],
+            freq_dim=cfg.get("freq_dim", 256),
+            num_heads=cfg["num_heads"],
+            num_layers=cfg["num_layers"],
+            in_channels=cfg.get("in_dim", 16),
+            out_channels=cfg.get("out_dim", 16),
+            text_dim=cfg.get("text_dim", base.text_dim),
+            text_len=cfg.get("text_len", base.text_len),
+            patch_size=tuple(cfg.get("patch_size", (1, 2, 2))),
+            eps=cfg.get("eps", 1e-6),
+        )
     return base
 
 
 # ----------------------------------------------------------------------------- VAE keys
 
 
-_RES_DIFFUSERS = {"norm1": "residual.0", "conv1": "residual.2", "norm2": "residual.3",
-                  "conv2": "residual.6", "conv_shortcut": "shortcut"}
+_RES_DIFFUSERS = {
+    "norm1": "residual.0",
+    "conv1": "residual.2",
+    "norm2": "residual.3",
+    "conv2": "residual.6",
+    "conv_shortcut": "shortcut",
+}
 
 
 def vae_key_from_diffusers(key: str, cfg: VAEConfig) -> str | None:
@@ -198,8 +227,7 @@ def vae_key_from_diffusers(key: str, cfg: VAEConfig) -> str | None:
 def normalize_vae_state_dict(sd: Mapping[str, torch.Tensor], cfg: VAEConfig) -> dict[str, torch.Tensor]:
     """Any accepted VAE layout -> original keys of the decoder half (`conv2.*`, `decoder.*`)."""
     sd = strip_prefixes(sd)
-    diffusers = any(k.startswith(("post_quant_conv.", "decoder.up_blocks.", "decoder.conv_in."))
-                    for k in sd)
+    diffusers = any(k.startswith(("post_quant_conv.", "decoder.up_blocks.", "decoder.conv_in.")) for k in sd)
     out = {}
     for k, v in sd.items():
         if diffusers:
@@ -215,12 +243,15 @@ def vae_config_from_json(cfg: dict, base: VAEConfig | None = None) -> VAEConfig:
     base = base or VAEConfig()
     if not cfg:
         return base
-    return VAEConfig(base_dim=cfg.get("base_dim", base.base_dim), z_dim=cfg.get("z_dim", base.z_dim),
-                     dim_mult=tuple(cfg.get("dim_mult", base.dim_mult)),
-                     num_res_blocks=cfg.get("num_res_blocks", base.num_res_blocks),
-                     temporal_downsample=tuple(cfg.get("temperal_downsample", base.temporal_downsample)),
-                     latents_mean=tuple(cfg.get("latents_mean", base.latents_mean)),
-                     latents_std=tuple(cfg.get("latents_std", base.latents_std)))
+    return VAEConfig(
+        base_dim=cfg.get("base_dim", base.base_dim),
+        z_dim=cfg.get("z_dim", base.z_dim),
+        dim_mult=tuple(cfg.get("dim_mult", base.dim_mult)),
+        num_res_blocks=cfg.get("num_res_blocks", base.num_res_blocks),
+        temporal_downsample=tuple(cfg.get("temperal_downsample", base.temporal_downsample)),
+        latents_mean=tuple(cfg.get("latents_mean", base.latents_mean)),
+        latents_std=tuple(cfg.get("latents_std", base.latents_std)),
+    )
 
 
 def vae_config_from_state_dict(sd: Mapping[str, torch.Tensor], base: VAEConfig) -> VAEConfig:
@@ -251,8 +282,11 @@ def load_into(model: nn.Module, sd: Mapping[str, torch.Tensor], what: str) -> No
     own = model.state_dict()
     missing = sorted(k for k in own if k not in sd)
     unexpected = sorted(k for k in sd if k not in own)
-    shapes = sorted(f"{k}: checkpoint {tuple(sd[k].shape)} vs model {tuple(own[k].shape)}"
-                    for k in own if k in sd and tuple(sd[k].shape) != tuple(own[k].shape))
+    shapes = sorted(
+        f"{k}: checkpoint {tuple(sd[k].shape)} vs model {tuple(own[k].shape)}"
+        for k in own
+        if k in sd and tuple(sd[k].shape) != tuple(own[k].shape)
+    )
     problems = []
     if missing:
         problems.append(f"{len(missing)} missing: {_summarise(missing)}")

@@ -33,8 +33,10 @@ class SamplerConfig:
             if not steps or any(not 0 < s <= 1000 for s in steps):
                 raise ValueError(f"{name} must be a non-empty list of integers in 1..1000, got {steps}")
         if self.window_frames - self.sink_frames < self.frames_per_block:
-            raise ValueError(f"window_frames ({self.window_frames}) - sink_frames ({self.sink_frames}) "
-                             f"must hold a block of {self.frames_per_block} frames")
+            raise ValueError(
+                f"window_frames ({self.window_frames}) - sink_frames ({self.sink_frames}) "
+                f"must hold a block of {self.frames_per_block} frames"
+            )
 
 
 def warped_timesteps(steps: Sequence[int], shift: float) -> list[float]:
@@ -48,8 +50,14 @@ def warped_timesteps(steps: Sequence[int], shift: float) -> list[float]:
 
 
 @torch.no_grad()
-def denoise_block(model: WanDiT, state: DiTState, noise: torch.Tensor, timesteps: Sequence[float],
-                  renoise: Sequence[torch.Tensor], context_t: float = 0.0) -> torch.Tensor:
+def denoise_block(
+    model: WanDiT,
+    state: DiTState,
+    noise: torch.Tensor,
+    timesteps: Sequence[float],
+    renoise: Sequence[torch.Tensor],
+    context_t: float = 0.0,
+) -> torch.Tensor:
     """Denoise one block and commit it to the session's KV cache.
 
     noise: (B, C, f, H, W) initial noise; renoise: one noise tensor per step after the first.

@@ -71,8 +71,7 @@ class TinyTextEncoder(nn.Module):
 _T5_KEYS = [
     (r"^token_embedding\.", "shared."),
     (r"^blocks\.(\d+)\.attn\.([qkvo])\.", r"encoder.block.\1.layer.0.SelfAttention.\2."),
-    (r"^blocks\.(\d+)\.pos_embedding\.embedding\.",
-     r"encoder.block.\1.layer.0.SelfAttention.relative_attention_bias."),
+    (r"^blocks\.(\d+)\.pos_embedding\.embedding\.", r"encoder.block.\1.layer.0.SelfAttention.relative_attention_bias."),
     (r"^blocks\.(\d+)\.norm1\.", r"encoder.block.\1.layer.0.layer_norm."),
     (r"^blocks\.(\d+)\.norm2\.", r"encoder.block.\1.layer.1.layer_norm."),
     (r"^blocks\.(\d+)\.ffn\.gate\.0\.", r"encoder.block.\1.layer.1.DenseReluDense.wi_0."),
@@ -82,9 +81,19 @@ _T5_KEYS = [
 ]
 
 # umT5-XXL encoder, as Wan 2.1 builds it (wan/modules/t5.py: umt5_xxl).
-UMT5_XXL = dict(vocab_size=256384, d_model=4096, d_kv=64, d_ff=10240, num_layers=24, num_heads=64,
-                relative_attention_num_buckets=32, relative_attention_max_distance=128,
-                feed_forward_proj="gated-gelu", layer_norm_epsilon=1e-6, dropout_rate=0.0)
+UMT5_XXL = dict(
+    vocab_size=256384,
+    d_model=4096,
+    d_kv=64,
+    d_ff=10240,
+    num_layers=24,
+    num_heads=64,
+    relative_attention_num_buckets=32,
+    relative_attention_max_distance=128,
+    feed_forward_proj="gated-gelu",
+    layer_norm_epsilon=1e-6,
+    dropout_rate=0.0,
+)
 
 
 def t5_key_from_original(key: str) -> str:
@@ -94,8 +103,14 @@ def t5_key_from_original(key: str) -> str:
 
 
 class UMT5TextEncoder:
-    def __init__(self, root: str | Path, text_len: int = 512, device: str = "cpu",
-                 dtype: torch.dtype = torch.bfloat16, t5_config: dict | None = None) -> None:
+    def __init__(
+        self,
+        root: str | Path,
+        text_len: int = 512,
+        device: str = "cpu",
+        dtype: torch.dtype = torch.bfloat16,
+        t5_config: dict | None = None,
+    ) -> None:
         """t5_config: the encoder's shape for the original layout (default umT5-XXL)."""
         from transformers import AutoTokenizer, UMT5Config, UMT5EncoderModel
 
@@ -109,8 +124,10 @@ class UMT5TextEncoder:
             ckpt = next(iter(sorted(root.glob("models_t5_*.pth"))), None)
             tok = next((p for p in (root / "google" / "umt5-xxl", root / "tokenizer") if p.is_dir()), None)
             if ckpt is None or tok is None:
-                raise CheckpointError(f"{root}: no text encoder found (expected text_encoder/ + tokenizer/, "
-                                      "or models_t5_*.pth + google/umt5-xxl/)")
+                raise CheckpointError(
+                    f"{root}: no text encoder found (expected text_encoder/ + tokenizer/, "
+                    "or models_t5_*.pth + google/umt5-xxl/)"
+                )
             self.tokenizer = AutoTokenizer.from_pretrained(str(tok))
             sd = {t5_key_from_original(k): v for k, v in read_state_dict(ckpt).items()}
             if "shared.weight" in sd:  # tied input embedding
@@ -123,9 +140,15 @@ class UMT5TextEncoder:
 
     @torch.no_grad()
     def encode(self, prompts: list[str]) -> torch.Tensor:
-        tok = self.tokenizer([clean_prompt(p) for p in prompts], padding="max_length",
-                             max_length=self.text_len, truncation=True, add_special_tokens=True,
-                             return_attention_mask=True, return_tensors="pt")
+        tok = self.tokenizer(
+            [clean_prompt(p) for p in prompts],
+            padding="max_length",
+            max_length=self.text_len,
+            truncation=True,
+            add_special_tokens=True,
+            return_attention_mask=True,
+            return_tensors="pt",
+        )
         ids, mask = tok.input_ids.to(self.device), tok.attention_mask.to(self.device)
         out = self.model(input_ids=ids, attention_mask=mask).last_hidden_state
         return out * mask[..., None].to(out.dtype)

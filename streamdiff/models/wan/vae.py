@@ -32,10 +32,42 @@ CACHE_T = 2  # frames each causal 3x3x3 conv keeps: its temporal kernel is 3
 # 256x144 three per call (42 MiB by this estimate) beat one per call (152 against 168 ms).
 CPU_DECODE_WORKING_SET_BYTES = 48 * 2**20
 
-WAN21_LATENTS_MEAN = (-0.7571, -0.7089, -0.9113, 0.1075, -0.1745, 0.9653, -0.1517, 1.5508,
-                      0.4134, -0.0715, 0.5517, -0.3632, -0.1922, -0.9497, 0.2503, -0.2921)
-WAN21_LATENTS_STD = (2.8184, 1.4541, 2.3275, 2.6558, 1.2196, 1.7708, 2.6052, 2.0743,
-                     3.2687, 2.1526, 2.8652, 1.5579, 1.6382, 1.1253, 2.8251, 1.9160)
+WAN21_LATENTS_MEAN = (
+    -0.7571,
+    -0.7089,
+    -0.9113,
+    0.1075,
+    -0.1745,
+    0.9653,
+    -0.1517,
+    1.5508,
+    0.4134,
+    -0.0715,
+    0.5517,
+    -0.3632,
+    -0.1922,
+    -0.9497,
+    0.2503,
+    -0.2921,
+)
+WAN21_LATENTS_STD = (
+    2.8184,
+    1.4541,
+    2.3275,
+    2.6558,
+    1.2196,
+    1.7708,
+    2.6052,
+    2.0743,
+    3.2687,
+    2.1526,
+    2.8652,
+    1.5579,
+    1.6382,
+    1.1253,
+    2.8251,
+    1.9160,
+)
 
 
 @dataclass(frozen=True)
@@ -70,9 +102,6 @@ class VAEState:
 
     cache: list[torch.Tensor | None]
     latent_frames: int = 0  # latent frames decoded so far in this shot
-
-    def nbytes(self) -> int:
-        return sum(c.numel() * c.element_size() for c in self.cache if c is not None)
 
 
 class Halo:
@@ -123,8 +152,9 @@ def unframes(y: torch.Tensor, b: int) -> torch.Tensor:
     return y.view(b, n // b, c, h, w).transpose(1, 2)
 
 
-def conv2d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-           padding: tuple[int, int] = (0, 0)) -> torch.Tensor:
+def conv2d(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, padding: tuple[int, int] = (0, 0)
+) -> torch.Tensor:
     """conv2d over frames that keeps the CPU's channels-last layout.
 
     1x1 kernels run as a matmul over the channel axis (PyTorch's 1x1 CPU conv returns
@@ -136,12 +166,12 @@ def conv2d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     if weight.shape[2] == weight.shape[3] == 1:
         y = F.linear(x.contiguous(memory_format=cl).permute(0, 2, 3, 1), weight.flatten(1), bias)
         return y.permute(0, 3, 1, 2)
-    return F.conv2d(x.contiguous(memory_format=cl), weight.contiguous(memory_format=cl), bias,
-                    padding=padding)
+    return F.conv2d(x.contiguous(memory_format=cl), weight.contiguous(memory_format=cl), bias, padding=padding)
 
 
-def conv3d_valid_t(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                   h_pad: int, w_pad: int) -> torch.Tensor:
+def conv3d_valid_t(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, h_pad: int, w_pad: int
+) -> torch.Tensor:
     """3D conv with no temporal padding (the causal frames are already in x), zero padding in
     H and W as given.
 
@@ -155,7 +185,7 @@ def conv3d_valid_t(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     b, t = x.shape[0], x.shape[2] - kt + 1
     out = None
     for dt in range(kt):
-        y = conv2d(frames(x[:, :, dt:dt + t]), weight[:, :, dt], bias if dt == 0 else None, (h_pad, w_pad))
+        y = conv2d(frames(x[:, :, dt : dt + t]), weight[:, :, dt], bias if dt == 0 else None, (h_pad, w_pad))
         out = y if out is None else out.add_(y)
     return unframes(out, b)
 
@@ -204,7 +234,7 @@ def with_halo(x: torch.Tensor, halo: Halo, prev: torch.Tensor | None = None, fro
         else:
             buf[:, :, :front] = prev
         body = buf[:, :, front:]
-    body[..., r:r + x.shape[-2], :] = x
+    body[..., r : r + x.shape[-2], :] = x
     if pending is not None:
         halo.complete(pending, body)
     return buf
@@ -246,8 +276,14 @@ class ResBlock(nn.Module):
         super().__init__()
         # Indices match the original nn.Sequential: norm 0, conv 2, norm 3, conv 6.
         self.residual = nn.Sequential(
-            RMSNorm(cin, images=False), nn.SiLU(), CausalConv3d(cin, cout, 3, padding=1),
-            RMSNorm(cout, images=False), nn.SiLU(), nn.Dropout(0.0), CausalConv3d(cout, cout, 3, padding=1))
+            RMSNorm(cin, images=False),
+            nn.SiLU(),
+            CausalConv3d(cin, cout, 3, padding=1),
+            RMSNorm(cout, images=False),
+            nn.SiLU(),
+            nn.Dropout(0.0),
+            CausalConv3d(cout, cout, 3, padding=1),
+        )
         self.shortcut = CausalConv3d(cin, cout, 1) if cin != cout else nn.Identity()
 
     def forward(self, x: torch.Tensor, ctx: Ctx) -> torch.Tensor:
@@ -283,8 +319,9 @@ class Resample(nn.Module):
 
     def __init__(self, dim: int, temporal: bool) -> None:
         super().__init__()
-        self.resample = nn.Sequential(nn.Upsample(scale_factor=2.0, mode="nearest-exact"),
-                                      nn.Conv2d(dim, dim // 2, 3, padding=1))
+        self.resample = nn.Sequential(
+            nn.Upsample(scale_factor=2.0, mode="nearest-exact"), nn.Conv2d(dim, dim // 2, 3, padding=1)
+        )
         self.time_conv = CausalConv3d(dim, dim * 2, (3, 1, 1), padding=(1, 0, 0)) if temporal else None
 
     def _double_frames(self, x: torch.Tensor, ctx: Ctx) -> torch.Tensor:
@@ -319,8 +356,7 @@ class Decoder3d(nn.Module):
         dims = [dim * u for u in (cfg.dim_mult[-1], *cfg.dim_mult[::-1])]
         temporal_up = cfg.temporal_downsample[::-1]
         self.conv1 = CausalConv3d(cfg.z_dim, dims[0], 3, padding=1)
-        self.middle = nn.Sequential(ResBlock(dims[0], dims[0]), AttentionBlock(dims[0]),
-                                    ResBlock(dims[0], dims[0]))
+        self.middle = nn.Sequential(ResBlock(dims[0], dims[0]), AttentionBlock(dims[0]), ResBlock(dims[0], dims[0]))
         ups: list[nn.Module] = []
         for i, (cin, cout) in enumerate(zip(dims[:-1], dims[1:], strict=False)):
             if i > 0:
@@ -331,8 +367,7 @@ class Decoder3d(nn.Module):
             if i != len(cfg.dim_mult) - 1:
                 ups.append(Resample(cout, temporal=temporal_up[i]))
         self.upsamples = nn.Sequential(*ups)
-        self.head = nn.Sequential(RMSNorm(dims[-1], images=False), nn.SiLU(),
-                                  CausalConv3d(dims[-1], 3, 3, padding=1))
+        self.head = nn.Sequential(RMSNorm(dims[-1], images=False), nn.SiLU(), CausalConv3d(dims[-1], 3, 3, padding=1))
         # Where height sharding starts: the first upsampler (everything before it is the
         # low-resolution front: conv1, middle with its global attention, the first stage).
         self.split = next(i for i, m in enumerate(ups) if isinstance(m, Resample))
@@ -342,12 +377,12 @@ class Decoder3d(nn.Module):
         x = self.middle[0](x, ctx)
         x = self.middle[1](x, ctx)
         x = self.middle[2](x, ctx)
-        for m in self.upsamples[:self.split]:
+        for m in self.upsamples[: self.split]:
             x = m(x, ctx)
         return x
 
     def back(self, x: torch.Tensor, ctx: Ctx) -> torch.Tensor:
-        for m in self.upsamples[self.split:]:
+        for m in self.upsamples[self.split :]:
             x = m(x, ctx)
         return self.head[2](self.head[0](x, silu=True), ctx)
 
@@ -381,8 +416,14 @@ class WanVAEDecoder(nn.Module):
         return self.decode_rows(z, state)
 
     @torch.no_grad()
-    def decode_rows(self, z: torch.Tensor, state: VAEState, rows: tuple[int, int] | None = None,
-                    halo: Halo | None = None, shard_front: bool = False) -> torch.Tensor:
+    def decode_rows(
+        self,
+        z: torch.Tensor,
+        state: VAEState,
+        rows: tuple[int, int] | None = None,
+        halo: Halo | None = None,
+        shard_front: bool = False,
+    ) -> torch.Tensor:
         """One shard's part of a block: output rows [8*rows[0], 8*rows[1]) of every frame.
 
         shard_front=False: the low-resolution front runs on the whole latent here (replicated on
@@ -396,8 +437,10 @@ class WanVAEDecoder(nn.Module):
         rows = rows or (0, z.shape[-2])
         halo = halo or Halo()
         step = self._frames_per_call(z, rows)
-        outs = [self._decode_chunk(z[:, :, i:i + step], state, rows, halo, shard_front)
-                for i in range(0, z.shape[2], step)]
+        outs = [
+            self._decode_chunk(z[:, :, i : i + step], state, rows, halo, shard_front)
+            for i in range(0, z.shape[2], step)
+        ]
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
 
     def _frames_per_call(self, z: torch.Tensor, rows: tuple[int, int]) -> int:
@@ -408,8 +451,9 @@ class WanVAEDecoder(nn.Module):
         per_frame = self.cfg.base_dim * self.cfg.temporal_factor * px * self.conv2.weight.element_size() * 3
         return max(1, min(z.shape[2], CPU_DECODE_WORKING_SET_BYTES // per_frame))
 
-    def _decode_chunk(self, z: torch.Tensor, state: VAEState, rows: tuple[int, int], halo: Halo,
-                      shard_front: bool) -> torch.Tensor:
+    def _decode_chunk(
+        self, z: torch.Tensor, state: VAEState, rows: tuple[int, int], halo: Halo, shard_front: bool
+    ) -> torch.Tensor:
         ctx = Ctx(state, halo)
         r0, r1 = rows
         if shard_front:
@@ -417,7 +461,7 @@ class WanVAEDecoder(nn.Module):
         else:
             x = self.decoder.front(self._prologue(z), Ctx(state))
             s = x.shape[-2] // z.shape[-2]
-            x = x[..., r0 * s:r1 * s, :]
+            x = x[..., r0 * s : r1 * s, :]
         x = self.decoder.back(x, ctx)
         state.latent_frames += z.shape[2]
         return x.clamp_(-1.0, 1.0)
