@@ -9,26 +9,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from streamdiff.server.api import KNOWN_FIELDS, SCENE_FIELDS
+
 from ..helpers import Daemon
 
-FIELDS = [
-    "prompt",
-    "model",
-    "seconds",
-    "num_frames",
-    "size",
-    "width",
-    "height",
-    "fps",
-    "seed",
-    "stream",
-    "scenes",
-    "input_reference",
-    "negative_prompt",
-    "num_inference_steps",
-    "user",
-]
-SCENE_FIELDS = ["prompt", "seconds", "num_frames", "transition", "seed"]
+FIELDS = sorted(KNOWN_FIELDS)  # the API's own field names, so the fuzzer reaches every branch
+SCENE_KEYS = sorted(SCENE_FIELDS)
 
 scalars = st.one_of(
     st.none(),
@@ -43,7 +29,7 @@ json_values = st.recursive(
     lambda inner: st.one_of(st.lists(inner, max_size=4), st.dictionaries(st.text(max_size=8), inner, max_size=4)),
     max_leaves=12,
 )
-scene = st.dictionaries(st.sampled_from(SCENE_FIELDS + ["bogus"]), json_values, max_size=5)
+scene = st.dictionaries(st.sampled_from(SCENE_KEYS + ["bogus"]), json_values, max_size=5)
 bodies = st.dictionaries(
     st.sampled_from(FIELDS + ["", "colour", "prompt "]), st.one_of(json_values, st.lists(scene, max_size=5)), max_size=8
 )
