@@ -60,15 +60,18 @@ class PyAVEncoder:
         c.time_base, c.framerate = Fraction(1, fps), Fraction(fps, 1)
         c.flags |= av.codec.context.Flags.global_header  # SPS/PPS in extradata, for avcC
         c.thread_count = threads
+        # preset, tune, profile, crf and forced-idr are options of FFmpeg's libx264 wrapper;
+        # x264's own settings go through x264-params (PyAV drops option names FFmpeg does not
+        # know without a word). IDR frames come only where a fragment asks for one: no scene-cut
+        # detection, no periodic keyframe (x264's default keyint of 250 would put one inside a
+        # block of a long GOP), no B-frames (every frame's packet leaves as the frame goes in).
         c.options = {
             "preset": "ultrafast",
             "tune": "zerolatency",
             "profile": profile,
             "crf": str(crf),
             "forced-idr": "1",
-            "scenecut": "0",
-            "keyint": "100000",
-            "bframes": "0",
+            "x264-params": "scenecut=0:keyint=infinite:bframes=0",
         }
         c.open()
         self._ctx = c
@@ -129,7 +132,8 @@ class FFmpegEncoder:
         if codec == "h264_nvenc":
             cmd += ["-preset", "p1", "-tune", "ull", "-zerolatency", "1", "-delay", "0", "-forced-idr", "1"]
         elif codec == "libx264":
-            cmd += ["-preset", "ultrafast", "-tune", "zerolatency", "-x264-params", "forced-idr=1:scenecut=0"]
+            cmd += ["-preset", "ultrafast", "-tune", "zerolatency", "-forced-idr", "1"]
+            cmd += ["-x264-params", "scenecut=0:keyint=infinite:bframes=0"]
         elif codec == "h264_qsv":
             cmd += ["-preset", "veryfast", "-async_depth", "1", "-forced_idr", "1"]
         if bitrate_kbps:

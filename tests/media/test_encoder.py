@@ -99,3 +99,42 @@ def test_missing_hardware_encoder_falls_back_to_libx264(caplog, monkeypatch):
     auto = open_encoder("auto", W, H, FPS, [0])  # the first working hardware encoder, else libx264
     assert isinstance(auto, PyAVEncoder) == (not any(enc_mod._HW_PROBE.values()))
     auto.close()
+
+
+def hard_cut_frames(n: int, cut: int, seed: int = 0) -> np.ndarray:
+    """Smooth moving noise, then at frame `cut` an unrelated picture: a scene cut x264 would
+    answer with an IDR frame of its own unless scenecut is off."""
+    rng = np.random.default_rng(seed)
+    a, b = rng.integers(0, 256, (2, H // 8, W // 8, 3), dtype=np.uint8)
+    out = np.empty((n, H, W, 3), np.uint8)
+    for t in range(n):
+        src = a if t < cut else 255 - b
+        out[t] = np.roll(np.kron(src, np.ones((8, 8, 1), np.uint8)), t, axis=1)
+    return out
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_hard_cut_inside_a_block_adds_no_keyframe(kind):
+    blocks = [12, 12]
+    enc = open_encoder(kind, W, H, FPS, [0, 12])
+    fw = FragmentWriter(enc, W, H, FPS)
+    out = fw.init_segment()
+    for i, n in enumerate(blocks):
+        out += fw.fragment(hard_cut_frames(n, cut=6, seed=i), True, [])
+    fw.close()
+    dec = decode(out)
+    assert dec["frames"] == 24 and dec["keyframes"] == [0, 12]
+    assert all(f["first_sync"] for f in fragments(out))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_long_gop_gets_no_periodic_keyframe(kind):
+    """300 frames in 25 blocks with one keyframe at the start (keyframe_every_blocks large):
+    x264's default keyint (250) would start a new GOP inside block 20."""
+    enc = open_encoder(kind, W, H, FPS, [0])
+    fw = FragmentWriter(enc, W, H, FPS)
+    out = fw.init_segment()
+    for i in range(25):
+        out += fw.fragment(frames(12, 12 * i), i == 0, [])
+    fw.close()
+    assert decode(out)["keyframes"] == [0]
