@@ -107,6 +107,7 @@ class LimitsConfig:
     max_jobs: int = 1000  # jobs kept for GET /v1/videos (oldest finished removed first)
     keep_completed_bytes: int = 2 * 1024**3  # finished videos kept in memory, oldest removed first
     keep_completed_s: float = 24 * 3600.0
+    keep_completed_min_s: float = 30.0  # a finished video is kept at least this long, whatever the budget
 
 
 @dataclass(frozen=True)
@@ -293,6 +294,12 @@ def validate(cfg: Config) -> None:
     _check(lim.max_scenes >= 1, "limits.max_scenes", "must be >= 1", lim.max_scenes)
     _check(lim.max_prompt_chars >= 1, "limits.max_prompt_chars", "must be >= 1", lim.max_prompt_chars)
     _check(lim.max_jobs >= 1, "limits.max_jobs", "must be >= 1", lim.max_jobs)
+    _check(
+        0 <= lim.keep_completed_min_s <= lim.keep_completed_s,
+        "limits.keep_completed_min_s",
+        "must be between 0 and keep_completed_s",
+        lim.keep_completed_min_s,
+    )
 
 
 def sampler_overrides(cfg: Config) -> dict:

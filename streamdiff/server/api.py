@@ -96,12 +96,24 @@ def _number(value, param: str) -> float:
 
 
 def _integer(value, param: str, lo: int, hi: int) -> int:
-    v = _number(value, param)
-    if v != int(v):
+    """An exact integer: a JSON integer, a float with an integral value below 2**53 (where a
+    float still names one integer), or a decimal string (form fields). Never through float,
+    so 2**63-1 stays 2**63-1 and 2**53+1 differs from 2**53+2."""
+    if isinstance(value, bool):
+        raise bad(f"'{param}' must be an integer", param)
+    if isinstance(value, int):
+        v = value
+    elif isinstance(value, float):
+        if value != value or not value.is_integer() or abs(value) > 2**53:
+            raise bad(f"'{param}' must be an integer, got {value!r}", param)
+        v = int(value)
+    elif isinstance(value, str) and re.fullmatch(r"\s*[+-]?\d{1,20}\s*", value):
+        v = int(value)
+    else:
         raise bad(f"'{param}' must be an integer, got {value!r}", param)
     if not lo <= v <= hi:
-        raise bad(f"'{param}' must be between {lo} and {hi}, got {int(v)}", param)
-    return int(v)
+        raise bad(f"'{param}' must be between {lo} and {hi}, got {v}", param)
+    return v
 
 
 def _bool(value, param: str) -> bool:

@@ -8,6 +8,7 @@ import asyncio
 import hmac
 import json
 import logging
+from email.utils import formatdate
 from pathlib import Path
 
 from aiohttp import web
@@ -16,7 +17,7 @@ from ..config import Config
 from ..supervisor.core import RUNNING, Supervisor
 from ..supervisor.scheduler import QueueFull, Session
 from .api import APIError, bad, parse_video_request
-from .jobs import Job, JobStore
+from .jobs import Job, JobExpired, JobStore
 
 log = logging.getLogger("streamdiff.http")
 
@@ -188,9 +189,23 @@ async def create_video(request: web.Request) -> web.StreamResponse:
     return await stream_job(request, job, live=True)
 
 
+def _start_failure(job: Job) -> APIError:
+    """The JSON error for a streaming job that ended before its first fragment."""
+    err = job.error or {"code": "generation_failed", "message": job.state}
+    if err["code"] == "invalid_request":
+        return APIError(400, err["message"], None, "invalid_request")
+    if err["code"] == "cancelled":
+        return APIError(503, err["message"], None, "cancelled", "server_error", {"Retry-After": "5"})
+    return APIError(500, f"the video could not start: {err['message']}", None, err["code"], "server_error")
+
+
 async def stream_job(request: web.Request, job: Job, live: bool, start_chunk: int = 0) -> web.StreamResponse:
     """Write the job's bytes as they come. `live`: this response is the job's consumer (acks
-    each fragment: backpressure) and its disconnect cancels the job."""
+    each fragment: backpressure) and its disconnect cancels the job.
+
+    The status line waits for the first fragment: a session that fails before it (a request
+    its workers refuse, an encoder that cannot open) answers a JSON error, not a 200 followed
+    by a cut. The init segment alone would not play anyway."""
     sup = request.app[SUPERVISOR]
     resp = web.StreamResponse(
         headers={
@@ -201,11 +216,17 @@ async def stream_job(request: web.Request, job: Job, live: bool, start_chunk: in
         }
     )
     resp.enable_chunked_encoding()
-    await resp.prepare(request)
     timeout = request.app[CONFIG].server.client_write_timeout_s
+    held: list[bytes] = []  # chunks before the first fragment
     complete = False
     try:
         async for chunk, is_fragment in job.follow(start_chunk):
+            if not resp.prepared:
+                held.append(chunk)
+                if not is_fragment:
+                    continue
+                await resp.prepare(request)
+                chunk, held = b"".join(held), []
             try:
                 async with asyncio.timeout(timeout):
                     await resp.write(chunk)
@@ -219,6 +240,14 @@ async def stream_job(request: web.Request, job: Job, live: bool, start_chunk: in
         if live and not job.finished:
             sup.scheduler.cancel(job.session_id, "client disconnected")
         raise
+    except JobExpired:
+        log.warning("job %s expired under a reader: ending its transfer truncated", job.id)
+    if not resp.prepared:
+        if complete:  # a video without fragments cannot be asked for; be exact anyway
+            await resp.prepare(request)
+            await resp.write(b"".join(held))
+        else:
+            raise _start_failure(job)
     if not complete:
         # A failed or cancelled stream must not look like a finished short clip: end the
         # connection without the terminating chunk, so clients see a truncated transfer.
@@ -276,25 +305,30 @@ async def delete_video(request: web.Request) -> web.Response:
     return web.json_response({"id": job.id, "object": "video.deleted", "deleted": True})
 
 
-def _parse_range(header: str, size: int) -> tuple[int, int] | None:
-    """One 'bytes=a-b' range -> (start, end inclusive); None if unsatisfiable."""
-    if not header.startswith("bytes=") or "," in header:
+def _byte_range(request: web.Request, size: int, etag: str, last_modified: str) -> tuple[int, int] | None:
+    """The one byte range to send, per RFC 9110 section 14: (start, stop), or None for the whole
+    representation. A malformed or multi-range Range header is ignored (200), and so is one
+    whose If-Range names another version; an unsatisfiable single range raises 416.
+    aiohttp's `http_range` parses the header (its slice is start/stop with a negative start for
+    a suffix range)."""
+    header = request.headers.get("Range")
+    if header is None:
         return None
-    a, _, b = header[6:].strip().partition("-")
+    if_range = request.headers.get("If-Range")
+    if if_range is not None and if_range.strip() not in (etag, last_modified):
+        return None  # a weak or stale validator: the client wants the whole new representation
     try:
-        if a == "":
-            n = int(b)
-            if n <= 0:
-                return None
-            start, end = max(0, size - n), size - 1
-        else:
-            start = int(a)
-            end = int(b) if b else size - 1
+        rng = request.http_range
     except ValueError:
         return None
-    if start >= size or end < start:
-        return None
-    return start, min(end, size - 1)
+    start, stop = rng.start, rng.stop
+    if start is not None and start < 0:  # suffix range: the last -start bytes
+        start = max(0, size + start)
+    elif start is None or header.strip().lower().endswith("=-0"):
+        start = size  # "bytes=-0": an empty suffix is unsatisfiable
+    if start >= size:
+        raise web.HTTPRequestRangeNotSatisfiable(headers={"Content-Range": f"bytes */{size}"})
+    return start, min(size, stop) if stop is not None else size
 
 
 async def video_content(request: web.Request) -> web.StreamResponse:
@@ -313,22 +347,25 @@ async def video_content(request: web.Request) -> web.StreamResponse:
         )
     if not job.finished:
         return await stream_job(request, job, live=False)
-    body = job.body()
+    size = job.nbytes
+    etag = f'"{job.id}"'
+    last_modified = formatdate(job.completed_at, usegmt=True)
     headers = {
         "Content-Type": "video/mp4",
         "Accept-Ranges": "bytes",
-        "ETag": f'"{job.id}"',
+        "ETag": etag,
+        "Last-Modified": last_modified,
         "Content-Disposition": f'inline; filename="{job.id}.mp4"',
     }
-    rng = request.headers.get("Range")
-    if rng:
-        r = _parse_range(rng, len(body))
-        if r is None:
-            return web.Response(status=416, headers={"Content-Range": f"bytes */{len(body)}", **headers})
-        start, end = r
-        headers["Content-Range"] = f"bytes {start}-{end}/{len(body)}"
-        return web.Response(status=206, body=body[start : end + 1], headers=headers)
-    return web.Response(body=body, headers=headers)
+    try:
+        rng = _byte_range(request, size, etag, last_modified)
+    except web.HTTPRequestRangeNotSatisfiable as exc:
+        return web.Response(status=416, headers={**headers, **exc.headers})
+    if rng is None:
+        return web.Response(body=job.read(0, size), headers=headers)
+    start, stop = rng
+    headers["Content-Range"] = f"bytes {start}-{stop - 1}/{size}"
+    return web.Response(status=206, body=job.read(start, stop), headers=headers)
 
 
 async def list_models(request: web.Request) -> web.Response:
@@ -387,7 +424,8 @@ def make_app(sup: Supervisor, cfg: Config, api_keys: list[bytes]) -> web.Applica
         middlewares=[count_middleware, errors_middleware, auth_middleware], client_max_size=cfg.server.max_body_bytes
     )
     app[SUPERVISOR], app[CONFIG], app[API_KEYS] = sup, cfg, api_keys
-    app[JOBS] = JobStore(cfg.limits.max_jobs, cfg.limits.keep_completed_bytes, cfg.limits.keep_completed_s)
+    lim = cfg.limits
+    app[JOBS] = JobStore(lim.max_jobs, lim.keep_completed_bytes, lim.keep_completed_s, lim.keep_completed_min_s)
 
     async def prune_jobs(app: web.Application):
         async def loop():

@@ -6,12 +6,15 @@ one fragment per block; readers (the streaming POST, GET .../content) start from
 follow new fragments as they arrive. Backpressure: when the job was created with
 `"stream": true` its own response is the consumer whose pace throttles the session (a slow
 client slows only itself); otherwise the job acknowledges each fragment as it arrives and
-buffers. Finished videos are kept within a size and age budget, oldest first out.
+buffers. Finished videos are kept within a size and age budget, oldest first out, but never
+while a reader is attached nor in the first `min_keep_s` after they finish (a client that saw
+"completed" must still find the bytes).
 """
 
 from __future__ import annotations
 
 import asyncio
+import bisect
 import secrets
 import time
 from collections import OrderedDict
@@ -21,6 +24,10 @@ from ..plan import Block
 from ..supervisor.scheduler import CANCELLED, DONE, Session
 
 STATUS = {"queued": "queued", "running": "in_progress", DONE: "completed", "failed": "failed", CANCELLED: "failed"}
+
+
+class JobExpired(Exception):
+    """The job's bytes were dropped while a reader followed it: its transfer must end truncated."""
 
 
 class Job:
@@ -34,7 +41,9 @@ class Job:
         self.error: dict | None = None
         self.chunks: list[bytes] = []
         self.is_fragment: list[bool] = []  # False for a chunk that is only the init segment
+        self.ends: list[int] = []  # byte offset just past each chunk, for ranges without a join
         self.nbytes = 0
+        self.readers = 0  # transfers following or reading this job right now
         self.frames_done = 0
         self.fragments = 0
         self.session_id: str | None = None
@@ -47,6 +56,7 @@ class Job:
         self._changed = asyncio.Event()
         self.t_created = time.monotonic()
         self.t_first_fragment: float | None = None
+        self.t_finished: float | None = None
         self.scene_starts: list[int] = []
         start = 0
         for sc in request.scenes:
@@ -63,6 +73,7 @@ class Job:
         self.chunks.append(data)
         self.is_fragment.append(block is not None)
         self.nbytes += len(data)
+        self.ends.append(self.nbytes)
         if block is not None:
             self.fragments += 1
             self.frames_done += block.emit
@@ -75,6 +86,7 @@ class Job:
     def on_end(self, session: Session, state: str, error: str | None) -> None:
         self.state = state
         self.completed_at = int(time.time())
+        self.t_finished = time.monotonic()
         if state != DONE:
             code = "cancelled" if state == CANCELLED else "generation_failed"
             self.error = {"code": code, "message": error or state}
@@ -93,22 +105,45 @@ class Job:
         return self.state in (DONE, "failed", CANCELLED)
 
     async def follow(self, start_chunk: int = 0) -> AsyncIterator[tuple[bytes, bool]]:
-        """Yield (chunk, is_fragment) from `start_chunk` on, waiting for new ones until the job ends."""
+        """Yield (chunk, is_fragment) from `start_chunk` on, waiting for new ones until the job
+        ends. Raises JobExpired if the bytes go away under the reader (never a clean short end)."""
         i = start_chunk
-        while True:
-            while i < len(self.chunks):
-                yield self.chunks[i], self.is_fragment[i]
-                i += 1
-            if self.finished or self.expired:
-                return
-            await self._changed.wait()
+        self.readers += 1
+        try:
+            while True:
+                while i < len(self.chunks):
+                    yield self.chunks[i], self.is_fragment[i]
+                    i += 1
+                if self.expired:
+                    raise JobExpired(self.id)
+                if self.finished:
+                    return
+                await self._changed.wait()
+        finally:
+            self.readers -= 1
 
     def ack(self, blocks: int = 1) -> None:
         if self.session_id is not None:
             self._ack(self.session_id, blocks)
 
-    def body(self) -> bytes:
-        return b"".join(self.chunks)
+    def expire(self) -> None:
+        """Drop the bytes (the video object stays); a reader still following is woken to fail."""
+        now = int(time.time())
+        self.expired, self.chunks, self.is_fragment, self.ends = True, [], [], []
+        self.expires_at = min(self.expires_at or now, now)
+        self._notify()
+
+    def read(self, start: int, stop: int) -> bytes:
+        """Bytes [start, stop) of the video, joined from the chunks that hold them only."""
+        if self.expired:
+            raise JobExpired(self.id)
+        first = bisect.bisect_right(self.ends, start)
+        last = bisect.bisect_left(self.ends, stop)
+        parts = self.chunks[first : last + 1]
+        if not parts:
+            return b""
+        base = self.ends[first - 1] if first else 0
+        return b"".join(parts)[start - base : stop - base]
 
     # -- the OpenAI video object --------------------------------------------------------------
     def video_object(self) -> dict:
@@ -154,9 +189,9 @@ class Job:
 
 
 class JobStore:
-    def __init__(self, max_jobs: int, keep_bytes: int, keep_s: float) -> None:
+    def __init__(self, max_jobs: int, keep_bytes: int, keep_s: float, min_keep_s: float) -> None:
         self.jobs: OrderedDict[str, Job] = OrderedDict()
-        self.max_jobs, self.keep_bytes, self.keep_s = max_jobs, keep_bytes, keep_s
+        self.max_jobs, self.keep_bytes, self.keep_s, self.min_keep_s = max_jobs, keep_bytes, keep_s, min_keep_s
 
     def add(self, job: Job) -> None:
         job.keep_s = self.keep_s
@@ -170,20 +205,25 @@ class JobStore:
     def remove(self, job_id: str) -> None:
         self.jobs.pop(job_id, None)
 
+    def _protected(self, job: Job, now: float) -> bool:
+        """Not to be expired now: somebody is reading it, or it finished moments ago."""
+        return job.readers > 0 or job.t_finished is None or now - job.t_finished < self.min_keep_s
+
     def prune(self) -> None:
-        """Expire the oldest finished videos beyond the byte or age budget; forget the oldest
-        finished jobs beyond max_jobs."""
-        now = int(time.time())
-        finished = [j for j in self.jobs.values() if j.finished and not j.expired]
+        """Expire the oldest finished videos beyond the byte or age budget (running jobs' bytes
+        count towards the budget, but only finished, unprotected ones are expired); forget the
+        oldest finished jobs beyond max_jobs."""
+        now = time.monotonic()
         kept = sum(j.nbytes for j in self.jobs.values() if not j.expired)
-        for j in finished:  # oldest first
-            too_old = j.completed_at is not None and now - j.completed_at > self.keep_s
+        for j in list(self.jobs.values()):  # oldest first
+            if not j.finished or j.expired or self._protected(j, now):
+                continue
+            too_old = now - j.t_finished > self.keep_s
             if too_old or kept > self.keep_bytes:
                 kept -= j.nbytes
-                j.expired, j.chunks, j.is_fragment = True, [], []
-                j.expires_at = j.expires_at or now
+                j.expire()
         while len(self.jobs) > self.max_jobs:
-            oldest = next((j for j in self.jobs.values() if j.finished), None)
+            oldest = next((j for j in self.jobs.values() if j.finished and not self._protected(j, now)), None)
             if oldest is None:
                 break
             del self.jobs[oldest.id]

@@ -71,6 +71,41 @@ def test_byte_ranges_of_a_finished_video(d):
     assert httpx.get(url, headers={"Range": "bytes=100-"}).content == full[100:]
     bad = httpx.get(url, headers={"Range": f"bytes={len(full)}-"})
     assert bad.status_code == 416 and bad.headers["content-range"] == f"bytes */{len(full)}"
+    assert httpx.get(url, headers={"Range": "bytes=-0"}).status_code == 416
+    assert httpx.get(url, headers={"Range": f"bytes=5-{10 * len(full)}"}).content == full[5:]
+
+
+def test_range_headers_per_rfc_9110(d):
+    v = httpx.post(d.url + "/v1/videos", json={"prompt": "reeds", "num_frames": 9, "size": "128x64"}).json()
+    wait_done(d, v["id"])
+    url = f"{d.url}/v1/videos/{v['id']}/content"
+    whole = httpx.get(url)
+    full, etag, modified = whole.content, whole.headers["etag"], whole.headers["last-modified"]
+    # Malformed, reversed and multi-range headers are ignored: the whole video, 200.
+    for header in ("bytes=abc", "bytes=9-2", "bytes=0-1,5-6", "items=0-9", "bytes="):
+        r = httpx.get(url, headers={"Range": header})
+        assert r.status_code == 200 and r.content == full and "content-range" not in r.headers, header
+    # If-Range: the range only when the validator still names this video.
+    for validator, status in ((etag, 206), (modified, 206), ('"video_other"', 200), ("W/" + etag, 200)):
+        r = httpx.get(url, headers={"Range": "bytes=0-9", "If-Range": validator})
+        assert r.status_code == status and r.content == (full[:10] if status == 206 else full), validator
+
+
+def test_integer_fields_are_exact(d):
+    body = {"prompt": "a lighthouse", "num_frames": 5, "size": "128x64"}
+    top = httpx.post(d.url + "/v1/videos", json={**body, "seed": 2**63 - 1}).json()
+    assert top["seed"] == 2**63 - 1
+    videos = []
+    for seed in (2**53 + 1, 2**53 + 2):
+        data, _, _ = stream_video(d.url, {**body, "seed": seed})
+        videos.append(decode(data)["pixels"])
+    assert any((a != b).any() for a, b in zip(*videos))
+    for seed, param in ((2**63, "seed"), (1.5, "seed"), ("12x", "seed"), (-1, "seed")):
+        r = httpx.post(d.url + "/v1/videos", json={**body, "seed": seed})
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, seed
+    assert httpx.post(d.url + "/v1/videos", json={**body, "seed": 5.0}).json()["seed"] == 5
+    form = httpx.post(d.url + "/v1/videos", data={**body, "num_frames": "5", "seed": str(2**63 - 1)}).json()
+    assert form["seed"] == 2**63 - 1
 
 
 def test_unknown_ids_are_404(d):
@@ -247,7 +282,7 @@ def test_client_example(d, tmp_path):
 
 def test_finished_videos_are_kept_within_the_byte_budget(tmp_path):
     cfg = tmp_path / "c.toml"
-    cfg.write_text("[limits]\nkeep_completed_bytes = 150000\n")
+    cfg.write_text("[limits]\nkeep_completed_bytes = 150000\nkeep_completed_min_s = 0.2\n")
     daemon = Daemon("--config", str(cfg))
     try:
         ids = []
