@@ -31,6 +31,17 @@ def test_twenty_blocks_at_k3_without_hanging(k3):
 
 
 @pytest.mark.timeout(300)
+def test_uneven_bands_at_a_size_the_cpu_decodes_in_chunks(k3):
+    """416x320: 40 latent rows over 3 shards (14, 13, 13). Sized per band, the 14-row shard
+    decoded a 3-frame block in two calls and its neighbours in one: gloo saw mismatched
+    exchanges and the whole group died. One plan from the global shape: all agree."""
+    before = {n: w["restarts"] for n, w in k3.health()["workers"].items()}
+    data, _, _ = stream_video(k3.url, {"prompt": "uneven", "num_frames": 25, "size": "416x320"}, timeout=240)
+    check_video(data, 25, 416, 320, 16)
+    assert {n: w["restarts"] for n, w in k3.health()["workers"].items()} == before
+
+
+@pytest.mark.timeout(300)
 def test_killed_shard_fails_its_stream_fast_and_the_group_comes_back(k3):
     shard = k3.health()["workers"]["vae0.1"]["pid"]
     t0 = time.monotonic()

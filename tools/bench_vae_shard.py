@@ -36,7 +36,8 @@ def shard(rank, world, addr, args, out):
 
     from streamdiff.models.presets import build_vae
     from streamdiff.models.spec import ModelSpec
-    from streamdiff.parallel.vae_group import ExchangeHalo, init_group, split_rows
+    from streamdiff.models.wan.kernels import plan_block
+    from streamdiff.parallel.vae_group import ExchangeHalo, init_group
 
     device = args["device"] if args["device"] == "cpu" else f"{args['device']}:{rank}"
     if world > 1:
@@ -55,12 +56,10 @@ def shard(rank, world, addr, args, out):
         if device.startswith("cuda"):
             torch.cuda.synchronize()
         t0 = time.perf_counter()
-        if world == 1:
-            vae.decode(z, state)
-        else:
-            bands = split_rows(h // sf, world)
-            hx = ExchangeHalo(rank, bands)
-            vae.decode_rows(z, state, bands[rank], hx, args["shard_front"])
+        c = preset.vae
+        plan = plan_block(z.shape, world, z.device.type, c.base_dim, sf, c.temporal_factor, z.element_size())
+        hx = ExchangeHalo(rank, list(plan.bands)) if world > 1 else None
+        vae.decode_rows(z, state, plan, rank, hx, args["shard_front"])
         if device.startswith("cuda"):
             torch.cuda.synchronize()
         dt = time.perf_counter() - t0

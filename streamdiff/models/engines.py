@@ -14,6 +14,7 @@ import torch
 
 from .presets import ModelSpec, build_dit, build_text_encoder, build_vae
 from .wan.dit import DiTState
+from .wan.kernels import CPU_DECODE_WORKING_SET_BYTES, DecodePlan, plan_block
 from .wan.sampler import denoise_block, warped_timesteps
 from .wan.vae import Halo, VAEState, to_uint8_frames
 
@@ -89,9 +90,10 @@ class DiTEngine:
 
 
 class VAEEngine:
-    def __init__(self, spec: ModelSpec, device: str = "cpu") -> None:
+    def __init__(self, spec: ModelSpec, device: str = "cpu", working_set_bytes: int = CPU_DECODE_WORKING_SET_BYTES):
         self.device = device
         self.model, self.preset = build_vae(spec, device)
+        self.working_set_bytes = working_set_bytes
 
     def open_session(self) -> VAEState:
         return self.model.new_state()
@@ -99,15 +101,31 @@ class VAEEngine:
     def frames_out(self, latent_frames: int, state: VAEState) -> int:
         return self.preset.vae.frames_out(latent_frames, first_block=state.latent_frames == 0)
 
+    def plan(self, latent_shape: tuple[int, ...], world: int = 1) -> DecodePlan:
+        """The decode plan of a block of this global shape over `world` shards (the same on every rank)."""
+        cfg = self.preset.vae
+        return plan_block(
+            latent_shape,
+            world,
+            torch.device(self.device).type,
+            cfg.base_dim,
+            cfg.spatial_factor,
+            cfg.temporal_factor,
+            self.model.conv2.weight.element_size(),
+            self.working_set_bytes,
+        )
+
     def decode_block(
         self,
         state: VAEState,
         latent: torch.Tensor,
-        rows: tuple[int, int] | None = None,
+        plan: DecodePlan | None = None,
+        rank: int = 0,
         halo: Halo | None = None,
         shard_front: bool = False,
     ) -> torch.Tensor:
-        """(1, C, f, h, w) -> (frames, 8h, 8w, 3) uint8 on the CPU; with `rows`, only that
-        band of latent rows (one shard of a VAE group, exchanging through `halo`)."""
-        x = self.model.decode_rows(latent.to(self.device), state, rows, halo, shard_front)
+        """(1, C, f, h, w) -> (frames, 8h, 8w, 3) uint8 on the CPU; with a plan of several
+        shards, only rank `rank`'s band of rows (exchanging through `halo`)."""
+        plan = plan or self.plan(tuple(latent.shape))
+        x = self.model.decode_rows(latent.to(self.device), state, plan, rank, halo, shard_front)
         return to_uint8_frames(x)

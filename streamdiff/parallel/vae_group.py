@@ -4,8 +4,10 @@ Each shard owns a horizontal band of latent rows (`split_rows`) and so a band of
 frame (8x the rows). The decoder (models/wan/vae.py) asks its `Halo` for one neighbour row
 above and below at every 3x3 convolution; `ExchangeHalo` answers with point-to-point sends
 and receives to the two neighbours (zero rows at the global top and bottom), posted all at once
-before the conv's input buffer is filled and waited on after, so no ordering between ranks can
-deadlock — whatever k is (the reference implementation hung at 3 ranks). The halo rows of
+in one batched call before the conv's input buffer is filled and waited on after, so no
+ordering between ranks can deadlock — whatever k is (the reference implementation hung at 3
+ranks). Every rank decodes a block under the same `DecodePlan` (models/wan/kernels.py), so
+neighbours always run the same exchanges with the same shapes. The halo rows of
 cached frames are stored with the cache, so only the new frames' rows travel.
 
 The middle attention is global over each frame. By default the low-resolution front (conv1,
@@ -22,29 +24,23 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from ..models.wan.kernels import empty, layout, split_rows
 from ..models.wan.vae import Halo
+
+__all__ = ["BACKENDS", "ExchangeHalo", "group_max", "init_group", "split_rows"]
 
 BACKENDS = {"cpu": "gloo", "cuda": "nccl", "xpu": "xccl"}
 
 
-def split_rows(height: int, world: int) -> list[tuple[int, int]]:
-    """Contiguous bands of `height` rows for `world` shards; sizes differ by at most one."""
-    if height < world:
-        raise ValueError(f"{height} latent rows cannot be split over {world} shards")
-    base, extra = divmod(height, world)
-    out, r = [], 0
-    for i in range(world):
-        n = base + (1 if i < extra else 0)
-        out.append((r, r + n))
-        r += n
-    return out
-
-
-def init_group(init_addr: str, rank: int, world: int, device: str, timeout_s: float) -> None:
+def init_group(
+    init_addr: str, rank: int, world: int, device: str, timeout_s: float, backend: str | None = None
+) -> None:
+    """Join the group's process group; `backend` overrides the device's default (gloo, nccl, xccl)."""
     dev = torch.device(device)
-    kw = {"device_id": dev} if dev.type == "cuda" else {}
+    backend = backend or BACKENDS[dev.type]
+    kw = {"device_id": dev} if backend == "nccl" else {}
     dist.init_process_group(
-        BACKENDS[dev.type],
+        backend,
         init_method=init_addr,
         rank=rank,
         world_size=world,
@@ -53,19 +49,11 @@ def init_group(init_addr: str, rank: int, world: int, device: str, timeout_s: fl
     )
 
 
-def group_any(flag: bool, device: str) -> bool:
-    """True on every rank if it is true on any rank (a consistent decision for the group)."""
-    t = torch.tensor([1 if flag else 0], dtype=torch.int32, device=device)
+def group_max(value: int, device: str) -> int:
+    """The largest of every rank's value, on every rank: one decision for the whole group."""
+    t = torch.tensor([value], dtype=torch.int32, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return bool(t.item())
-
-
-def _empty_like_rows(x: torch.Tensor, rows: int) -> torch.Tensor:
-    shape = (*x.shape[:-2], rows, x.shape[-1])
-    if x.device.type == "cpu" and x.dim() in (4, 5):  # keep the decoder's channels-last layout
-        fmt = torch.channels_last if x.dim() == 4 else torch.channels_last_3d
-        return torch.empty(shape, dtype=x.dtype, device=x.device, memory_format=fmt)
-    return torch.empty(shape, dtype=x.dtype, device=x.device)
+    return int(t.item())
 
 
 class ExchangeHalo(Halo):
@@ -80,20 +68,25 @@ class ExchangeHalo(Halo):
     rows = 1
 
     def post(self, x: torch.Tensor):
-        """Send our first row up and our last row down; receive theirs. Non-blocking."""
+        """Send our first row up and our last row down; receive theirs. Non-blocking.
+
+        One batched call (`batch_isend_irecv`) for all four transfers: NCCL and oneCCL may
+        deadlock on separate isend/irecv pairs between the same ranks (nccl#479, nccl#783,
+        torch-ccl#72); batched, they are one group operation there, and a loop over the ops
+        on gloo."""
         up, down = self.rank - 1, self.rank + 1
-        works, recv_up, recv_down = [], None, None
+        ops, recv_up, recv_down = [], None, None
         if up >= 0:
             send_up = x[..., :1, :].contiguous()
             recv_up = torch.empty_like(send_up)
-            works += [dist.isend(send_up, up), dist.irecv(recv_up, up)]
+            ops += [dist.P2POp(dist.isend, send_up, up), dist.P2POp(dist.irecv, recv_up, up)]
             self.bytes_sent += send_up.numel() * send_up.element_size()
         if down < self.world:
             send_down = x[..., -1:, :].contiguous()
             recv_down = torch.empty_like(send_down)
-            works += [dist.isend(send_down, down), dist.irecv(recv_down, down)]
+            ops += [dist.P2POp(dist.isend, send_down, down), dist.P2POp(dist.irecv, recv_down, down)]
             self.bytes_sent += send_down.numel() * send_down.element_size()
-        return works, recv_up, recv_down
+        return (dist.batch_isend_irecv(ops) if ops else []), recv_up, recv_down
 
     def complete(self, pending, dest: torch.Tensor) -> None:
         works, recv_up, recv_down = pending
@@ -107,16 +100,14 @@ class ExchangeHalo(Halo):
         s = self._scale(x)
         sizes = [(r1 - r0) * s for r0, r1 in self.bands]
         pad = max(sizes)
-        buf = _empty_like_rows(x, pad).contiguous()
+        buf = empty((*x.shape[:-2], pad, x.shape[-1]), x).contiguous()
         buf.zero_()
         buf[..., : x.shape[-2], :] = x
         parts = [torch.empty_like(buf) for _ in range(self.world)]
         dist.all_gather(parts, buf)
         self.bytes_sent += buf.numel() * buf.element_size() * (self.world - 1)
         full = torch.cat([p[..., :n, :] for p, n in zip(parts, sizes)], dim=-2)
-        if x.device.type == "cpu" and x.dim() == 5:
-            full = full.contiguous(memory_format=torch.channels_last_3d)
-        return full
+        return full.contiguous(memory_format=layout(full))
 
     def local(self, x: torch.Tensor) -> torch.Tensor:
         r0, r1 = self.bands[self.rank]

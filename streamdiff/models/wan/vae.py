@@ -25,13 +25,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-CACHE_T = 2  # frames each causal 3x3x3 conv keeps: its temporal kernel is 3
-# CPU decode works on about this many bytes of full-resolution activations per call (a few latent
-# frames; the estimate counts input, output and the conv buffer). Measured on a 32 MiB L3: at
-# 416x240 one latent frame per call took 371 ms against 546 ms per frame for three, while at
-# 256x144 three per call (42 MiB by this estimate) beat one per call (152 against 168 ms).
-CPU_DECODE_WORKING_SET_BYTES = 48 * 2**20
+from .kernels import DecodePlan, cat_frames, conv2d, conv3d_valid_t, empty, frames, layout, unframes
 
+CACHE_T = 2  # frames each causal 3x3x3 conv keeps: its temporal kernel is 3
 WAN21_LATENTS_MEAN = (
     -0.7571,
     -0.7089,
@@ -140,56 +136,6 @@ class Ctx:
 # ----------------------------------------------------------------------------- building blocks
 
 
-def frames(x: torch.Tensor) -> torch.Tensor:
-    """(B, C, T, H, W) -> (B*T, C, H, W); a view for channels_last_3d tensors with B == 1."""
-    b, c, t, h, w = x.shape
-    return x.transpose(1, 2).reshape(b * t, c, h, w)
-
-
-def unframes(y: torch.Tensor, b: int) -> torch.Tensor:
-    """(B*T, C, H, W) -> (B, C, T, H, W); a view."""
-    n, c, h, w = y.shape
-    return y.view(b, n // b, c, h, w).transpose(1, 2)
-
-
-def conv2d(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, padding: tuple[int, int] = (0, 0)
-) -> torch.Tensor:
-    """conv2d over frames that keeps the CPU's channels-last layout.
-
-    1x1 kernels run as a matmul over the channel axis (PyTorch's 1x1 CPU conv returns
-    channels-first, which would push every later op off oneDNN's fast path).
-    """
-    if x.device.type != "cpu":
-        return F.conv2d(x, weight, bias, padding=padding)
-    cl = torch.channels_last
-    if weight.shape[2] == weight.shape[3] == 1:
-        y = F.linear(x.contiguous(memory_format=cl).permute(0, 2, 3, 1), weight.flatten(1), bias)
-        return y.permute(0, 3, 1, 2)
-    return F.conv2d(x.contiguous(memory_format=cl), weight.contiguous(memory_format=cl), bias, padding=padding)
-
-
-def conv3d_valid_t(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, h_pad: int, w_pad: int
-) -> torch.Tensor:
-    """3D conv with no temporal padding (the causal frames are already in x), zero padding in
-    H and W as given.
-
-    On the CPU PyTorch's conv3d falls back to an im2col kernel that is 4-8x slower than oneDNN's
-    channels-last conv2d here (measured in docs/benchmarks.md), so there it runs as one conv2d
-    per temporal tap over all frames, summed; elsewhere it is the native conv3d.
-    """
-    if x.device.type != "cpu":
-        return F.conv3d(x, weight, bias, padding=(0, h_pad, w_pad))
-    kt = weight.shape[2]
-    b, t = x.shape[0], x.shape[2] - kt + 1
-    out = None
-    for dt in range(kt):
-        y = conv2d(frames(x[:, :, dt : dt + t]), weight[:, :, dt], bias if dt == 0 else None, (h_pad, w_pad))
-        out = y if out is None else out.add_(y)
-    return unframes(out, b)
-
-
 class CausalConv3d(nn.Conv3d):
     """3D conv, causal in time (pads 2*p_t frames in front, or takes them from the cache)."""
 
@@ -203,14 +149,9 @@ class CausalConv3d(nn.Conv3d):
         n = kt - 1  # cached frames in front; none at the start of a shot: zeros
         x = with_halo(x, halo, ctx.state.cache[self.slot] if n else None, n)
         if n:
-            ctx.state.cache[self.slot] = _cat_frames(None, x[:, :, -n:], 0)  # stored with their halo rows
+            ctx.state.cache[self.slot] = cat_frames(None, x[:, :, -n:], 0)  # stored with their halo rows
         h_pad = 1 if kh > 1 and halo.rows == 0 else 0
         return conv3d_valid_t(x, self.weight, self.bias, h_pad, self.padding[2])
-
-
-def _layout(x: torch.Tensor) -> torch.memory_format:
-    """Frames-major channels-last on the CPU (oneDNN's fast path), the default elsewhere."""
-    return torch.channels_last_3d if x.device.type == "cpu" else torch.contiguous_format
 
 
 def with_halo(x: torch.Tensor, halo: Halo, prev: torch.Tensor | None = None, front: int = 0) -> torch.Tensor:
@@ -225,8 +166,7 @@ def with_halo(x: torch.Tensor, halo: Halo, prev: torch.Tensor | None = None, fro
     shape[-2] += 2 * r
     if front:
         shape[2] += front
-    fmt = _layout(x) if x.dim() == 5 else (torch.channels_last if x.device.type == "cpu" else torch.contiguous_format)
-    buf = torch.empty(shape, dtype=x.dtype, device=x.device, memory_format=fmt)
+    buf = empty(shape, x)
     body = buf
     if front:
         if prev is None:
@@ -238,21 +178,6 @@ def with_halo(x: torch.Tensor, halo: Halo, prev: torch.Tensor | None = None, fro
     if pending is not None:
         halo.complete(pending, body)
     return buf
-
-
-def _cat_frames(prev: torch.Tensor | None, x: torch.Tensor, pad: int) -> torch.Tensor:
-    """[prev; x] along time in a fresh tensor of the device's layout; prev=None means `pad`
-    zero frames. Explicit because torch.cat and clone pick a layout from their inputs, and a
-    one-frame tensor is ambiguous between channels-first and channels-last."""
-    b, c, t, h, w = x.shape
-    n = pad if prev is None else prev.shape[2]
-    out = torch.empty((b, c, n + t, h, w), dtype=x.dtype, device=x.device, memory_format=_layout(x))
-    if prev is None:
-        out[:, :, :n].zero_()
-    else:
-        out[:, :, :n] = prev
-    out[:, :, n:] = x
-    return out
 
 
 class RMSNorm(nn.Module):
@@ -330,15 +255,15 @@ class Resample(nn.Module):
         if ctx.state.cache[slot] is None:
             # The shot's first frame is not doubled; after it the cache starts from zeros.
             head, x = x[:, :, :1], x[:, :, 1:]
-            ctx.state.cache[slot] = _cat_frames(None, head[:, :, :0], CACHE_T)
+            ctx.state.cache[slot] = cat_frames(None, head[:, :, :0], CACHE_T)
             if x.shape[2] == 0:
                 return head
         b, c, t, h, w = x.shape
         y = self.time_conv(x, ctx)  # (B, 2C, T, H, W): channel halves are the two output frames
-        out = torch.empty((b, c, 2 * t, h, w), dtype=y.dtype, device=y.device, memory_format=_layout(x))
+        out = empty((b, c, 2 * t, h, w), y)
         out[:, :, 0::2] = y[:, :c]
         out[:, :, 1::2] = y[:, c:]
-        return out if head is None else _cat_frames(head, out, 0)
+        return out if head is None else cat_frames(head, out, 0)
 
     def forward(self, x: torch.Tensor, ctx: Ctx) -> torch.Tensor:
         if self.time_conv is not None:
@@ -408,7 +333,7 @@ class WanVAEDecoder(nn.Module):
     def _prologue(self, z: torch.Tensor) -> torch.Tensor:
         w = self.conv2.weight
         z = z.to(device=w.device, dtype=torch.float32) * self.std + self.mean  # de-normalise
-        z = z.to(w.dtype).contiguous(memory_format=_layout(z))
+        z = z.to(w.dtype).contiguous(memory_format=layout(z))
         return unframes(conv2d(frames(z), w[:, :, 0], self.conv2.bias), z.shape[0])
 
     def decode(self, z: torch.Tensor, state: VAEState) -> torch.Tensor:
@@ -420,36 +345,28 @@ class WanVAEDecoder(nn.Module):
         self,
         z: torch.Tensor,
         state: VAEState,
-        rows: tuple[int, int] | None = None,
+        plan: DecodePlan | None = None,
+        rank: int = 0,
         halo: Halo | None = None,
         shard_front: bool = False,
     ) -> torch.Tensor:
-        """One shard's part of a block: output rows [8*rows[0], 8*rows[1]) of every frame.
+        """Rank `rank`'s part of a block under `plan`: output rows [8*r0, 8*r1) of every frame,
+        for its band (r0, r1) of latent rows. No plan: the whole block in one call.
 
         shard_front=False: the low-resolution front runs on the whole latent here (replicated on
         every shard, no communication) and the rows are cut before the first upsampler.
-        shard_front=True: only `rows` of the latent are decoded from the start; the halo
+        shard_front=True: only the band of the latent is decoded from the start; the halo
         exchanges rows at every 3x3 conv and gathers whole frames for the middle attention.
-
-        On the CPU the block is decoded a few latent frames at a time, so the full-resolution
-        activations stay within the cache (the causal cache makes this exact).
         """
-        rows = rows or (0, z.shape[-2])
+        plan = plan or DecodePlan(((0, z.shape[-2]),), z.shape[2])
+        rows = plan.rows(rank)
         halo = halo or Halo()
-        step = self._frames_per_call(z, rows)
+        step = plan.frames_per_call
         outs = [
             self._decode_chunk(z[:, :, i : i + step], state, rows, halo, shard_front)
             for i in range(0, z.shape[2], step)
         ]
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
-
-    def _frames_per_call(self, z: torch.Tensor, rows: tuple[int, int]) -> int:
-        if z.device.type != "cpu":
-            return z.shape[2]
-        f = self.cfg.spatial_factor
-        px = (rows[1] - rows[0]) * f * z.shape[-1] * f
-        per_frame = self.cfg.base_dim * self.cfg.temporal_factor * px * self.conv2.weight.element_size() * 3
-        return max(1, min(z.shape[2], CPU_DECODE_WORKING_SET_BYTES // per_frame))
 
     def _decode_chunk(
         self, z: torch.Tensor, state: VAEState, rows: tuple[int, int], halo: Halo, shard_front: bool
