@@ -140,10 +140,13 @@ class FramesDone(Message):
 
 @dataclass
 class Failed(Message):
-    """A block (or the worker itself, session None) failed; `message` says why."""
+    """A block (or the worker itself, session None) failed; `message` says why. `kind`:
+    "request" (the request cannot be served; the worker carries on) or "worker" (the worker
+    exits after this message and is restarted with its VAE group)."""
 
     type: ClassVar[str] = "failed"
     worker: str
     message: str
     session: str | None = None
     block: int | None = None
+    kind: str = "worker"

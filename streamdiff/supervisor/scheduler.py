@@ -45,7 +45,7 @@ class SessionSink(Protocol):
 
     def on_start(self, session: Session) -> None: ...
     def on_data(self, session: Session, data: bytes, block: Block | None) -> None: ...
-    def on_end(self, session: Session, state: str, error: str | None) -> None: ...
+    def on_end(self, session: Session, state: str, error: str | None, code: str | None = None) -> None: ...
 
 
 class QueueFull(Exception):
@@ -368,14 +368,22 @@ class Scheduler:
         sess = self.sessions.get(msg.session) if msg.session else None
         if sess is None:
             return
-        # The worker that failed answers nothing else for this block: take its slots back.
-        if msg.block in sess.at_dit and msg.worker == sess.dit:
-            self.latent_pool.give(sess.at_dit.pop(msg.block))
-        elif msg.block in sess.at_vae and self.topology.vae_groups[sess.group] == [msg.worker]:
-            work = sess.at_vae.pop(msg.block)
-            self.latent_pool.give(work.latent_slot)
-            self.frame_pool.give(work.frame_slot)
-        self._finish(sess, FAILED, f"{msg.worker}: {msg.message}")
+        if msg.kind == "request":
+            # The worker carries on and answers nothing else for this block: its reply stands
+            # for the block's (a VAE group's shards each send one).
+            if msg.block in sess.at_dit and msg.worker == sess.dit:
+                self.latent_pool.give(sess.at_dit.pop(msg.block))
+            elif msg.block in sess.at_vae and msg.worker in sess.vae_workers:
+                work = sess.at_vae[msg.block]
+                work.reported.add(sess.vae_workers.index(msg.worker))
+                work.skipped = True
+                if len(work.reported) == len(sess.vae_workers):
+                    del sess.at_vae[msg.block]
+                    self.latent_pool.give(work.latent_slot)
+                    self.frame_pool.give(work.frame_slot)
+        # kind "worker": the worker exits; its slots come back in workers_lost once it has.
+        code = "invalid_request" if msg.kind == "request" else "generation_failed"
+        self._finish(sess, FAILED, f"{msg.worker}: {msg.message}", code)
         self.pump()
 
     # -- ending -------------------------------------------------------------------------------
@@ -387,7 +395,7 @@ class Scheduler:
         self.pump()
         return True
 
-    def _finish(self, sess: Session, state: str, error: str | None) -> None:
+    def _finish(self, sess: Session, state: str, error: str | None, code: str | None = None) -> None:
         if not sess.active:
             return
         was_running = sess.state == RUNNING
@@ -401,7 +409,7 @@ class Scheduler:
         self.metrics.sessions.inc(1, state)
         if state != DONE:
             log.info("session %s %s: %s", sess.id, state, error)
-        sess.sink.on_end(sess, state, error)
+        sess.sink.on_end(sess, state, error, code)
         self._maybe_forget(sess)
 
     def _maybe_forget(self, sess: Session) -> None:

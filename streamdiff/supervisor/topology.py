@@ -6,9 +6,10 @@ import os
 import socket
 from dataclasses import dataclass
 
-from ..config import Config, sampler_overrides
+from ..config import Config, ConfigError, injected_faults, sampler_overrides
 from ..ipc.shm import RingSpec
 from ..models.spec import ModelSpec
+from ..workers import faults as injected
 from ..workers.spec import GroupSpec, WorkerSpec
 
 
@@ -53,6 +54,10 @@ def _cpus(index: int, threads: int, pin: bool) -> tuple[int, ...]:
 def build_topology(cfg: Config, control_addr: str, latent_ring: RingSpec, frame_ring: RingSpec) -> Topology:
     t, p = cfg.topology, cfg.pipeline
     spec = model_spec(cfg)
+    try:
+        faults = injected.parse(injected_faults())
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
     group_size = t.vae_group_size or t.vae_devices
     roles: dict[int, set[str]] = {}
     if t.mode == "disaggregated":
@@ -94,6 +99,8 @@ def build_topology(cfg: Config, control_addr: str, latent_ring: RingSpec, frame_
             group=group_specs.get(i),
             heartbeat_interval_s=p.heartbeat_interval_s,
             log_level=cfg.server.log_level,
+            vae_working_set_bytes=p.vae_cpu_working_set_bytes,
+            faults=faults,
         )
         for i in sorted(roles)
     ]

@@ -10,6 +10,11 @@ before its next queued block would start; those queued blocks are answered `skip
 supervisor gets their ring slots back in order. Shards of a VAE group decide together (an
 all-reduce of "cancelled" per block): they must all run the block's collectives or none.
 
+An error while handling a message is classified (errors.py): a request error fails its session
+and the worker carries on; any other error fails the session and the worker exits, so the
+supervisor restarts it with its VAE group (peers may be inside a collective; an accelerator
+context may be poisoned and would fail every later block).
+
 A heartbeat thread reports how long the current block has been running, so the supervisor can
 tell a busy worker from a stuck one. The worker dies with its parent (PR_SET_PDEATHSIG, and the
 heartbeat thread checks the parent pid as well).
@@ -28,6 +33,8 @@ import time
 import traceback
 
 from ..ipc import messages as m
+from .errors import REQUEST, classify
+from .faults import Faults
 from .spec import WorkerSpec
 
 log = logging.getLogger("streamdiff.worker")
@@ -72,17 +79,19 @@ class Worker:
         self.busy_since = 0.0
         self.parent = os.getppid()
         self.stages: dict[str, object] = {}
+        self.faults = Faults(spec.faults, spec.name, spec.incarnation)
 
     # -- start-up ---------------------------------------------------------------------------
     def start(self) -> None:
         from .stages import DiTStage, VAEStage
 
         info: dict = {"device": self.spec.device, "roles": list(self.spec.roles)}
+        self.faults.hit("start")
         if "dit" in self.spec.roles:
-            self.stages["dit"] = DiTStage(self.spec)
+            self.stages["dit"] = DiTStage(self.spec, self.faults)
             info.update(self.stages["dit"].info())
         if "vae" in self.spec.roles:
-            self.stages["vae"] = VAEStage(self.spec)
+            self.stages["vae"] = VAEStage(self.spec, self.faults)
             info.update(self.stages["vae"].info())
         self.send(m.Ready(self.spec.name, os.getpid(), info))
         threading.Thread(target=self._heartbeat, name="heartbeat", daemon=True).start()
@@ -149,25 +158,32 @@ class Worker:
             elif isinstance(msg, m.DecodeBlock):
                 self.send(self.stages["vae"].decode(msg, msg.session in self.closed))
         except Exception as exc:
-            session = getattr(msg, "session", None)
-            log.error("%s for session %s failed: %s", msg.type, session, traceback.format_exc())
-            if "vae" in self.stages and self.stages["vae"].world > 1:
-                # Our peers may be inside this block's collectives: leave, so they fail at once
-                # instead of waiting for the collective timeout; the supervisor restarts the group.
-                why = (
-                    f"VAE group {self.spec.group.name}: shard {self.spec.name} failed (a peer shard died, "
-                    f"or this one did): {type(exc).__name__}: {str(exc).splitlines()[0][:300]}"
-                )
-                self.send(m.Failed(self.spec.name, why, session, getattr(msg, "block", None)))
-                self.sock.close(linger=1000)
-                os._exit(3)
+            self._failed(msg, exc)
+        finally:
+            self.busy_since = 0.0
+
+    def _failed(self, msg: m.Message, exc: Exception) -> None:
+        session, block = getattr(msg, "session", None), getattr(msg, "block", None)
+        sharded = "vae" in self.stages and self.stages["vae"].world > 1
+        kind = classify(exc, sharded)
+        first_line = (str(exc).splitlines() or [""])[0][:300]
+        if kind == REQUEST:
+            log.warning("%s for session %s refused: %s", msg.type, session, first_line)
             if session is not None:
                 self.closed.add(session)
                 for stage in self.stages.values():
                     stage.close(session)
-            self.send(m.Failed(self.spec.name, f"{type(exc).__name__}: {exc}", session, getattr(msg, "block", None)))
-        finally:
-            self.busy_since = 0.0
+            self.send(m.Failed(self.spec.name, f"{type(exc).__name__}: {first_line}", session, block, REQUEST))
+            return
+        log.error("%s for session %s failed; restarting: %s", msg.type, session, traceback.format_exc())
+        why = f"{type(exc).__name__}: {first_line}"
+        if sharded:
+            why = f"VAE group {self.spec.group.name}: shard {self.spec.name} failed (or a peer died): {why}"
+        self.send(m.Failed(self.spec.name, why, session, block, kind))
+        # Leave now: peers waiting in this block's collectives fail at once instead of at the
+        # collective timeout, and a poisoned accelerator context goes with the process.
+        self.sock.close(linger=1000)
+        os._exit(3)
 
     def shutdown(self) -> None:
         self.stop = True

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from ..ipc.shm import RingSpec
 from ..models.spec import ModelSpec
+from .faults import Fault
 
 
 @dataclass(frozen=True)
@@ -34,3 +35,6 @@ class WorkerSpec:
     group: GroupSpec | None = None  # set when this worker is a VAE shard
     heartbeat_interval_s: float = 1.0
     log_level: str = "info"
+    vae_working_set_bytes: int = 48 * 2**20  # CPU decode: activations per call (see models/wan/kernels.py)
+    incarnation: int = 0  # 0 for the first start, +1 at each restart
+    faults: tuple[Fault, ...] = ()  # deliberate faults (tests and drills only; see workers/faults.py)

@@ -1,7 +1,10 @@
 """The two stages inside a worker: DiT (latent blocks) and VAE shard (row strips of frames).
 
 Each holds its engine, the rings it attached, and its sessions' state objects; one call handles
-one block of one session and returns the reply message for the supervisor.
+one block of one session and returns the reply message for the supervisor. A block is checked
+before any work (RequestError: the request cannot be served; see errors.py); in a VAE group the
+shards then agree with one all-reduce whether to run it, skip it (cancelled) or refuse it, so
+they all run the block's collectives or none do.
 """
 
 from __future__ import annotations
@@ -14,7 +17,9 @@ import torch
 
 from ..ipc import messages as m
 from ..ipc.shm import Ring
-from ..parallel.vae_group import ExchangeHalo, split_rows
+from ..parallel.vae_group import ExchangeHalo, group_max
+from .errors import RequestError
+from .faults import Faults
 from .spec import WorkerSpec
 
 log = logging.getLogger("streamdiff.worker")
@@ -36,8 +41,12 @@ def _sync(device: str) -> None:
         torch.xpu.synchronize()
 
 
+# A VAE group's verdict on a block, agreed by an all-reduce MAX: a cancel wins over a refusal.
+RUN, REFUSE, SKIP = 0, 1, 2
+
+
 class DiTStage:
-    def __init__(self, spec: WorkerSpec) -> None:
+    def __init__(self, spec: WorkerSpec, faults: Faults) -> None:
         from ..models.engines import DiTEngine
 
         torch.set_num_threads(spec.threads)
@@ -45,7 +54,9 @@ class DiTStage:
         self.device = spec.device
         self.engine = DiTEngine(spec.model, spec.device)
         self.ring = Ring(spec.latent_ring)
+        self.faults = faults
         self.sessions: dict = {}
+        self.seeds: dict[str, int] = {}
 
     def info(self) -> dict:
         p = self.engine.preset
@@ -63,16 +74,34 @@ class DiTStage:
         }
 
     def open(self, msg: m.OpenSession) -> None:
-        self.sessions[msg.session] = self.engine.open_session(msg.width, msg.height, msg.seed)
+        self.seeds[msg.session] = msg.seed
+        self.faults.hit("open", msg.seed)
+        try:
+            self.sessions[msg.session] = self.engine.open_session(msg.width, msg.height, msg.seed)
+        except ValueError as exc:
+            raise RequestError(str(exc)) from None
 
     def close(self, session: str) -> None:
         self.sessions.pop(session, None)
+        self.seeds.pop(session, None)
+
+    def check(self, msg: m.GenerateBlock, sess) -> None:
+        seed = self.seeds.get(msg.session)
+        self.faults.hit("check", seed)
+        c = self.engine.model.cfg.in_channels
+        shape = (c, msg.frames, *sess.latent_hw)
+        if msg.frames < 1:
+            raise RequestError(f"a block of {msg.frames} latent frames")
+        if np.prod(shape) * 4 > self.ring.spec.slot_bytes:
+            raise RequestError(f"a latent block of shape {shape} does not fit a ring slot")
 
     def generate(self, msg: m.GenerateBlock, cancelled: bool) -> m.LatentDone:
         sess = self.sessions.get(msg.session)
         if cancelled or sess is None:
             return m.LatentDone(msg.session, msg.block, msg.slot, [], 0.0, skipped=True)
+        self.check(msg, sess)
         t0 = time.perf_counter()
+        self.faults.hit("compute", self.seeds.get(msg.session))
         if msg.prompt is not None:
             self.engine.set_scene(sess, msg.prompt, cut=msg.cut, seed=msg.seed)
         latent = self.engine.generate_block(sess, msg.frames)[0]  # (C, f, h, w) float32, CPU
@@ -85,15 +114,16 @@ class DiTStage:
 
 
 class VAEStage:
-    def __init__(self, spec: WorkerSpec) -> None:
+    def __init__(self, spec: WorkerSpec, faults: Faults) -> None:
         from ..models.engines import VAEEngine
 
         torch.set_num_threads(spec.threads)
         _select_device(spec.device)
         self.device = spec.device
-        self.engine = VAEEngine(spec.model, spec.device)
+        self.engine = VAEEngine(spec.model, spec.device, spec.vae_working_set_bytes)
         self.latents = Ring(spec.latent_ring)
         self.frames = Ring(spec.frame_ring)
+        self.faults = faults
         g = spec.group
         self.rank, self.world = (g.rank, g.world) if g else (0, 1)
         self.shard_front = bool(g and g.shard_front)
@@ -102,6 +132,7 @@ class VAEStage:
 
             init_group(g.init_addr, g.rank, g.world, spec.device, g.timeout_s)
         self.sessions: dict = {}
+        self.seeds: dict[str, int] = {}
 
     def info(self) -> dict:
         p = self.engine.preset
@@ -113,35 +144,65 @@ class VAEStage:
         }
 
     def open(self, msg: m.OpenSession) -> None:
+        self.seeds[msg.session] = msg.seed
+        self.faults.hit("open", msg.seed)
         self.sessions[msg.session] = self.engine.open_session()
 
     def close(self, session: str) -> None:
         self.sessions.pop(session, None)
+        self.seeds.pop(session, None)
+
+    def check(self, msg: m.DecodeBlock, state):
+        """The block's decode plan, or RequestError. Depends on the message and the session's
+        cache position only, which every shard of the group shares: they all refuse together."""
+        self.faults.hit("check", self.seeds.get(msg.session))
+        p = self.engine.preset
+        if len(msg.shape) != 4 or min(msg.shape) < 1 or msg.shape[0] != p.dit.in_channels:
+            raise RequestError(f"a latent block of shape {msg.shape}")
+        c, f, h, w = msg.shape
+        sf = p.vae.spatial_factor
+        first = msg.reset or state.latent_frames == 0
+        expected = p.vae.frames_out(f, first_block=first)
+        if msg.frames_out != expected:
+            raise RequestError(f"{f} latent frames decode to {expected} frames, not {msg.frames_out}")
+        if c * f * h * w * 4 > self.latents.spec.slot_bytes:
+            raise RequestError(f"a latent block of shape {msg.shape} does not fit a ring slot")
+        if msg.frames_out * h * sf * w * sf * 3 > self.frames.spec.slot_bytes:
+            raise RequestError(f"{msg.frames_out} frames of {w * sf}x{h * sf} do not fit a frame slot")
+        try:
+            return self.engine.plan((c, f, h, w), self.world)
+        except ValueError as exc:  # e.g. fewer latent rows than shards
+            raise RequestError(str(exc)) from None
+
+    def _agree(self, verdict: int) -> int:
+        return group_max(verdict, self.device) if self.world > 1 else verdict
 
     def decode(self, msg: m.DecodeBlock, cancelled: bool) -> m.FramesDone:
         state = self.sessions.get(msg.session)
-        cancelled = cancelled or state is None
-        if self.world > 1:
-            from ..parallel.vae_group import group_any
-
-            cancelled = group_any(cancelled, self.device)
-        if cancelled:
+        verdict, plan, refusal = (SKIP if cancelled or state is None else RUN), None, None
+        if verdict == RUN:
+            try:
+                plan = self.check(msg, state)
+            except RequestError as exc:
+                verdict, refusal = REFUSE, exc
+        verdict = self._agree(verdict)
+        if verdict == REFUSE and refusal is not None:
+            raise refusal  # the shard that refused says why; its peers answer "skipped"
+        if verdict != RUN:
             return m.FramesDone(msg.session, msg.block, self.rank, msg.frame_slot, 0.0, skipped=True)
         t0 = time.perf_counter()
+        self.faults.hit("compute", self.seeds.get(msg.session))
         if msg.reset:  # a new shot: the temporal cache starts afresh
             state = self.sessions[msg.session] = self.engine.open_session()
         latent = torch.from_numpy(self.latents.array(msg.latent_slot, msg.shape, np.float32))[None]
         c, f, h, w = msg.shape
         sf = self.engine.preset.vae.spatial_factor
-        bands = split_rows(h, self.world)
-        halo = ExchangeHalo(self.rank, bands) if self.world > 1 else None
-        strip = self.engine.decode_block(state, latent, bands[self.rank], halo, self.shard_front)
-        y0, y1 = bands[self.rank][0] * sf, bands[self.rank][1] * sf
+        halo = ExchangeHalo(self.rank, list(plan.bands)) if self.world > 1 else None
+        strip = self.engine.decode_block(state, latent, plan, self.rank, halo, self.shard_front)
+        r0, r1 = plan.rows(self.rank)
         _sync(self.device)
-        if strip.shape[0] != msg.frames_out:
-            raise RuntimeError(f"decoded {strip.shape[0]} frames, expected {msg.frames_out}")
         out = self.frames.array(msg.frame_slot, (msg.frames_out, h * sf, w * sf, 3), np.uint8)
-        out[:, y0:y1] = strip.numpy()  # this shard's row strip, in place: no gather copy
+        out[:, r0 * sf : r1 * sf] = strip.numpy()  # this shard's row strip, in place: no gather copy
         ms = 1000 * (time.perf_counter() - t0)
         return m.FramesDone(msg.session, msg.block, self.rank, msg.frame_slot, ms)
 

@@ -1,0 +1,39 @@
+"""What a worker does with an error (worker processes): fail one session, or restart.
+
+A request error is a property of the request: every rank of a VAE group meets it at the same
+place, before any collective (the block's check), so the group fails that session together
+and stays up and in step. Everything else raised while a block runs is the worker's: an
+out-of-memory, a collective that broke, an accelerator error — after which a CUDA or XPU
+context is poisoned and would fail every later block — or an error we did not foresee. Those
+restart the worker (and with it its VAE group), which fails only the sessions placed there.
+"""
+
+from __future__ import annotations
+
+
+class RequestError(ValueError):
+    """This session's request cannot be served here (shape, size, value): fail the session only."""
+
+
+REQUEST, WORKER = "request", "worker"
+
+
+def classify(exc: BaseException, sharded: bool) -> str:
+    """REQUEST: fail the session, keep the worker. WORKER: fail the session, restart the worker.
+
+    In a VAE group only a RequestError from the agreed check is a request error: anything
+    raised inside the block's work may have left the peers waiting in a collective."""
+    if isinstance(exc, RequestError):
+        return REQUEST
+    if sharded:
+        return WORKER
+    if isinstance(exc, MemoryError) or type(exc).__name__ in ("OutOfMemoryError", "AcceleratorError"):
+        return WORKER
+    if isinstance(exc, ValueError | TypeError | KeyError | IndexError) and not _from_device(exc):
+        return REQUEST
+    return WORKER  # RuntimeError and the rest: device, collective, or not foreseen
+
+
+def _from_device(exc: BaseException) -> bool:
+    text = str(exc).lower()
+    return any(w in text for w in ("cuda", "xpu", "nccl", "ccl", "gloo", "out of memory", "device-side"))
