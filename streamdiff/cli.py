@@ -111,7 +111,9 @@ async def serve(cfg: Config, api_keys: list[bytes]) -> int:
     notifier.notify("STATUS=starting workers")
     start = asyncio.create_task(sup.start())
     waiter = asyncio.create_task(stop.wait())
+    extender = asyncio.create_task(extend_start_timeout(notifier))
     await asyncio.wait({start, waiter}, return_when=asyncio.FIRST_COMPLETED)
+    extender.cancel()
     if not start.done():  # stopped while starting
         start.cancel()
         await asyncio.gather(start, return_exceptions=True)
@@ -144,8 +146,10 @@ async def serve(cfg: Config, api_keys: list[bytes]) -> int:
             return
         while True:
             await asyncio.sleep(interval)
-            ok, _ = sup.health()
-            if ok:  # WATCHDOG=1 only while every worker is ready and the loops are alive
+            # WATCHDOG=1 while the supervisor's own loops go round, whatever its workers do: the
+            # supervisor restarts those itself, and a restart that outlasts WatchdogSec must not
+            # make systemd kill the sessions that still stream.
+            if sup.loops_alive():
                 notifier.watchdog()
 
     dog = asyncio.create_task(watchdog())
@@ -160,6 +164,17 @@ async def serve(cfg: Config, api_keys: list[bytes]) -> int:
     await sup.close()
     log.info("stopped")
     return 0
+
+
+EXTEND_EVERY_S = 10.0  # while the workers load their models, ask systemd for this much more...
+EXTEND_BY_S = 30.0  # ...start-up time each time (the supervisor's ready_timeout_s still bounds it)
+
+
+async def extend_start_timeout(notifier) -> None:
+    """EXTEND_TIMEOUT_USEC while starting: loading real weights can outlast TimeoutStartSec."""
+    while True:
+        notifier.notify(f"EXTEND_TIMEOUT_USEC={int(EXTEND_BY_S * 1e6)}", "STATUS=loading models")
+        await asyncio.sleep(EXTEND_EVERY_S)
 
 
 def main(argv: list[str] | None = None) -> int:

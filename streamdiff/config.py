@@ -9,6 +9,7 @@ at start with a message that names the key (`ConfigError`). The environment is r
 from __future__ import annotations
 
 import dataclasses
+import os
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -80,6 +81,8 @@ class PipelineConfig:
     block_timeout_s: float = 300.0  # a worker busy on one block longer than this is declared stuck
     collective_timeout_s: float = 120.0  # torch.distributed timeout inside a VAE group
     restart_workers: bool = True  # restart a worker (group) that died
+    restart_backoff_reset_s: float = 300.0  # a worker up this long restarts without back-off when it next dies
+    vae_cpu_working_set_bytes: int = 48 * 2**20  # cpu: full-resolution activations per decode call (cache-sized)
 
 
 @dataclass(frozen=True)
@@ -247,12 +250,19 @@ def validate(cfg: Config) -> None:
     _check(p.max_blocks_in_flight >= 1, "pipeline.max_blocks_in_flight", "must be >= 1", p.max_blocks_in_flight)
     _check(p.latent_slots >= 2, "pipeline.latent_slots", "must be >= 2", p.latent_slots)
     _check(p.frame_slots >= 2, "pipeline.frame_slots", "must be >= 2", p.frame_slots)
+    _check(
+        p.vae_cpu_working_set_bytes >= 4096,
+        "pipeline.vae_cpu_working_set_bytes",
+        "must be >= 4096",
+        p.vae_cpu_working_set_bytes,
+    )
     for k in (
         "ready_timeout_s",
         "heartbeat_interval_s",
         "heartbeat_timeout_s",
         "block_timeout_s",
         "collective_timeout_s",
+        "restart_backoff_reset_s",
     ):
         _check(getattr(p, k) > 0, f"pipeline.{k}", "must be > 0", getattr(p, k))
     _check(
@@ -300,6 +310,11 @@ def validate(cfg: Config) -> None:
         "must be between 0 and keep_completed_s",
         lim.keep_completed_min_s,
     )
+
+
+def injected_faults() -> str:
+    """STREAMDIFF_FAULTS: deliberate worker faults for the fault-injection tests (workers/faults.py)."""
+    return os.environ.get("STREAMDIFF_FAULTS", "")
 
 
 def sampler_overrides(cfg: Config) -> dict:

@@ -69,6 +69,16 @@ class Daemon:
             time.sleep(0.2)
         raise TimeoutError(f"streamdiffd not healthy after {timeout_s}s:\n{self.logs()}")
 
+    def wait_healthy_all(self, timeout_s: float = 120) -> dict:
+        """Healthy and not degraded: every worker ready."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            h = self.wait_healthy(max(1.0, deadline - time.monotonic()))
+            if not h["degraded"] and all(w["ready"] for w in h["workers"].values()):
+                return h
+            time.sleep(0.2)
+        raise TimeoutError(f"streamdiffd not fully ready after {timeout_s}s:\n{self.logs()}")
+
     def health(self) -> dict:
         return httpx.get(self.url + "/health", timeout=5).json()
 
@@ -91,6 +101,15 @@ class Daemon:
                 os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait()
         return self.proc.returncode
+
+
+def wait_until(pred, timeout_s: float = 60) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if pred():
+            return
+        time.sleep(0.05)
+    raise TimeoutError
 
 
 def post_video(url: str, body: dict, **kw) -> httpx.Response:

@@ -54,7 +54,8 @@ class Supervisor:
         self.scheduler: Scheduler | None = None
         self.topology: Topology | None = None
         self._ctx: zmq.asyncio.Context | None = None
-        self._router: zmq.asyncio.Socket | None = None
+        self._router: zmq.asyncio.Socket | None = None  # recv_from_workers
+        self._send_sock: zmq.Socket | None = None
         self._tasks: list[asyncio.Task] = []
         self.loop_alive: dict[str, float] = {}  # task -> last time it went round (for /health)
         self.started_at = time.time()
@@ -85,10 +86,19 @@ class Supervisor:
         self._router = self._ctx.socket(zmq.ROUTER)  # recv_from_workers / send_to_workers
         self._router.setsockopt(zmq.LINGER, 0)
         self._router.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        self._send_sock = zmq.Socket.shadow(self._router.underlying)  # send_to_workers
         addr = f"ipc://{self.runtime_dir}/control"
         self._router.bind(addr)
         self.topology = build_topology(self.cfg, addr, self.latent_ring.spec, self.frame_ring.spec)
-        self.pool = WorkerPool(self.topology, self._send, p.heartbeat_timeout_s, p.block_timeout_s, p.restart_workers)
+        self.pool = WorkerPool(
+            self.topology,
+            self._send,
+            p.heartbeat_timeout_s,
+            p.block_timeout_s,
+            p.restart_workers,
+            p.ready_timeout_s,
+            p.restart_backoff_reset_s,
+        )
         self.scheduler = Scheduler(
             self.cfg, self.topology, self.latent_ring, self.frame_ring, self._send, self.pool.ready
         )
@@ -167,8 +177,10 @@ class Supervisor:
 
     # -- control plane --------------------------------------------------------------------------
     def _send(self, worker: str, msg: m.Message) -> None:
+        # Through a synchronous shadow of the ROUTER socket: a failed send raises here and now
+        # (an asyncio send would park the error in a future nobody awaits).
         try:
-            self._router.send_multipart([worker.encode(), msg.encode()], flags=zmq.NOBLOCK)
+            self._send_sock.send_multipart([worker.encode(), msg.encode()], flags=zmq.NOBLOCK)
         except zmq.ZMQError as exc:  # not connected (dead or restarting): the pool handles it
             log.warning("could not send %s to %s: %s", msg.type, worker, exc)
 
@@ -205,9 +217,19 @@ class Supervisor:
             self.pool.check()
 
     # -- status ---------------------------------------------------------------------------------
-    def health(self) -> tuple[bool, dict]:
+    def loops_alive(self) -> bool:
+        """The supervisor's own loops go round (what systemd's watchdog follows): the control
+        reader and the monitor are running and the monitor ticked recently."""
         now = time.monotonic()
         interval = self.cfg.pipeline.heartbeat_interval_s
+        tasks_ok = bool(self._tasks) and all(not t.done() for t in self._tasks)
+        monitor_fresh = now - self.loop_alive.get("monitor", now) < 5 * interval + 5
+        return self.state in (RUNNING, DRAINING) and tasks_ok and monitor_fresh
+
+    def health(self) -> tuple[bool, dict]:
+        """200 while the supervisor runs and at least one complete pipeline serves (a restart
+        elsewhere is degraded, not down); 503 when none can."""
+        now = time.monotonic()
         workers = (
             {
                 n: {
@@ -223,13 +245,15 @@ class Supervisor:
             if self.pool
             else {}
         )
-        tasks_ok = all(not t.done() for t in self._tasks) and bool(self._tasks)
-        monitor_fresh = now - self.loop_alive.get("monitor", now) < 5 * interval + 5
-        ok = self.state == RUNNING and tasks_ok and monitor_fresh and self.pool is not None and self.pool.all_ready()
+        alive = self.loops_alive()
+        serving = self.pool.serving_pipelines() if self.pool else 0
+        ok = self.state == RUNNING and alive and serving > 0
         return ok, {
             "state": self.state,
+            "degraded": ok and not self.pool.all_ready(),
+            "pipelines_serving": serving,
             "workers": workers,
-            "tasks_alive": tasks_ok,
+            "tasks_alive": alive,
             "pipeline": self.scheduler.snapshot() if self.scheduler else {},
         }
 
@@ -266,7 +290,7 @@ class Supervisor:
         if self.scheduler is not None:
             self.scheduler.close()
         if self._router is not None:
-            self._router.close(linger=0)
+            self._router.close(linger=0)  # the shadow shares its socket
         if self._ctx is not None:
             self._ctx.term()
         for ring in (self.latent_ring, self.frame_ring):

@@ -6,6 +6,10 @@ so is every other member of its VAE group (their process group is broken: a surv
 wait in a collective, or worse, write a strip into a slot the supervisor has already reused).
 Only once every member has exited does the pool report the loss, so the caller may free the
 slots they held; then the group is respawned with a fresh rendezvous port.
+
+A respawned worker has `ready_timeout_s` to report READY again, or it is killed and tried
+again. Restarts back off exponentially while a worker keeps dying; a worker that stayed up for
+`restart_backoff_reset_s` starts the count afresh, so one crash a day never waits 30 s.
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ import os
 import signal
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from ..ipc import messages as m
 from ..workers.spec import WorkerSpec
@@ -34,8 +38,19 @@ class WorkerState:
     info: dict = field(default_factory=dict)
     last_heartbeat: float = 0.0
     busy_s: float = 0.0
-    restarts: int = 0
+    restarts: int = 0  # over the daemon's life (shown in /health)
+    recent_failures: int = 0  # deaths since it last stayed up restart_backoff_reset_s (sets the back-off)
     failure: str | None = None  # why its last start or run failed
+    spawned_at: float = 0.0
+    ready_since: float | None = None
+
+
+MAX_BACKOFF_S = 30.0
+
+
+def restart_delay_s(recent_failures: int) -> float:
+    """Back-off before a restart: none for the first failure, then 0.5 s doubling up to 30 s."""
+    return 0.0 if recent_failures <= 1 else min(MAX_BACKOFF_S, 0.5 * 2 ** (recent_failures - 2))
 
 
 class StartupError(RuntimeError):
@@ -50,6 +65,8 @@ class WorkerPool:
         heartbeat_timeout_s: float,
         block_timeout_s: float,
         restart: bool,
+        ready_timeout_s: float = 600.0,
+        restart_backoff_reset_s: float = 300.0,
     ) -> None:
         self.topology = topology
         self.workers = {s.name: WorkerState(s) for s in topology.workers}
@@ -57,19 +74,22 @@ class WorkerPool:
         self.heartbeat_timeout_s = heartbeat_timeout_s
         self.block_timeout_s = block_timeout_s
         self.restart = restart
+        self.ready_timeout_s = ready_timeout_s
+        self.restart_backoff_reset_s = restart_backoff_reset_s
         self.ctx = mp.get_context("spawn")
         self.on_lost: Callable[[set[str], str], None] = lambda names, why: None
         self.on_worker_ready: Callable[[str], None] = lambda name: None
         self._ready_waiters: list[asyncio.Future] = []
         self._restarting: set[str] = set()
         self._closing = False
+        self._tasks: set[asyncio.Task] = set()  # losses and respawns under way
 
     # -- processes ------------------------------------------------------------------------
     def _spawn(self, w: WorkerState) -> None:
         from ..workers.main import worker_main
 
-        w.ready, w.info, w.failure = False, {}, None
-        w.last_heartbeat = time.monotonic()
+        w.ready, w.info, w.failure, w.ready_since = False, {}, None, None
+        w.last_heartbeat = w.spawned_at = time.monotonic()
         w.process = self.ctx.Process(target=worker_main, args=(w.spec,), name=w.spec.name, daemon=True)
         w.process.start()
         asyncio.get_running_loop().add_reader(w.process.sentinel, self._on_exit, w.spec.name)
@@ -117,6 +137,7 @@ class WorkerPool:
         if w is None:
             return
         w.ready, w.info, w.last_heartbeat = True, msg.info, time.monotonic()
+        w.ready_since = w.last_heartbeat
         self._restarting.discard(msg.worker)
         log.info("worker %s ready (pid %d)", msg.worker, msg.pid)
         self._wake()
@@ -148,13 +169,33 @@ class WorkerPool:
             return
         log.error("worker %s (pid %s) exited with code %s", name, w.process.pid, code)
         if was_ready or name in self._restarting:
-            asyncio.ensure_future(self._lose({name}, f"worker {name} died (exit code {code})"))
+            self._background(self._lose({name}, f"worker {name} died (exit code {code})"))
+
+    def _background(self, coro) -> None:
+        """Run a loss/respawn task, keep a reference, and log (never drop) its failure."""
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+
+        def done(t: asyncio.Task) -> None:
+            self._tasks.discard(t)
+            if not t.cancelled() and t.exception() is not None:
+                log.error("worker pool task failed", exc_info=t.exception())
+
+        task.add_done_callback(done)
 
     def check(self) -> None:
-        """Called every heartbeat interval: kill silent or stuck workers."""
+        """Called every heartbeat interval: kill silent or stuck workers, and restarted ones
+        that do not report READY in time."""
         now = time.monotonic()
         for w in self.workers.values():
-            if not w.ready or w.process is None or not w.process.is_alive():
+            if w.process is None or not w.process.is_alive():
+                continue
+            if not w.ready:
+                late = now - w.spawned_at
+                if w.spec.name in self._restarting and late > self.ready_timeout_s:
+                    log.error("worker %s not ready %.0fs after its restart: killing it", w.spec.name, late)
+                    w.failure = f"not ready {late:.0f}s after a restart"
+                    self._kill(w)
                 continue
             silent = now - w.last_heartbeat
             if silent > self.heartbeat_timeout_s:
@@ -198,10 +239,18 @@ class WorkerPool:
             await self._respawn(lost)
 
     async def _respawn(self, names: set[str]) -> None:
-        # Back off when a worker keeps dying (a crash loop must not spin the machine).
-        tries = max(self.workers[n].restarts for n in names)
-        if tries:
-            await asyncio.sleep(min(30.0, 0.5 * 2 ** (tries - 1)))
+        # Back off when a worker keeps dying (a crash loop must not spin the machine); a worker
+        # that had stayed up long enough starts counting afresh.
+        now = time.monotonic()
+        for n in names:
+            w = self.workers[n]
+            if w.ready_since is not None and now - w.ready_since >= self.restart_backoff_reset_s:
+                w.recent_failures = 0
+            w.recent_failures += 1
+            w.ready_since = None
+        delay = restart_delay_s(max(self.workers[n].recent_failures for n in names))
+        if delay:
+            await asyncio.sleep(delay)
         if self._closing:
             return
         new_addr: dict[str, str] = {}
@@ -216,6 +265,7 @@ class WorkerPool:
             if n in new_addr:
                 w.spec = with_new_group_addr(w.spec, new_addr[n])
             w.restarts += 1
+            w.spec = replace(w.spec, incarnation=w.restarts)
             self._restarting.add(n)
             self._spawn(w)
 
@@ -225,6 +275,13 @@ class WorkerPool:
 
     def all_ready(self) -> bool:
         return all(w.ready for w in self.workers.values())
+
+    def serving_pipelines(self) -> int:
+        """Complete pipelines that can take a session now: ready DiT workers x ready VAE groups
+        (any DiT worker can feed any group); in aggregated mode, the ready workers."""
+        dit = sum(self.ready(n) for n in self.topology.dit_workers)
+        groups = sum(all(self.ready(n) for n in g) for g in self.topology.vae_groups)
+        return min(dit, groups)
 
     def send(self, name: str, msg: m.Message) -> None:
         self._send(name, msg)
