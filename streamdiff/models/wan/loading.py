@@ -7,7 +7,8 @@ Our modules use the original Wan 2.1 key names. Accepted inputs:
 - diffusers: `WanTransformer3DModel` / `AutoencoderKLWan` directories (`config.json` and
   `diffusion_pytorch_model*.safetensors`, sharded or not), or their state dicts;
 - Causal Forcing / Self-Forcing: a `torch.save` dict with `generator` and `generator_ema`,
-  keys prefixed `model.` (sometimes `model._fsdp_wrapped_module.`), original names inside.
+  keys prefixed `model.`, with the segments training wrappers add anywhere in a key
+  (`_fsdp_wrapped_module.`, `_checkpoint_wrapped_module.`, `_orig_mod.`), original names inside.
 
 Every mismatch (missing key, unexpected key, wrong shape) is collected and raised once as a
 `CheckpointError` that names them.
@@ -94,9 +95,14 @@ def read_config(directory: Path) -> dict:
 # ----------------------------------------------------------------------------- DiT keys
 
 
+# Module names that training wrappers insert anywhere in a key: FSDP1 units
+# (`model.blocks.0._fsdp_wrapped_module.self_attn.q.weight` in a Self-Forcing EMA), activation
+# checkpointing, torch.compile. They name no weight of their own: drop the segment wherever it is.
+_WRAPPER_SEGMENTS = re.compile(r"(?:^|(?<=\.))(?:_fsdp_wrapped_module|_checkpoint_wrapped_module|_orig_mod)\.")
+
+# Leading prefixes of whole-model containers: the generator wrapper's `.model`, DDP's `module.`,
+# LDM-style `diffusion_model.`.
 _PREFIXES = (
-    "model._fsdp_wrapped_module.",
-    "_fsdp_wrapped_module.",
     "model.diffusion_model.",
     "diffusion_model.",
     "model.",
@@ -125,8 +131,10 @@ _DIT_DIFFUSERS = [
 
 
 def strip_prefixes(sd: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Training-wrapper segments removed wherever they are, then container prefixes in front."""
     out = {}
     for k, v in sd.items():
+        k = _WRAPPER_SEGMENTS.sub("", k)
         changed = True
         while changed:
             changed = False
