@@ -181,6 +181,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--dit-vae-ratio", type=float, default=0.74)
     ap.add_argument("--warm-blocks", type=int, help="blocks before timing (default: fill the attention window)")
+    ap.add_argument("--layers", type=int, help="DiT layers (default: the preset's)")
     ap.add_argument("--calibrate", action="store_true", help="measure the tiny DiT's per-layer fraction")
     ap.add_argument("--json", help="append results to this JSON file")
     a = ap.parse_args()
@@ -206,7 +207,7 @@ def main() -> None:
                 f"TINY_DIT_OVERHEAD_FRACTION = {over:.4f} -> {layers} layers for ratio {a.dit_vae_ratio}"
             )
             continue
-        r = bench(spec, a.device, size, a.blocks, a.random_weights, warm_blocks=a.warm_blocks)
+        r = bench(spec, a.device, size, a.blocks, a.random_weights, layers=a.layers, warm_blocks=a.warm_blocks)
         show(r)
         results.append(r)
     if a.json and results:

@@ -1,0 +1,34 @@
+"""tools/device_check, trimmed, on the CPU: the script a GPU session runs must not rot between
+the rare sessions that have a device. Every check it makes there runs here on small configs."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from .helpers import ROOT
+
+
+@pytest.mark.timeout(400)
+def test_device_check_runs_on_the_cpu(tmp_path):
+    out = tmp_path / "dc.json"
+    r = subprocess.run(
+        [sys.executable, str(ROOT / "tools" / "device_check"), "--device", "cpu", "--quick", "--json", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=380,
+        env={**os.environ, "OUT": str(tmp_path)},
+    )
+    res = json.loads(out.read_text())
+    assert r.returncode == 0, (r.stdout[-2000:], {k: v for k, v in res.items() if isinstance(v, dict)})
+    st = res["stages"]
+    assert st["chunkwise"]["frames_per_block"] == 3 and st["framewise"]["frames_per_block"] == 1
+    assert st["chunkwise"]["dit_block_s"] > 0 and st["chunkwise"]["vae_block_s"] > 0
+    num = res["numerics"]
+    assert num["dit"]["ok"] and num["vae"]["ok"] and num["dit"]["diffusers_bf16"] > 0
+    assert res["vae_group"]["gloo"]["max_abs_diff"] <= 2e-2
+    assert res["daemon"]["frames"] == 49 and res["daemon"]["fragments"] >= 4
