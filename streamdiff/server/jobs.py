@@ -83,12 +83,12 @@ class Job:
                 self._ack(session.id, 1)
         self._notify()
 
-    def on_end(self, session: Session, state: str, error: str | None) -> None:
+    def on_end(self, session: Session, state: str, error: str | None, code: str | None = None) -> None:
         self.state = state
         self.completed_at = int(time.time())
         self.t_finished = time.monotonic()
         if state != DONE:
-            code = "cancelled" if state == CANCELLED else "generation_failed"
+            code = "cancelled" if state == CANCELLED else code or "generation_failed"
             self.error = {"code": code, "message": error or state}
         elif self.keep_s is not None:
             self.expires_at = int(self.completed_at + self.keep_s)
