@@ -47,17 +47,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--host", help="listen address (default 127.0.0.1)")
     p.add_argument("--port", type=int, help="listen port (default 8000)")
     p.add_argument("--instance", help="instance name for shared memory and runtime files")
+    p.add_argument("--node-id", help="this daemon's name in a cluster (default: the hostname)")
+    p.add_argument("--agent-port", type=int, help="HAProxy agent-check port (0: off)")
+    p.add_argument("--store-dir", help="also keep finished videos in this directory (shared in a cluster)")
     p.add_argument("--encoder", help="libx264 | auto | h264_nvenc | h264_vaapi | h264_qsv")
     p.add_argument("--log-level", choices=("debug", "info", "warning", "error"))
     return p.parse_args(argv)
 
 
 def overrides_from_args(a: argparse.Namespace) -> dict[str, dict]:
-    o: dict[str, dict] = {"server": {}, "model": {}, "topology": {}, "encoder": {}}
+    o: dict[str, dict] = {"server": {}, "model": {}, "topology": {}, "encoder": {}, "store": {}}
     for flag, section, key in (
         ("host", "server", "host"),
         ("port", "server", "port"),
         ("instance", "server", "instance"),
+        ("node_id", "server", "node_id"),
+        ("agent_port", "server", "agent_port"),
+        ("store_dir", "store", "dir"),
         ("log_level", "server", "log_level"),
         ("dit_gpus", "topology", "dit_devices"),
         ("vae_gpus", "topology", "vae_devices"),
@@ -135,8 +141,19 @@ async def serve(cfg: Config, api_keys: list[bytes]) -> int:
         await runner.cleanup()
         await sup.close()
         return 1
+    agent = None
+    if cfg.server.agent_port:
+        try:
+            agent = await asyncio.start_server(
+                lambda r, w: agent_reply(sup, w), cfg.server.host, cfg.server.agent_port, reuse_address=True
+            )
+        except OSError as exc:
+            log.error("cannot listen for the agent check on port %d: %s", cfg.server.agent_port, exc)
+            await runner.cleanup()
+            await sup.close()
+            return 1
     url = f"http://{cfg.server.host}:{cfg.server.port}"
-    log.info("streamdiffd ready on %s (model %s)", url, cfg.model_name)
+    log.info("streamdiffd ready on %s (model %s, node %s)", url, cfg.model_name, cfg.node)
     print(f"streamdiffd: listening on {url}", flush=True)
     notifier.ready(f"serving on {url}")
 
@@ -159,11 +176,24 @@ async def serve(cfg: Config, api_keys: list[bytes]) -> int:
     await sup.drain(cfg.server.drain_timeout_s)
     sup.cancel_all()  # past the deadline: what still runs ends now, truncated
     dog.cancel()
+    if agent is not None:
+        agent.close()
     await runner.shutdown()
     await runner.cleanup()
     await sup.close()
     log.info("stopped")
     return 0
+
+
+async def agent_reply(sup, writer: asyncio.StreamWriter) -> None:
+    """One HAProxy agent-check answer per connection: a line, then close (see Supervisor.agent_reply)."""
+    try:
+        writer.write(sup.agent_reply().encode())
+        await writer.drain()
+    except ConnectionError:
+        pass
+    finally:
+        writer.close()
 
 
 EXTEND_EVERY_S = 10.0  # while the workers load their models, ask systemd for this much more...

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
+import socket
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,6 +34,8 @@ class ServerConfig:
     request_read_timeout_s: float = 30.0  # a client that takes longer to send its request body is dropped
     drain_timeout_s: float = 60.0  # on SIGTERM, running streams get this long to finish
     log_level: str = "info"
+    node_id: str = ""  # this daemon's name in a cluster, carried by every id it issues (default: the hostname)
+    agent_port: int = 0  # HAProxy agent-check port (free capacity as a weight, drain, down); 0 = off
 
 
 @dataclass(frozen=True)
@@ -114,6 +118,11 @@ class LimitsConfig:
 
 
 @dataclass(frozen=True)
+class StoreConfig:
+    dir: str = ""  # finished videos are also written here (a shared filesystem in a cluster); empty = memory only
+
+
+@dataclass(frozen=True)
 class Config:
     server: ServerConfig = field(default_factory=ServerConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -122,6 +131,7 @@ class Config:
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
     encoder: EncoderConfig = field(default_factory=EncoderConfig)
     limits: LimitsConfig = field(default_factory=LimitsConfig)
+    store: StoreConfig = field(default_factory=StoreConfig)
 
     def replace(self, **sections: dict[str, Any]) -> Config:
         """A copy with some keys of some sections changed, validated: replace(server={"port": 1})."""
@@ -130,6 +140,16 @@ class Config:
     @property
     def model_name(self) -> str:
         return self.model.name or self.model.preset
+
+    @property
+    def node(self) -> str:
+        """This node's id: [server] node_id, else the hostname, as lowercase letters, digits and '-'."""
+        return node_name(self.server.node_id or socket.gethostname())
+
+
+def node_name(raw: str) -> str:
+    name = re.sub(r"[^a-z0-9-]+", "-", raw.lower()).strip("-")
+    return name or "node"
 
 
 def to_dict(cfg: Config) -> dict:
@@ -223,6 +243,13 @@ def validate(cfg: Config) -> None:
         "server.log_level",
         "must be debug, info, warning or error",
         s.log_level,
+    )
+    _check(0 <= s.agent_port < 65536, "server.agent_port", "must be 0 (off) or 1-65535", s.agent_port)
+    _check(
+        s.node_id == "" or re.fullmatch(r"[a-z0-9][a-z0-9-]{0,62}", s.node_id) is not None,
+        "server.node_id",
+        "must be lowercase letters, digits and '-' (at most 63)",
+        s.node_id,
     )
     for k in ("client_write_timeout_s", "request_read_timeout_s", "drain_timeout_s"):
         _check(getattr(s, k) > 0, f"server.{k}", "must be > 0", getattr(s, k))

@@ -18,6 +18,7 @@ from ..supervisor.core import RUNNING, Supervisor
 from ..supervisor.scheduler import QueueFull, Session
 from .api import APIError, bad, parse_video_request
 from .jobs import Job, JobExpired, JobStore
+from .store import VideoStore, node_of
 
 log = logging.getLogger("streamdiff.http")
 
@@ -25,6 +26,7 @@ SUPERVISOR = web.AppKey("supervisor", Supervisor)
 JOBS = web.AppKey("jobs", JobStore)
 CONFIG = web.AppKey("config", Config)
 API_KEYS = web.AppKey("api_keys", list)
+STORE = web.AppKey("store", object)  # VideoStore | None
 STATIC = Path(__file__).with_name("static")
 
 
@@ -75,7 +77,9 @@ async def errors_middleware(request: web.Request, handler):
 @web.middleware
 async def auth_middleware(request: web.Request, handler):
     keys = request.app[API_KEYS]
-    open_paths = {"/health", "/"} | (set() if request.app[CONFIG].server.metrics_require_auth else {"/metrics"})
+    open_paths = {"/health", "/livez", "/"} | (
+        set() if request.app[CONFIG].server.metrics_require_auth else {"/metrics"}
+    )
     if keys and request.path not in open_paths and not request.path.startswith("/static/"):
         header = request.headers.get("Authorization", "")
         token = header[7:].strip().encode() if header.lower().startswith("bearer ") else b""
@@ -158,7 +162,7 @@ async def create_video(request: web.Request) -> web.StreamResponse:
     from ..plan import plan_blocks
 
     blocks = plan_blocks(req.scenes, sup.facts["frames_per_block"], sup.facts["temporal_factor"])
-    job = Job(req, sup.scheduler.acknowledge, live_consumer=req.stream)
+    job = Job(req, sup.scheduler.acknowledge, live_consumer=req.stream, node=cfg.node)
     sess = Session(job.id, req.scenes, blocks, req.width, req.height, req.fps, req.seed, job)
     job.session_id = sess.id
     try:
@@ -259,14 +263,42 @@ async def stream_job(request: web.Request, job: Job, live: bool, start_chunk: in
 
 
 def get_job(request: web.Request) -> Job:
+    """The job this node holds for the path's id; otherwise APIError (see `_elsewhere`)."""
     job = request.app[JOBS].get(request.match_info["video_id"])
     if job is None:
-        raise APIError(404, f"No video found with id '{request.match_info['video_id']}'", "video_id", "not_found")
+        raise _elsewhere(request)
     return job
 
 
+def _elsewhere(request: web.Request) -> APIError:
+    """Why this node cannot answer for an id it does not hold: another node made it (421, so a
+    client never gets another video's answer), or it does not exist here (404)."""
+    vid, ours = request.match_info["video_id"], request.app[CONFIG].node
+    node = node_of(vid)
+    if node is not None and node != ours:
+        return APIError(
+            421,
+            f"video '{vid}' was made by node '{node}', and this is node '{ours}': send its requests to "
+            f"'{node}' (behind the balancer this means that node is not answering)",
+            "video_id",
+            "wrong_node",
+        )
+    return APIError(404, f"No video found with id '{vid}'", "video_id", "not_found")
+
+
+def _stored(request: web.Request) -> dict | None:
+    store = request.app[STORE]
+    return store.video(request.match_info["video_id"]) if store is not None else None
+
+
 async def retrieve_video(request: web.Request) -> web.Response:
-    return web.json_response(get_job(request).video_object())
+    job = request.app[JOBS].get(request.match_info["video_id"])
+    if job is not None:
+        return web.json_response(job.video_object())
+    stored = _stored(request)
+    if stored is None:
+        raise _elsewhere(request)
+    return web.json_response(stored)
 
 
 async def list_videos(request: web.Request) -> web.Response:
@@ -297,12 +329,17 @@ async def list_videos(request: web.Request) -> web.Response:
 
 
 async def delete_video(request: web.Request) -> web.Response:
-    job = get_job(request)
-    sup = request.app[SUPERVISOR]
-    if not job.finished:
-        sup.scheduler.cancel(job.session_id, "cancelled by DELETE")
-    request.app[JOBS].remove(job.id)
-    return web.json_response({"id": job.id, "object": "video.deleted", "deleted": True})
+    vid, store = request.match_info["video_id"], request.app[STORE]
+    job = request.app[JOBS].get(vid)
+    if job is None and (node_of(vid) != request.app[CONFIG].node or _stored(request) is None):
+        raise _elsewhere(request)  # only the node that made a video deletes it
+    if job is not None:
+        if not job.finished:
+            request.app[SUPERVISOR].scheduler.cancel(job.session_id, "cancelled by DELETE")
+        request.app[JOBS].remove(job.id)
+    if store is not None:
+        await asyncio.get_running_loop().run_in_executor(None, store.remove, vid)
+    return web.json_response({"id": vid, "object": "video.deleted", "deleted": True})
 
 
 def _byte_range(request: web.Request, size: int, etag: str, last_modified: str) -> tuple[int, int] | None:
@@ -332,10 +369,16 @@ def _byte_range(request: web.Request, size: int, etag: str, last_modified: str) 
 
 
 async def video_content(request: web.Request) -> web.StreamResponse:
-    job = get_job(request)
     variant = request.query.get("variant", "video")
     if variant != "video":
         raise bad(f"variant {variant!r} is not available; only 'video'", "variant")
+    job = request.app[JOBS].get(request.match_info["video_id"])
+    if job is None or job.expired:
+        path = request.app[STORE].content(request.match_info["video_id"]) if request.app[STORE] else None
+        if path is not None:  # a finished video from the store (any node's): ranges by aiohttp
+            return web.FileResponse(path, headers={"Content-Type": "video/mp4", "Cache-Control": "no-cache"})
+    if job is None:
+        raise _elsewhere(request)
     if job.expired:
         raise APIError(404, f"the content of video '{job.id}' has expired", "video_id", "expired")
     if job.state in ("failed", "cancelled"):
@@ -406,6 +449,13 @@ async def health(request: web.Request) -> web.Response:
     )
 
 
+async def livez(request: web.Request) -> web.Response:
+    """Liveness: the supervisor's own loops go round (what systemd's watchdog follows). Draining
+    or degraded is alive: a liveness probe must not kill the streams that still play."""
+    alive = request.app[SUPERVISOR].loops_alive()
+    return web.json_response({"alive": alive}, status=200 if alive else 503)
+
+
 async def metrics(request: web.Request) -> web.Response:
     from ..metrics import render
 
@@ -413,6 +463,23 @@ async def metrics(request: web.Request) -> web.Response:
         body=render(request.app[SUPERVISOR], request.app[JOBS]),
         headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"},
     )
+
+
+async def admin_drain(request: web.Request) -> web.Response:
+    """Stop taking new sessions here (the agent says "drain"); running streams finish. Needs a
+    bearer key when keys are configured, else a request from this host."""
+    if not request.app[API_KEYS] and request.remote not in ("127.0.0.1", "::1"):
+        raise APIError(403, "POST /admin/drain without API keys is only taken from this host", None, "forbidden")
+    sup = request.app[SUPERVISOR]
+    sup.begin_drain()
+    log.info("drain requested by %s", request.remote)
+    return web.json_response(
+        {"state": sup.state, "node": request.app[CONFIG].node, "running": len(sup.scheduler.running)}, status=202
+    )
+
+
+async def add_node_header(request: web.Request, response: web.StreamResponse) -> None:
+    response.headers["X-Streamdiff-Node"] = request.app[CONFIG].node
 
 
 async def index(request: web.Request) -> web.StreamResponse:
@@ -425,7 +492,11 @@ def make_app(sup: Supervisor, cfg: Config, api_keys: list[bytes]) -> web.Applica
     )
     app[SUPERVISOR], app[CONFIG], app[API_KEYS] = sup, cfg, api_keys
     lim = cfg.limits
-    app[JOBS] = JobStore(lim.max_jobs, lim.keep_completed_bytes, lim.keep_completed_s, lim.keep_completed_min_s)
+    app[STORE] = VideoStore(cfg.store.dir) if cfg.store.dir else None
+    app[JOBS] = JobStore(
+        lim.max_jobs, lim.keep_completed_bytes, lim.keep_completed_s, lim.keep_completed_min_s, app[STORE]
+    )
+    app.on_response_prepare.append(add_node_header)
 
     async def prune_jobs(app: web.Application):
         async def loop():
@@ -447,7 +518,9 @@ def make_app(sup: Supervisor, cfg: Config, api_keys: list[bytes]) -> web.Applica
         r.add_get(f"{prefix}/videos/{{video_id}}/content", video_content)
         r.add_get(f"{prefix}/models", list_models)
         r.add_get(f"{prefix}/models/{{model}}", retrieve_model)
+    r.add_post("/admin/drain", admin_drain)
     r.add_get("/health", health)
+    r.add_get("/livez", livez)
     r.add_get("/metrics", metrics)
     r.add_get("/", index)
     if STATIC.is_dir():

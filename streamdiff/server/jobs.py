@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import bisect
+import logging
 import secrets
 import time
 from collections import OrderedDict
@@ -22,6 +23,8 @@ from collections.abc import AsyncIterator, Callable
 
 from ..plan import Block
 from ..supervisor.scheduler import CANCELLED, DONE, Session
+
+log = logging.getLogger("streamdiff.http")
 
 STATUS = {"queued": "queued", "running": "in_progress", DONE: "completed", "failed": "failed", CANCELLED: "failed"}
 
@@ -31,8 +34,8 @@ class JobExpired(Exception):
 
 
 class Job:
-    def __init__(self, request, ack: Callable[[str, int], None], live_consumer: bool) -> None:
-        self.id = "video_" + secrets.token_hex(12)
+    def __init__(self, request, ack: Callable[[str, int], None], live_consumer: bool, node: str = "local") -> None:
+        self.id = f"video_{secrets.token_hex(12)}_{node}"  # the node that holds it, for a balancer's routing
         self.request = request
         self.created_at = int(time.time())
         self.completed_at: int | None = None
@@ -189,15 +192,32 @@ class Job:
 
 
 class JobStore:
-    def __init__(self, max_jobs: int, keep_bytes: int, keep_s: float, min_keep_s: float) -> None:
+    def __init__(self, max_jobs: int, keep_bytes: int, keep_s: float, min_keep_s: float, disk=None) -> None:
         self.jobs: OrderedDict[str, Job] = OrderedDict()
         self.max_jobs, self.keep_bytes, self.keep_s, self.min_keep_s = max_jobs, keep_bytes, keep_s, min_keep_s
+        self.disk = disk  # a VideoStore: finished videos are written there too
+        self._writes: set = set()
 
     def add(self, job: Job) -> None:
         job.keep_s = self.keep_s
-        job.on_finished = lambda _job: self.prune()
+        job.on_finished = self._finished
         self.jobs[job.id] = job
         self.prune()
+
+    def _finished(self, job: Job) -> None:
+        if self.disk is not None and job.state == DONE:
+            # Off the loop; the chunk list is copied now, before any expiry can drop it.
+            fut = asyncio.get_running_loop().run_in_executor(
+                None, self.disk.save, job.id, list(job.chunks), job.video_object()
+            )
+            self._writes.add(fut)
+            fut.add_done_callback(self._written)
+        self.prune()
+
+    def _written(self, fut) -> None:
+        self._writes.discard(fut)
+        if not fut.cancelled() and fut.exception() is not None:
+            log.error("writing a finished video to the store failed: %s", fut.exception())
 
     def get(self, job_id: str) -> Job | None:
         return self.jobs.get(job_id)

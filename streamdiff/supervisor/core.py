@@ -226,6 +226,21 @@ class Supervisor:
         monitor_fresh = now - self.loop_alive.get("monitor", now) < 5 * interval + 5
         return self.state in (RUNNING, DRAINING) and tasks_ok and monitor_fresh
 
+    def agent_reply(self) -> str:
+        """HAProxy agent-check: this node's free capacity as a weight, or drain, or down.
+
+        The weight is the share of session places free (running and queued sessions count
+        against `max_sessions`), at least 1% while a pipeline serves, so a full node still gets
+        the odd request and answers it with 429 and Retry-After rather than vanishing."""
+        if self.state != RUNNING:
+            return "drain\n"
+        if self.pool is None or self.pool.serving_pipelines() == 0 or not self.loops_alive():
+            return "down\n"
+        cap = self.cfg.limits.max_sessions
+        busy = len(self.scheduler.running) + len(self.scheduler.queue)
+        free = max(0.0, (cap - busy) / cap)
+        return f"up ready {max(1, round(100 * free))}%\n"
+
     def health(self) -> tuple[bool, dict]:
         """200 while the supervisor runs and at least one complete pipeline serves (a restart
         elsewhere is degraded, not down); 503 when none can."""
@@ -258,14 +273,21 @@ class Supervisor:
         }
 
     # -- stop -----------------------------------------------------------------------------------
-    async def drain(self, timeout_s: float) -> None:
-        """Stop admitting; let running sessions finish until the deadline."""
+    def begin_drain(self) -> None:
+        """Stop admitting (new requests get 503, the balancer's agent hears "drain"); running
+        sessions go on. SIGTERM and POST /admin/drain both start here."""
         if self.state != RUNNING:
             return
         self.state = DRAINING
         self.scheduler.accepting = False
         for sess in list(self.scheduler.queue):
-            self.scheduler.cancel(sess.id, "the server is shutting down")
+            self.scheduler.cancel(sess.id, "the server is draining")
+
+    async def drain(self, timeout_s: float) -> None:
+        """Stop admitting; let running sessions finish until the deadline."""
+        self.begin_drain()
+        if self.state != DRAINING:
+            return
         deadline = time.monotonic() + timeout_s
         while self.scheduler.running and time.monotonic() < deadline:
             await asyncio.sleep(0.1)

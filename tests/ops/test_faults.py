@@ -55,6 +55,7 @@ def start_stream(url: str, body: dict, out: dict) -> threading.Thread:
         try:
             with httpx.stream("POST", url + "/v1/videos", json={**body, "stream": True}, timeout=300) as r:
                 out["id"] = r.headers["x-video-id"]
+                out["node"] = r.headers.get("x-streamdiff-node")
                 for chunk in r.iter_raw():
                     chunks.append(chunk)
                     out["bytes"] = sum(map(len, chunks))
