@@ -48,7 +48,7 @@ async def count_middleware(request: web.Request, handler):
         raise
     finally:
         if sched is not None:
-            sched.metrics.requests.inc(1, f"{status // 100}xx")
+            sched.metrics.requests.labels(f"{status // 100}xx").inc()
 
 
 @web.middleware
@@ -457,12 +457,11 @@ async def livez(request: web.Request) -> web.Response:
 
 
 async def metrics(request: web.Request) -> web.Response:
-    from ..metrics import render
+    from ..metrics import CONTENT_TYPE
 
-    return web.Response(
-        body=render(request.app[SUPERVISOR], request.app[JOBS]),
-        headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"},
-    )
+    sched = request.app[SUPERVISOR].scheduler
+    body = sched.metrics.render() if sched is not None else b""
+    return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE})
 
 
 async def admin_drain(request: web.Request) -> web.Response:
@@ -497,6 +496,8 @@ def make_app(sup: Supervisor, cfg: Config, api_keys: list[bytes]) -> web.Applica
         lim.max_jobs, lim.keep_completed_bytes, lim.keep_completed_s, lim.keep_completed_min_s, app[STORE]
     )
     app.on_response_prepare.append(add_node_header)
+    if sup.scheduler is not None:
+        sup.scheduler.metrics.watch(sup, app[JOBS])
 
     async def prune_jobs(app: web.Application):
         async def loop():

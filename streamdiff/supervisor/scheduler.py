@@ -258,7 +258,7 @@ class Scheduler:
             self._maybe_forget(sess)
         else:
             self.stage_ms["dit"] += msg.compute_ms
-            self.metrics.stage_seconds.observe(msg.compute_ms / 1000, "dit")
+            self.metrics.stage_seconds.labels("dit").observe(msg.compute_ms / 1000)
             sess.dit_ms.append(msg.compute_ms)
             self.decode_wait.append((sess, msg.block, msg.slot, msg.shape))
         self.pump()
@@ -273,7 +273,7 @@ class Scheduler:
         work.skipped |= msg.skipped
         if not msg.skipped and msg.rank == 0:
             self.stage_ms["vae"] += msg.compute_ms
-            self.metrics.stage_seconds.observe(msg.compute_ms / 1000, "vae")
+            self.metrics.stage_seconds.labels("vae").observe(msg.compute_ms / 1000)
             sess.vae_ms.append(msg.compute_ms)
         if len(work.reported) < len(self.topology.vae_groups[sess.group]):
             return
@@ -321,7 +321,7 @@ class Scheduler:
                 )
                 dt = time.perf_counter() - t0
                 self.stage_ms["encode"] += 1000 * dt
-                self.metrics.stage_seconds.observe(dt, "encode")
+                self.metrics.stage_seconds.labels("encode").observe(dt)
         except Exception as exc:
             log.exception("encoding block %d of %s failed", block, sess.id)
             error = exc
@@ -406,7 +406,7 @@ class Scheduler:
             closing = m.CloseSession(sess.id)
             for w in self._workers_of(sess):
                 self.send(w, closing)
-        self.metrics.sessions.inc(1, state)
+        self.metrics.sessions.labels(state).inc()
         if state != DONE:
             log.info("session %s %s: %s", sess.id, state, error)
         sess.sink.on_end(sess, state, error, code)

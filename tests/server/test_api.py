@@ -247,6 +247,29 @@ def test_metrics(d):
         assert name in text, name
     frames = float(next(ln.split()[1] for ln in text.splitlines() if ln.startswith("streamdiff_frames_total")))
     assert frames >= 25
+    # Parsed by Prometheus' own parser: types right, every sample a number.
+    from prometheus_client.parser import text_string_to_metric_families
+
+    fams = {f.name: f for f in text_string_to_metric_families(text)}
+    assert fams["streamdiff_frames"].type == "counter" and fams["streamdiff_sessions_active"].type == "gauge"
+    assert fams["streamdiff_stage_block_seconds"].type == "histogram"
+
+
+def test_counters_are_exact_past_a_million():
+    """1,234,567 frames print as that number (our hand-written exposition printed 1.23457e+06)."""
+    from types import SimpleNamespace
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from streamdiff.metrics import Metrics
+
+    m = Metrics()
+    m.frames.inc(1_234_567)
+    m.requests.labels('2xx"\\n').inc()  # a label value that needs escaping
+    m.watch(SimpleNamespace(scheduler=None, pool=None), SimpleNamespace(jobs={}))
+    fams = {f.name: f for f in text_string_to_metric_families(m.render().decode())}
+    assert fams["streamdiff_frames"].samples[0].value == 1_234_567
+    assert fams["streamdiff_http_requests"].samples[0].labels == {"status": '2xx"\\n'}
 
 
 def test_client_example(d, tmp_path):
