@@ -1,65 +1,45 @@
 """Every control-plane message between the supervisor and the workers (both sides import this).
 
-Messages are small msgpack maps, `{"t": <type>, ...fields}`: never tensors (those live in the
-shared-memory rings; messages carry slot numbers and shapes) and never pickle. The supervisor
-is the hub: workers only ever talk to it.
+Messages are msgspec Structs sent as msgpack maps tagged by their type (`{"t": <type>, ...}`),
+decoded into exactly one of the types below and validated against its field types: never
+tensors (those live in the shared-memory rings; messages carry slot numbers and shapes) and
+never pickle. The supervisor is the hub: workers only ever talk to it.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, fields
-from typing import ClassVar
+from typing import Literal, Union
 
-import msgpack
+import msgspec
 
 
 class ProtocolError(ValueError):
     pass
 
 
-_TYPES: dict[str, type[Message]] = {}
-
-
-@dataclass
-class Message:
-    type: ClassVar[str] = ""
-
-    def __init_subclass__(cls, **kw) -> None:
-        super().__init_subclass__(**kw)
-        _TYPES[cls.type] = cls
-
+class Message(msgspec.Struct, tag_field="t"):
     def encode(self) -> bytes:
-        return msgpack.packb({"t": self.type, **asdict(self)}, use_bin_type=True)
+        return _ENCODER.encode(self)
 
-
-def decode(data: bytes) -> Message:
-    try:
-        obj = msgpack.unpackb(data, raw=False)
-        cls = _TYPES[obj.pop("t")]
-        names = {f.name for f in fields(cls)}
-        return cls(**{k: v for k, v in obj.items() if k in names})
-    except (KeyError, TypeError, ValueError, msgpack.ExtraData, msgpack.FormatError) as exc:
-        raise ProtocolError(f"bad control message: {exc!r}") from exc
+    @property
+    def type(self) -> str:
+        return self.__struct_config__.tag
 
 
 # ----------------------------------------------------------------------------- supervisor -> worker
 
 
-@dataclass
-class OpenSession(Message):
-    type: ClassVar[str] = "open"
+class OpenSession(Message, tag="open"):
     session: str
     width: int
     height: int
     seed: int
 
 
-@dataclass
-class GenerateBlock(Message):
+class GenerateBlock(Message, tag="gen"):
     """DiT: denoise `frames` latent frames of `session` into latent ring slot `slot`.
     `prompt` is set on the first block of a scene (with `cut` and the scene's `seed`)."""
 
-    type: ClassVar[str] = "gen"
     session: str
     block: int
     frames: int
@@ -69,12 +49,10 @@ class GenerateBlock(Message):
     seed: int | None = None
 
 
-@dataclass
-class DecodeBlock(Message):
+class DecodeBlock(Message, tag="dec"):
     """VAE shard: decode latent slot `latent_slot` (shape C, f, h, w) into frame slot
     `frame_slot` (frames_out, H, W, 3), its own rows only; `reset`: a new shot starts here."""
 
-    type: ClassVar[str] = "dec"
     session: str
     block: int
     latent_slot: int
@@ -84,41 +62,32 @@ class DecodeBlock(Message):
     reset: bool = False
 
 
-@dataclass
-class CloseSession(Message):
-    type: ClassVar[str] = "close"
+class CloseSession(Message, tag="close"):
     session: str
 
 
-@dataclass
-class Shutdown(Message):
-    type: ClassVar[str] = "shutdown"
+class Shutdown(Message, tag="shutdown"):
+    """Stop: the worker finishes nothing more and exits."""
 
 
 # ----------------------------------------------------------------------------- worker -> supervisor
 
 
-@dataclass
-class Ready(Message):
+class Ready(Message, tag="ready"):
     """Handshake: the worker's stages are built. `info` carries the model facts the supervisor
     needs without importing torch (frames per block, factors, fps, sizes)."""
 
-    type: ClassVar[str] = "ready"
     worker: str
     pid: int
-    info: dict = field(default_factory=dict)
+    info: dict = {}
 
 
-@dataclass
-class Heartbeat(Message):
-    type: ClassVar[str] = "hb"
+class Heartbeat(Message, tag="hb"):
     worker: str
     busy_s: float  # seconds the current message has been running (0 when idle)
 
 
-@dataclass
-class LatentDone(Message):
-    type: ClassVar[str] = "latent"
+class LatentDone(Message, tag="latent"):
     session: str
     block: int
     slot: int
@@ -127,9 +96,7 @@ class LatentDone(Message):
     skipped: bool = False  # the session was cancelled: nothing was written
 
 
-@dataclass
-class FramesDone(Message):
-    type: ClassVar[str] = "frames"
+class FramesDone(Message, tag="frames"):
     session: str
     block: int
     rank: int
@@ -138,15 +105,36 @@ class FramesDone(Message):
     skipped: bool = False  # the group agreed the session was cancelled: nothing was written
 
 
-@dataclass
-class Failed(Message):
+class Failed(Message, tag="failed"):
     """A block (or the worker itself, session None) failed; `message` says why. `kind`:
     "request" (the request cannot be served; the worker carries on) or "worker" (the worker
     exits after this message and is restarted with its VAE group)."""
 
-    type: ClassVar[str] = "failed"
     worker: str
     message: str
     session: str | None = None
     block: int | None = None
-    kind: str = "worker"
+    kind: Literal["request", "worker"] = "worker"
+
+
+MESSAGES = (
+    OpenSession,
+    GenerateBlock,
+    DecodeBlock,
+    CloseSession,
+    Shutdown,
+    Ready,
+    Heartbeat,
+    LatentDone,
+    FramesDone,
+    Failed,
+)
+_ENCODER = msgspec.msgpack.Encoder()
+_DECODER = msgspec.msgpack.Decoder(Union[MESSAGES])  # noqa: UP007 (a tuple of types, unpacked)
+
+
+def decode(data: bytes) -> Message:
+    try:
+        return _DECODER.decode(data)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise ProtocolError(f"bad control message: {exc}") from exc
