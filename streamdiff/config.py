@@ -96,7 +96,7 @@ class EncoderConfig:
     bitrate_kbps: int = 0  # hardware encoders: target bitrate (0 = encoder default)
     keyframe_every_blocks: int = 1  # 1: every fragment starts with an IDR frame
     vaapi_device: str = "/dev/dri/renderD128"
-    threads: int = 2  # encoding threads in the supervisor
+    encode_timeout_s: float = 30.0  # an encoder that opens or encodes a block slower than this fails its session
 
 
 @dataclass(frozen=True)
@@ -306,7 +306,7 @@ def validate(cfg: Config) -> None:
     )
     _check(0 <= e.crf <= 51, "encoder.crf", "must be 0-51", e.crf)
     _check(e.keyframe_every_blocks >= 1, "encoder.keyframe_every_blocks", "must be >= 1", e.keyframe_every_blocks)
-    _check(1 <= e.threads <= 64, "encoder.threads", "must be 1-64", e.threads)
+    _check(e.encode_timeout_s > 0, "encoder.encode_timeout_s", "must be > 0", e.encode_timeout_s)
     _check(lim.max_sessions >= 1, "limits.max_sessions", "must be >= 1", lim.max_sessions)
     _check(lim.max_queue >= 0, "limits.max_queue", "must be >= 0", lim.max_queue)
     _check(

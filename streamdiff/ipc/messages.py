@@ -85,6 +85,7 @@ class Ready(Message, tag="ready"):
 class Heartbeat(Message, tag="hb"):
     worker: str
     busy_s: float  # seconds the current message has been running (0 when idle)
+    idle_s: float = 0.0  # seconds it has been waiting for messages with none queued (0 when not)
 
 
 class LatentDone(Message, tag="latent"):
@@ -107,14 +108,15 @@ class FramesDone(Message, tag="frames"):
 
 class Failed(Message, tag="failed"):
     """A block (or the worker itself, session None) failed; `message` says why. `kind`:
-    "request" (the request cannot be served; the worker carries on) or "worker" (the worker
-    exits after this message and is restarted with its VAE group)."""
+    "request" (the request cannot be served), "session" (the session cannot go on, not the
+    request's fault) — the worker carries on in both — or "worker" (the worker exits after this
+    message and is restarted with its VAE group)."""
 
     worker: str
     message: str
     session: str | None = None
     block: int | None = None
-    kind: Literal["request", "worker"] = "worker"
+    kind: Literal["request", "session", "worker"] = "worker"
 
 
 MESSAGES = (

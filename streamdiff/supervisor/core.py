@@ -104,6 +104,7 @@ class Supervisor:
         )
         self.pool.on_lost = self.scheduler.workers_lost
         self.pool.on_worker_ready = lambda name: self.scheduler.pump()
+        self.pool.on_idle = self.scheduler.worker_idle
         self._tasks.append(asyncio.create_task(self._recv_loop(), name="control-recv"))
         self.pool.spawn_all()
         self._pin_self()

@@ -38,6 +38,9 @@ from .topology import Topology
 log = logging.getLogger("streamdiff.scheduler")
 
 QUEUED, RUNNING, DONE, FAILED, CANCELLED = "queued", "running", "done", "failed", "cancelled"
+# A waiting worker wakes for a message within milliseconds: a block sent this long before a worker
+# started its current wait (nothing running, nothing queued) never reached it.
+LOST_AFTER_S = 1.0
 
 
 class SessionSink(Protocol):
@@ -56,6 +59,7 @@ class QueueFull(Exception):
 class VaeWork:
     latent_slot: int
     frame_slot: int
+    sent_at: float = 0.0
     reported: set[int] = field(default_factory=set)
     skipped: bool = False
 
@@ -78,8 +82,10 @@ class Session:
     encoded: int = 0  # fragments made
     delivered: int = 0  # fragments taken by the consumer
     at_dit: dict[int, int] = field(default_factory=dict)  # block -> latent slot
+    dit_sent: dict[int, float] = field(default_factory=dict)  # block -> when GenerateBlock went out
     at_vae: dict[int, VaeWork] = field(default_factory=dict)
     writer: FragmentWriter | None = None
+    encode_thread: ThreadPoolExecutor | None = None  # this session's encoder runs here, nowhere else
     encode_tail: asyncio.Future | None = None
     error: str | None = None
     created: float = field(default_factory=time.monotonic)
@@ -124,10 +130,10 @@ class Scheduler:
         self.sessions: dict[str, Session] = {}  # every session with work or slots outstanding
         self.queue: deque[Session] = deque()
         self.decode_wait: deque[tuple[Session, int, int, list[int]]] = deque()
-        self.encoder_pool = ThreadPoolExecutor(max_workers=cfg.encoder.threads, thread_name_prefix="encode")
         self.stage_ms = {"dit": 0.0, "vae": 0.0, "encode": 0.0}  # summed compute time per stage
         self.metrics = Metrics()
         self.accepting = True
+        self.idle_since: dict[str, float] = {}  # worker -> since when it has waited with nothing to do
 
     # -- admission and placement ------------------------------------------------------------
     @property
@@ -162,8 +168,20 @@ class Scheduler:
     def _start(self, sess: Session) -> None:
         sess.state, sess.started = RUNNING, time.monotonic()
         self.metrics.queue_seconds.observe(sess.started - sess.created)
+        every = self.cfg.encoder.keyframe_every_blocks
+        keyframes = [b.start_frame for b in sess.blocks if b.index % every == 0]
+        opened = m.OpenSession(sess.id, sess.width, sess.height, sess.seed)
+        for w in self._workers_of(sess):
+            self.send(w, opened)
+        sess.sink.on_start(sess)
+        # The encoder opens on the session's own thread (an FFmpeg child or a hardware probe can
+        # take a while) while the workers start on its first block; encoding waits for it.
+        sess.encode_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"encode-{sess.id[-12:]}")
+        sess.encode_tail = asyncio.ensure_future(self._open_writer(sess, keyframes))
+        sess.encode_tail.add_done_callback(lambda _t, s=sess: self._maybe_forget(s))
+
+    def _make_writer(self, sess: Session, keyframes: list[int]) -> tuple[FragmentWriter, bytes]:
         enc = self.cfg.encoder
-        keyframes = [b.start_frame for b in sess.blocks if b.index % enc.keyframe_every_blocks == 0]
         encoder = open_encoder(
             enc.kind,
             sess.width,
@@ -174,13 +192,20 @@ class Scheduler:
             bitrate_kbps=enc.bitrate_kbps,
             device=enc.vaapi_device,
         )
-        sess.writer = FragmentWriter(encoder, sess.width, sess.height, sess.fps)
-        opened = m.OpenSession(sess.id, sess.width, sess.height, sess.seed)
-        for w in self._workers_of(sess):
-            self.send(w, opened)
-        sess.sink.on_start(sess)
-        init = sess.writer.init_segment()
-        if init:
+        writer = FragmentWriter(encoder, sess.width, sess.height, sess.fps)
+        return writer, writer.init_segment()
+
+    async def _open_writer(self, sess: Session, keyframes: list[int]) -> None:
+        try:
+            sess.writer, init = await asyncio.wait_for(
+                asyncio.get_running_loop().run_in_executor(sess.encode_thread, self._make_writer, sess, keyframes),
+                self.cfg.encoder.encode_timeout_s,
+            )
+        except Exception as exc:
+            log.error("session %s: the encoder could not open: %r", sess.id, exc)
+            self._finish(sess, FAILED, f"could not start: the encoder did not open: {exc!r}")
+            return
+        if init and sess.state == RUNNING:
             sess.sink.on_data(sess, init, None)
 
     def _workers_of(self, sess: Session) -> list[str]:
@@ -200,7 +225,7 @@ class Scheduler:
             fslot = self.frame_pool.take()
             b = sess.blocks[block]
             msg = m.DecodeBlock(sess.id, block, lslot, fslot, shape, b.frames_out, reset=b.shot_start)
-            sess.at_vae[block] = VaeWork(lslot, fslot)
+            sess.at_vae[block] = VaeWork(lslot, fslot, time.monotonic())
             for w in self.topology.vae_groups[sess.group]:
                 self.send(w, msg)
         while self.queue and self.accepting and len(self.running) < self.cfg.limits.max_sessions:
@@ -245,6 +270,7 @@ class Scheduler:
             ),
         )
         sess.at_dit[b.index] = slot
+        sess.dit_sent[b.index] = time.monotonic()
         sess.issued += 1
 
     # -- replies ------------------------------------------------------------------------------
@@ -316,15 +342,19 @@ class Scheduler:
                         )
                     )
                 t0 = time.perf_counter()
-                data = await asyncio.get_running_loop().run_in_executor(
-                    self.encoder_pool, sess.writer.fragment, frames, idr, events
+                # On the session's own thread, bounded: a stuck encoder fails its session only.
+                data = await asyncio.wait_for(
+                    asyncio.get_running_loop().run_in_executor(
+                        sess.encode_thread, sess.writer.fragment, frames, idr, events
+                    ),
+                    self.cfg.encoder.encode_timeout_s,
                 )
                 dt = time.perf_counter() - t0
                 self.stage_ms["encode"] += 1000 * dt
                 self.metrics.stage_seconds.labels("encode").observe(dt)
         except Exception as exc:
-            log.exception("encoding block %d of %s failed", block, sess.id)
-            error = exc
+            log.error("encoding block %d of %s failed: %r", block, sess.id, exc)
+            error = exc if not isinstance(exc, TimeoutError) else TimeoutError("no fragment within encode_timeout_s")
         finally:
             self.frame_pool.give(fslot)
         if error is not None:
@@ -364,11 +394,43 @@ class Scheduler:
             sess.delivered += blocks
             self.pump()
 
+    def worker_idle(self, name: str, since: float) -> None:
+        """A heartbeat from `name` said it has been waiting for messages, none queued, since
+        `since`. A block sent to it well before that never arrived (a lost control message):
+        without this its session would wait forever and its slots never come back. The session
+        fails; its slots are safe to reuse, since no process will write them."""
+        self.idle_since[name] = since
+        for sess in list(self.sessions.values()):
+            lost = []
+            if sess.dit == name:
+                lost += [b for b in sess.at_dit if sess.dit_sent.get(b, since) < since - LOST_AFTER_S]
+            if name in sess.vae_workers:
+                # A group's block is lost when no shard got it: every shard idle since it went out.
+                # (Had some shards got it, they wait in its collectives and fail at their timeout.)
+                lost += [
+                    b
+                    for b, work in sess.at_vae.items()
+                    if not work.reported
+                    and all(self.idle_since.get(w, 0.0) > work.sent_at + LOST_AFTER_S for w in sess.vae_workers)
+                ]
+            for block in lost:
+                log.error("session %s: block %d never reached its worker (a lost control message)", sess.id, block)
+                if block in sess.at_dit:
+                    self.latent_pool.give(sess.at_dit.pop(block))
+                if block in sess.at_vae:
+                    work = sess.at_vae.pop(block)
+                    self.latent_pool.give(work.latent_slot)
+                    self.frame_pool.give(work.frame_slot)
+                if sess.active:
+                    self._finish(sess, FAILED, f"block {block} was lost on its way to a worker")
+                self._maybe_forget(sess)
+        self.pump()
+
     def on_failed(self, msg: m.Failed) -> None:
         sess = self.sessions.get(msg.session) if msg.session else None
         if sess is None:
             return
-        if msg.kind == "request":
+        if msg.kind in ("request", "session"):
             # The worker carries on and answers nothing else for this block: its reply stands
             # for the block's (a VAE group's shards each send one).
             if msg.block in sess.at_dit and msg.worker == sess.dit:
@@ -416,8 +478,10 @@ class Scheduler:
         """Drop an ended session once nothing holds a slot for it; close its encoder."""
         if sess.active or sess.outstanding or any(s is sess for s, *_ in self.decode_wait):
             return
-        if self.sessions.pop(sess.id, None) is not None and sess.writer is not None:
-            self.encoder_pool.submit(sess.writer.close)
+        if self.sessions.pop(sess.id, None) is not None and sess.encode_thread is not None:
+            if sess.writer is not None:
+                sess.encode_thread.submit(sess.writer.close)
+            sess.encode_thread.shutdown(wait=False)
 
     def workers_lost(self, names: set[str], why: str) -> None:
         """The pool killed these workers and saw them exit: their slots are free again."""
@@ -453,4 +517,6 @@ class Scheduler:
         }
 
     def close(self) -> None:
-        self.encoder_pool.shutdown(wait=True, cancel_futures=True)
+        for sess in self.sessions.values():
+            if sess.encode_thread is not None:
+                sess.encode_thread.shutdown(wait=False, cancel_futures=True)

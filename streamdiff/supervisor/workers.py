@@ -79,6 +79,7 @@ class WorkerPool:
         self.ctx = mp.get_context("spawn")
         self.on_lost: Callable[[set[str], str], None] = lambda names, why: None
         self.on_worker_ready: Callable[[str], None] = lambda name: None
+        self.on_idle: Callable[[str, float], None] = lambda name, since: None  # waiting, nothing queued, since
         self._ready_waiters: list[asyncio.Future] = []
         self._restarting: set[str] = set()
         self._closing = False
@@ -147,6 +148,10 @@ class WorkerPool:
         w = self.workers.get(msg.worker)
         if w is not None:
             w.last_heartbeat, w.busy_s = time.monotonic(), msg.busy_s
+            # Half a second of waiting: every reply it sent before has arrived (its own socket,
+            # loopback), so what it still owes us after that, it never received.
+            if msg.idle_s >= 0.5 and w.ready:
+                self.on_idle(msg.worker, w.last_heartbeat - msg.idle_s)
 
     def handle_startup_failure(self, msg: m.Failed) -> None:
         w = self.workers.get(msg.worker)

@@ -15,14 +15,21 @@ class RequestError(ValueError):
     """This session's request cannot be served here (shape, size, value): fail the session only."""
 
 
-REQUEST, WORKER = "request", "worker"
+class SessionError(RequestError):
+    """This session cannot go on, through no fault of its request (a block message never arrived):
+    fail the session only, and say it was the server's doing."""
+
+
+REQUEST, SESSION, WORKER = "request", "session", "worker"
 
 
 def classify(exc: BaseException, sharded: bool) -> str:
-    """REQUEST: fail the session, keep the worker. WORKER: fail the session, restart the worker.
+    """REQUEST or SESSION: fail the session, keep the worker. WORKER: fail it, restart the worker.
 
     In a VAE group only a RequestError from the agreed check is a request error: anything
     raised inside the block's work may have left the peers waiting in a collective."""
+    if isinstance(exc, SessionError):
+        return SESSION
     if isinstance(exc, RequestError):
         return REQUEST
     if sharded:

@@ -6,10 +6,11 @@ and `#I` (only the I-th start of that worker: 0 is the first, 1 the first restar
 separated by commas. For example `vae0.1:check:request@seed=7` makes shard 1 of group 0 refuse
 the blocks of seed-7 sessions, `dit0:start:hang#1` makes the DiT's first restart hang.
 
-Points: `start` (before READY), `open` (a session opens), `check` (a block is validated, before
-any collective), `compute` (inside a block's work). Kinds: `request` (the request cannot be
-served: a RequestError), `device` (an accelerator error; the context stays broken, so every
-later block fails too, as a real CUDA/XPU error leaves it), `hang`, `exit`.
+Points: `start` (before READY), `open` (a session opens), `receive` (a block's message arrives),
+`check` (a block is validated, before any collective), `compute` (inside a block's work). Kinds:
+`request` (the request cannot be served: a RequestError), `device` (an accelerator error; the
+context stays broken, so every later block fails too, as a real CUDA/XPU error leaves it),
+`hang`, `exit`, `drop` (at `receive`: the first block message of each matching session is lost).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from dataclasses import dataclass
 from .errors import RequestError
 
 _ENTRY = re.compile(
-    r"^(?P<worker>[\w.]+):(?P<point>start|open|check|compute):(?P<kind>request|device|hang|exit)"
+    r"^(?P<worker>[\w.]+):(?P<point>start|open|receive|check|compute):(?P<kind>request|device|hang|exit|drop)"
     r"(?:@seed=(?P<seed>\d+))?(?:#(?P<inc>\d+))?$"
 )
 
@@ -57,6 +58,16 @@ class Faults:
     def __init__(self, faults: tuple[Fault, ...], worker: str, incarnation: int) -> None:
         self.mine = [f for f in faults if f.worker == worker and f.incarnation in (None, incarnation)]
         self.poisoned = False
+        self.dropped: set[str] = set()  # sessions whose first block message was dropped
+
+    def drop(self, session: str, seed: int | None) -> bool:
+        """True if this block message of `session` is to be lost (once per session)."""
+        if session in self.dropped:
+            return False
+        if any(f.kind == "drop" and f.seed in (None, seed) for f in self.mine):
+            self.dropped.add(session)
+            return True
+        return False
 
     def hit(self, point: str, seed: int | None = None) -> None:
         if self.poisoned and point == "compute":

@@ -33,7 +33,7 @@ import time
 import traceback
 
 from ..ipc import messages as m
-from .errors import REQUEST, classify
+from .errors import WORKER, classify
 from .faults import Faults
 from .spec import WorkerSpec
 
@@ -77,9 +77,11 @@ class Worker:
         self.closed: set[str] = set()
         self.stop = False
         self.busy_since = 0.0
+        self.waiting_since = 0.0
         self.parent = os.getppid()
         self.stages: dict[str, object] = {}
         self.faults = Faults(spec.faults, spec.name, spec.incarnation)
+        self.seeds: dict[str, int] = {}  # session -> seed (only for matching injected faults)
 
     # -- start-up ---------------------------------------------------------------------------
     def start(self) -> None:
@@ -110,7 +112,9 @@ class Worker:
             if os.getppid() != self.parent:  # the supervisor is gone
                 os._exit(1)
             busy = time.monotonic() - self.busy_since if self.busy_since else 0.0
-            sock.send(m.Heartbeat(self.spec.name, busy).encode())
+            waiting = self.waiting_since
+            idle = time.monotonic() - waiting if waiting else 0.0
+            sock.send(m.Heartbeat(self.spec.name, busy, idle).encode())
             time.sleep(self.spec.heartbeat_interval_s)
         sock.close()
 
@@ -122,9 +126,14 @@ class Worker:
         poller.register(self.sock, zmq.POLLIN)
         while not self.stop:
             if not self.pending:
+                # Waiting with nothing queued: what the heartbeat reports as idle. A message that
+                # arrives ends the wait at once, so a long wait proves none was sent meanwhile.
+                self.waiting_since = time.monotonic()
                 poller.poll(timeout=1000)
+                self.waiting_since = 0.0
             self._drain()
             if self.pending:
+                self.busy_since = time.monotonic()  # before the pop: never idle with a message in hand
                 self._handle(self.pending.popleft())
 
     def _drain(self) -> None:
@@ -136,8 +145,16 @@ class Worker:
             except zmq.Again:
                 return
             msg = m.decode(raw)
+            if isinstance(msg, m.OpenSession):
+                self.seeds[msg.session] = msg.seed
+            elif isinstance(msg, m.GenerateBlock | m.DecodeBlock) and self.faults.drop(
+                msg.session, self.seeds.get(msg.session)
+            ):
+                log.warning("dropping %s %s/%d (injected fault)", msg.type, msg.session, msg.block)
+                continue
             if isinstance(msg, m.CloseSession):
                 self.closed.add(msg.session)
+                self.seeds.pop(msg.session, None)
                 for stage in self.stages.values():
                     stage.close(msg.session)
             elif isinstance(msg, m.Shutdown):
@@ -167,13 +184,13 @@ class Worker:
         sharded = "vae" in self.stages and self.stages["vae"].world > 1
         kind = classify(exc, sharded)
         first_line = (str(exc).splitlines() or [""])[0][:300]
-        if kind == REQUEST:
+        if kind != WORKER:
             log.warning("%s for session %s refused: %s", msg.type, session, first_line)
             if session is not None:
                 self.closed.add(session)
                 for stage in self.stages.values():
                     stage.close(session)
-            self.send(m.Failed(self.spec.name, f"{type(exc).__name__}: {first_line}", session, block, REQUEST))
+            self.send(m.Failed(self.spec.name, f"{type(exc).__name__}: {first_line}", session, block, kind))
             return
         log.error("%s for session %s failed; restarting: %s", msg.type, session, traceback.format_exc())
         why = f"{type(exc).__name__}: {first_line}"

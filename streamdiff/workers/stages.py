@@ -18,7 +18,7 @@ import torch
 from ..ipc import messages as m
 from ..ipc.shm import Ring
 from ..parallel.vae_group import ExchangeHalo, group_max
-from .errors import RequestError
+from .errors import RequestError, SessionError
 from .faults import Faults
 from .spec import WorkerSpec
 
@@ -41,6 +41,15 @@ def _sync(device: str) -> None:
         torch.xpu.synchronize()
 
 
+def in_order(next_block: dict[str, int], msg) -> None:
+    """A session's blocks arrive in order on one socket: a gap means a message was lost, and
+    running this block would build on state the lost one never made."""
+    due = next_block.get(msg.session, 0)
+    if msg.block != due:
+        raise SessionError(f"block {msg.block} arrived but block {due} never did (a lost control message)")
+    next_block[msg.session] = due + 1
+
+
 # A VAE group's verdict on a block, agreed by an all-reduce MAX: a cancel wins over a refusal.
 RUN, REFUSE, SKIP = 0, 1, 2
 
@@ -57,6 +66,7 @@ class DiTStage:
         self.faults = faults
         self.sessions: dict = {}
         self.seeds: dict[str, int] = {}
+        self.next_block: dict[str, int] = {}  # session -> the block index due next
 
     def info(self) -> dict:
         p = self.engine.preset
@@ -84,10 +94,12 @@ class DiTStage:
     def close(self, session: str) -> None:
         self.sessions.pop(session, None)
         self.seeds.pop(session, None)
+        self.next_block.pop(session, None)
 
     def check(self, msg: m.GenerateBlock, sess) -> None:
         seed = self.seeds.get(msg.session)
         self.faults.hit("check", seed)
+        in_order(self.next_block, msg)
         c = self.engine.model.cfg.in_channels
         shape = (c, msg.frames, *sess.latent_hw)
         if msg.frames < 1:
@@ -133,6 +145,7 @@ class VAEStage:
             init_group(g.init_addr, g.rank, g.world, spec.device, g.timeout_s)
         self.sessions: dict = {}
         self.seeds: dict[str, int] = {}
+        self.next_block: dict[str, int] = {}  # session -> the block index due next
 
     def info(self) -> dict:
         p = self.engine.preset
@@ -151,11 +164,13 @@ class VAEStage:
     def close(self, session: str) -> None:
         self.sessions.pop(session, None)
         self.seeds.pop(session, None)
+        self.next_block.pop(session, None)
 
     def check(self, msg: m.DecodeBlock, state):
         """The block's decode plan, or RequestError. Depends on the message and the session's
         cache position only, which every shard of the group shares: they all refuse together."""
         self.faults.hit("check", self.seeds.get(msg.session))
+        in_order(self.next_block, msg)
         p = self.engine.preset
         if len(msg.shape) != 4 or min(msg.shape) < 1 or msg.shape[0] != p.dit.in_channels:
             raise RequestError(f"a latent block of shape {msg.shape}")

@@ -18,6 +18,7 @@ FAULTS = ",".join(
         "vae0.1:check:request@seed=666",  # one shard of the k=2 group refuses this session's blocks
         "dit0:open:request@seed=668",  # the DiT refuses to open this session
         "dit0:compute:device@seed=667",  # an accelerator error inside a block: the context stays broken
+        "dit0:receive:drop@seed=669",  # the session's first GenerateBlock is lost on the way
     ]
 )
 BODY = {"prompt": "a slow river", "num_frames": 81, "size": "128x64"}
@@ -82,3 +83,22 @@ def test_a_device_error_restarts_its_worker_instead_of_failing_every_later_block
         data, _, _ = stream_video(d.url, {**BODY, "seed": seed})
         assert decode(data)["frames"] == 81
     wait_idle(d)
+
+
+@pytest.mark.timeout(300)
+def test_a_lost_control_message_fails_its_session_and_frees_its_slots(d):
+    """The DiT never gets the session's first block. It refuses the next one (a gap in the
+    session's blocks: running it would build on state the lost one never made) and carries on;
+    once it has waited idle with nothing queued, the supervisor concludes the lost block will
+    never be answered and takes its slot back instead of waiting forever."""
+    import time
+
+    before = restarts(d)
+    t0 = time.monotonic()
+    r = httpx.post(d.url + "/v1/videos", json={**BODY, "seed": 669, "stream": True}, timeout=120)
+    assert r.status_code == 500 and "never did (a lost control message)" in r.json()["error"]["message"]
+    assert time.monotonic() - t0 < 10
+    assert restarts(d) == before
+    wait_idle(d)  # its slots came back
+    data, _, _ = stream_video(d.url, {**BODY, "seed": 4})
+    assert decode(data)["frames"] == 81
