@@ -53,6 +53,16 @@ def restart_delay_s(recent_failures: int) -> float:
     return 0.0 if recent_failures <= 1 else min(MAX_BACKOFF_S, 0.5 * 2 ** (recent_failures - 2))
 
 
+def note_death(w: WorkerState, now: float, reset_s: float) -> float:
+    """Count a death of `w` and return the back-off before its restart. A worker that had stayed
+    ready for `reset_s` starts the count afresh: a crash a day never waits 30 s."""
+    if w.ready_since is not None and now - w.ready_since >= reset_s:
+        w.recent_failures = 0
+    w.recent_failures += 1
+    w.ready_since = None
+    return restart_delay_s(w.recent_failures)
+
+
 class StartupError(RuntimeError):
     pass
 
@@ -247,13 +257,7 @@ class WorkerPool:
         # Back off when a worker keeps dying (a crash loop must not spin the machine); a worker
         # that had stayed up long enough starts counting afresh.
         now = time.monotonic()
-        for n in names:
-            w = self.workers[n]
-            if w.ready_since is not None and now - w.ready_since >= self.restart_backoff_reset_s:
-                w.recent_failures = 0
-            w.recent_failures += 1
-            w.ready_since = None
-        delay = restart_delay_s(max(self.workers[n].recent_failures for n in names))
+        delay = max(note_death(self.workers[n], now, self.restart_backoff_reset_s) for n in names)
         if delay:
             await asyncio.sleep(delay)
         if self._closing:
