@@ -15,7 +15,7 @@ import torch
 from .presets import ModelSpec, build_dit, build_text_encoder, build_vae
 from .wan.dit import DiTState
 from .wan.kernels import CPU_DECODE_WORKING_SET_BYTES, DecodePlan, plan_block
-from .wan.sampler import denoise_block, warped_timesteps
+from .wan.sampler import denoise_block, denoise_sessions, warped_timesteps
 from .wan.vae import Halo, VAEState, to_uint8_frames
 
 
@@ -78,15 +78,34 @@ class DiTEngine:
             self.model.set_prompt(sess.state, self.encode_prompt(prompt))
             sess.prompt = prompt
 
+    def steps_of(self, sess: DiTSession) -> list[float]:
+        """The step list of the session's next block (a shot's first block has its own)."""
+        return self.first_timesteps if sess.shot_blocks == 0 else self.timesteps
+
     def generate_block(self, sess: DiTSession, frames: int) -> torch.Tensor:
         """Denoise the next `frames` latent frames -> (1, C, frames, h, w) float32 on the CPU."""
-        ts = self.first_timesteps if sess.shot_blocks == 0 else self.timesteps
-        shape = (1, self.model.cfg.in_channels, frames, *sess.latent_hw)
-        noise = torch.randn(shape, generator=sess.generator)
-        renoise = [torch.randn(shape, generator=sess.generator) for _ in ts[1:]]
-        x0 = denoise_block(self.model, sess.state, noise, ts, renoise, self.preset.sampler.context_t)
-        sess.shot_blocks += 1
-        return x0.float().cpu()
+        return self.generate_blocks([sess], frames)[0]
+
+    def generate_blocks(self, sessions: list[DiTSession], frames: int) -> list[torch.Tensor]:
+        """The next block of several sessions in one batched forward per step (same latent size
+        and step count; any prompts and cache positions). Each session draws its noise from its
+        own generator exactly as alone, so each result equals its session run alone."""
+        steps = [self.steps_of(s) for s in sessions]
+        noise, renoise = [], [[] for _ in steps[0][1:]]
+        for sess, ts in zip(sessions, steps, strict=True):
+            shape = (1, self.model.cfg.in_channels, frames, *sess.latent_hw)
+            noise.append(torch.randn(shape, generator=sess.generator))
+            for i in range(len(ts) - 1):
+                renoise[i].append(torch.randn(shape, generator=sess.generator))
+        ctx_t = self.preset.sampler.context_t
+        if len(sessions) == 1:
+            x0 = denoise_block(self.model, sessions[0].state, noise[0], steps[0], [r[0] for r in renoise], ctx_t)
+        else:
+            states = [s.state for s in sessions]
+            x0 = denoise_sessions(self.model, states, torch.cat(noise), steps, [torch.cat(r) for r in renoise], ctx_t)
+        for sess in sessions:
+            sess.shot_blocks += 1
+        return [x.float().cpu() for x in x0.split(1)]
 
 
 class VAEEngine:
@@ -101,8 +120,9 @@ class VAEEngine:
     def frames_out(self, latent_frames: int, state: VAEState) -> int:
         return self.preset.vae.frames_out(latent_frames, first_block=state.latent_frames == 0)
 
-    def plan(self, latent_shape: tuple[int, ...], world: int = 1) -> DecodePlan:
-        """The decode plan of a block of this global shape over `world` shards (the same on every rank)."""
+    def plan(self, latent_shape: tuple[int, ...], world: int = 1, batch: int = 1) -> DecodePlan:
+        """The decode plan of `batch` blocks of this global shape over `world` shards (the same
+        on every rank)."""
         cfg = self.preset.vae
         return plan_block(
             latent_shape,
@@ -113,6 +133,7 @@ class VAEEngine:
             cfg.temporal_factor,
             self.model.conv2.weight.element_size(),
             self.working_set_bytes,
+            batch,
         )
 
     def decode_block(
@@ -126,6 +147,23 @@ class VAEEngine:
     ) -> torch.Tensor:
         """(1, C, f, h, w) -> (frames, 8h, 8w, 3) uint8 on the CPU; with a plan of several
         shards, only rank `rank`'s band of rows (exchanging through `halo`)."""
-        plan = plan or self.plan(tuple(latent.shape))
-        x = self.model.decode_rows(latent.to(self.device), state, plan, rank, halo, shard_front)
-        return to_uint8_frames(x)
+        return self.decode_blocks([state], latent, plan, rank, halo, shard_front)[0]
+
+    def decode_blocks(
+        self,
+        states: list[VAEState],
+        latents: torch.Tensor,
+        plan: DecodePlan | None = None,
+        rank: int = 0,
+        halo: Halo | None = None,
+        shard_front: bool = False,
+    ) -> list[torch.Tensor]:
+        """Blocks of several sessions (rows of `latents`, same size and phase) in one decode call,
+        each with its own temporal cache -> one (frames, rows, W, 3) uint8 array per session."""
+        plan = plan or self.plan(tuple(latents.shape[1:]), 1, latents.shape[0])
+        z = latents.to(self.device)
+        if len(states) == 1:
+            x = self.model.decode_rows(z, states[0], plan, rank, halo, shard_front)
+        else:
+            x = self.model.decode_sessions(z, states, plan, rank, halo, shard_front)
+        return [to_uint8_frames(x[i : i + 1]) for i in range(x.shape[0])]

@@ -33,7 +33,9 @@ def plan_for(z, world, working_set_bytes=CPU_DECODE_WORKING_SET_BYTES):
     return plan_block(z.shape, world, "cpu", CFG.base_dim, 8, 4, 4, working_set_bytes)
 
 
-def shard_main(rank, world, addr, sessions, shard_front, out, die_at=None, working_set_bytes=None):
+def shard_main(
+    rank, world, addr, sessions, shard_front, out, die_at=None, working_set_bytes=None, batch_sessions=False
+):
     """Decode every session's blocks (interleaved in the given order) and send our strips."""
     try:
         torch.set_num_threads(1)
@@ -58,6 +60,18 @@ def shard_main(rank, world, addr, sessions, shard_front, out, die_at=None, worki
             for name in sessions
             if i < len(sessions[name])
         ]
+        if batch_sessions:  # block i of every session in one call, each with its own cache
+            names = list(sessions)
+            for i in range(len(sessions[names[0]])):
+                z = torch.cat([sessions[n][i] for n in names])
+                plan = plan_block(
+                    z.shape, world, "cpu", CFG.base_dim, 8, 4, 4, CPU_DECODE_WORKING_SET_BYTES, len(names)
+                )
+                halo = ExchangeHalo(rank, list(plan.bands))
+                y = vae.decode_sessions(z, [states[n] for n in names], plan, rank, halo, shard_front)
+                for k, n in enumerate(names):
+                    out.put((rank, n, i, y[k : k + 1].numpy()))
+            order = []
         for step, (name, i) in enumerate(order):
             if die_at is not None and rank == die_at[0] and step == die_at[1]:
                 os._exit(9)
@@ -70,12 +84,14 @@ def shard_main(rank, world, addr, sessions, shard_front, out, die_at=None, worki
         out.put((rank, "error", None, traceback.format_exc()))
 
 
-def run_group(world, sessions, shard_front=False, die_at=None, timeout_s=120, working_set_bytes=None):
+def run_group(world, sessions, shard_front=False, die_at=None, timeout_s=120, working_set_bytes=None, batch=False):
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     addr = f"tcp://127.0.0.1:{free_port()}"
     procs = [
-        ctx.Process(target=shard_main, args=(r, world, addr, sessions, shard_front, out, die_at, working_set_bytes))
+        ctx.Process(
+            target=shard_main, args=(r, world, addr, sessions, shard_front, out, die_at, working_set_bytes, batch)
+        )
         for r in range(world)
     ]
     for p in procs:
@@ -153,6 +169,17 @@ def test_two_interleaved_sessions_keep_separate_sharded_caches(shard_front):
     strips, errors = run_group(3, sessions, shard_front=shard_front)
     assert not errors, errors
     assert_matches_unsharded(3, sessions, strips)
+
+
+@pytest.mark.parametrize("shard_front", [False, True], ids=["replicated-front", "sharded-front"])
+def test_a_k2_group_decodes_several_sessions_in_one_call(shard_front):
+    """Three sessions' blocks decoded together by a k=2 group (7 rows: uneven bands), each with
+    its own sharded temporal cache, equal to each session decoded alone and unsharded."""
+    frames = (1, 3, 3, 2)
+    sessions = {n: latents(4, 7, 4, seed=40 + k, frames=frames) for k, n in enumerate("abc")}
+    strips, errors = run_group(2, sessions, shard_front=shard_front, batch=True)
+    assert not errors, errors
+    assert_matches_unsharded(2, sessions, strips)
 
 
 def test_split_rows():

@@ -196,21 +196,30 @@ class Attention(nn.Module):
 
 
 class SelfAttention(Attention):
-    def forward(
-        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], kv: KVCache, layer: int
-    ) -> torch.Tensor:
-        b, n, _ = x.shape  # (B, L_block, C)
-        q = apply_rope(self.norm_q(self.q(x)).unflatten(2, (self.heads, -1)), *rope)
-        k = apply_rope(self.norm_k(self.k(x)).unflatten(2, (self.heads, -1)), *rope)
+    def forward(self, x: torch.Tensor, ropes: list, kvs: list[KVCache], layer: int) -> torch.Tensor:
+        """x: (S, L_block, C), one row per session (a batch of sessions at the same step), each
+        with its own cache (`kvs`) and RoPE positions (`ropes`). The projections run batched;
+        attention runs per session over its own cached frames (their lengths differ)."""
+        s_, n, _ = x.shape
+        q = self.norm_q(self.q(x)).unflatten(2, (self.heads, -1))
+        k = self.norm_k(self.k(x)).unflatten(2, (self.heads, -1))
         v = self.v(x).unflatten(2, (self.heads, -1))
-        # Write this block's keys just past the committed frames (keys are cached after RoPE),
-        # then attend over committed + block as one view of the buffer: no concatenation copy.
-        lo = kv.frames * kv.tpf
-        kv.k[layer][:, :, lo : lo + n] = k.transpose(1, 2)
-        kv.v[layer][:, :, lo : lo + n] = v.transpose(1, 2)
-        out = F.scaled_dot_product_attention(
-            q.transpose(1, 2), kv.k[layer][:, :, : lo + n], kv.v[layer][:, :, : lo + n]
-        )
+        # One state may also hold a batch of its own (forward_full): then it takes every row.
+        rows = [slice(None)] if len(kvs) == 1 else [slice(i, i + 1) for i in range(s_)]
+        outs = []
+        for r, kv, rope in zip(rows, kvs, ropes, strict=True):
+            qi, ki = apply_rope(q[r], *rope), apply_rope(k[r], *rope)
+            # Write this block's keys just past the committed frames (keys are cached after
+            # RoPE), then attend over committed + block as one view of the buffer: no copy.
+            lo = kv.frames * kv.tpf
+            kv.k[layer][:, :, lo : lo + n] = ki.transpose(1, 2)
+            kv.v[layer][:, :, lo : lo + n] = v[r].transpose(1, 2)
+            outs.append(
+                F.scaled_dot_product_attention(
+                    qi.transpose(1, 2), kv.k[layer][:, :, : lo + n], kv.v[layer][:, :, : lo + n]
+                )
+            )
+        out = outs[0] if len(outs) == 1 else torch.cat(outs)
         return self.o(out.transpose(1, 2).flatten(2))
 
 
@@ -221,9 +230,13 @@ class CrossAttention(Attention):
         v = self.v(ctx).unflatten(2, (self.heads, -1)).transpose(1, 2)
         return k, v
 
-    def forward(self, x: torch.Tensor, kv: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, kvs: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        """x: (S, L, C); kvs: each session's prompt keys/values (its own prompt)."""
         q = self.norm_q(self.q(x)).unflatten(2, (self.heads, -1)).transpose(1, 2)
-        out = F.scaled_dot_product_attention(q, *kv)
+        if len(kvs) == 1:
+            out = F.scaled_dot_product_attention(q, *kvs[0])
+        else:
+            out = torch.cat([F.scaled_dot_product_attention(q[i : i + 1], *kv) for i, kv in enumerate(kvs)])
         return self.o(out.transpose(1, 2).flatten(2))
 
 
@@ -240,8 +253,8 @@ class Block(nn.Module):
         )
         self.modulation = nn.Parameter(torch.randn(1, 6, cfg.dim) / cfg.dim**0.5)
 
-    def forward(self, x: torch.Tensor, e: torch.Tensor, f: int, rope, state: DiTState, layer: int) -> torch.Tensor:
-        # x: (B, L, C) with L = f * tokens_per_frame; e: (B, f, 6, C) float32, one per frame.
+    def forward(self, x: torch.Tensor, e: torch.Tensor, f: int, ropes, states: list[DiTState], layer: int):
+        # x: (S, L, C) with L = f * tokens_per_frame, one row per session; e: (S, f, 6, C) float32.
         b, n, c = x.shape
         shift, scale, gate, c_shift, c_scale, c_gate = (self.modulation.unsqueeze(1) + e).unbind(2)
 
@@ -251,9 +264,9 @@ class Block(nn.Module):
         def mod(y: torch.Tensor, sh: torch.Tensor, sc: torch.Tensor) -> torch.Tensor:
             return (per_frame(y.float()) * (1 + sc.unsqueeze(2)) + sh.unsqueeze(2)).view(b, n, c)
 
-        y = self.self_attn(mod(self.norm1(x), shift, scale).type_as(x), rope, state.kv, layer)
+        y = self.self_attn(mod(self.norm1(x), shift, scale).type_as(x), ropes, [st.kv for st in states], layer)
         x = (x.float() + (per_frame(y.float()) * gate.unsqueeze(2)).view(b, n, c)).type_as(x)
-        x = x + self.cross_attn(self.norm3(x), state.cross[layer])
+        x = x + self.cross_attn(self.norm3(x), [st.cross[layer] for st in states])
         y = self.ffn(mod(self.norm2(x), c_shift, c_scale).type_as(x))
         x = (x.float() + (per_frame(y.float()) * c_gate.unsqueeze(2)).view(b, n, c)).type_as(x)
         return x
@@ -334,24 +347,42 @@ class WanDiT(nn.Module):
     # -- one block ------------------------------------------------------------------------
     @torch.no_grad()
     def forward_block(self, x: torch.Tensor, t: torch.Tensor, state: DiTState, commit: bool) -> torch.Tensor:
-        """Flow prediction for one block of latent frames.
+        """Flow prediction for one block of latent frames of one session.
 
         x: (B, C, f, H, W) latents of the block; t: (B, f) timesteps, one per frame (0..1000).
         The block attends to the cached frames of `state` plus itself. `commit=True` keeps this
         block's keys/values in the cache (the clean pass at t=0 after a block is denoised).
         """
-        cfg = self.cfg
-        b, _, f, h, w = x.shape
         if not state.cross:
             raise RuntimeError("set_prompt() must be called before forward_block()")
+        if x.shape[0] != state.kv.k[0].shape[0]:
+            raise ValueError(f"a batch of {x.shape[0]} for a state of batch {state.kv.k[0].shape[0]}")
+        return self._forward(x, t, [state], commit)
+
+    @torch.no_grad()
+    def forward_sessions(
+        self, x: torch.Tensor, t: torch.Tensor, states: list[DiTState], commit: bool
+    ) -> torch.Tensor:
+        """`forward_block` for several sessions in one forward: x (S, C, f, H, W), row i the
+        block of session `states[i]` (same latent size; any prompts, cache positions, windows);
+        t (S, f). Equal to running each alone: only the projections and FFN are batched."""
+        if len(states) != x.shape[0] or any(st.kv.k[0].shape[0] != 1 for st in states):
+            raise ValueError(f"{x.shape[0]} blocks for {len(states)} single-session states")
+        if any(not st.cross for st in states):
+            raise RuntimeError("set_prompt() must be called for every session before forward_sessions()")
+        return self._forward(x, t, states, commit)
+
+    def _forward(self, x: torch.Tensor, t: torch.Tensor, states: list[DiTState], commit: bool) -> torch.Tensor:
+        cfg = self.cfg
+        b, _, f, h, w = x.shape
         if t.shape != (b, f):
             raise ValueError(f"timesteps must be (B, f) = {(b, f)}, got {tuple(t.shape)}")
         pt, ph, pw = cfg.patch_size
         fp, hp, wp = f // pt, h // ph, w // pw
-        if hp * wp != state.kv.tpf:
-            raise ValueError(f"latent {h}x{w} does not match the session's {state.kv.tpf} tokens per frame")
-        kv = state.kv
-        kv.make_room(fp)
+        for st in states:
+            if hp * wp != st.kv.tpf:
+                raise ValueError(f"latent {h}x{w} does not match the session's {st.kv.tpf} tokens per frame")
+            st.kv.make_room(fp)
         wdt = self.patch_embedding.weight
         tokens = self.patch_embedding(x.to(wdt.dtype)).flatten(2).transpose(1, 2)  # (B, L, C)
 
@@ -361,14 +392,15 @@ class WanDiT(nn.Module):
         emb = self.time_embedding(sin).float()  # (B, f, C)
         e6 = self.time_projection(emb.to(wdt.dtype)).float().unflatten(2, (6, cfg.dim))  # (B, f, 6, C)
 
-        rope = self.rope().tables(state.next_frame, fp, hp, wp)
+        ropes = [self.rope().tables(st.next_frame, fp, hp, wp) for st in states]
         for i, blk in enumerate(self.blocks):
-            tokens = blk(tokens, e6, fp, rope, state, i)
+            tokens = blk(tokens, e6, fp, ropes, states, i)
         out = self.head(tokens, emb, fp)  # (B, L, pt*ph*pw*C_out)
 
         if commit:
-            kv.frames += fp
-            state.next_frame += fp
+            for st in states:
+                st.kv.frames += fp
+                st.next_frame += fp
         out = out.view(b, fp, hp, wp, pt, ph, pw, cfg.out_channels)
         return out.permute(0, 7, 1, 4, 2, 5, 3, 6).reshape(b, cfg.out_channels, f, h, w).float()
 

@@ -65,8 +65,10 @@ def plan_block(
     temporal_factor: int,
     element_size: int,
     working_set_bytes: int = CPU_DECODE_WORKING_SET_BYTES,
+    batch: int = 1,
 ) -> DecodePlan:
-    """The plan for a block of normalised latents shaped (..., T, h, w) decoded by `world` shards.
+    """The plan for `batch` blocks of normalised latents shaped (..., T, h, w) decoded together
+    by `world` shards.
 
     The chunk size is sized for the largest band, so a group's chunking is what its busiest
     shard needs and every shard agrees on it."""
@@ -76,7 +78,7 @@ def plan_block(
         return DecodePlan(bands, t)
     rows = max(r1 - r0 for r0, r1 in bands)
     px = rows * spatial_factor * w * spatial_factor
-    per_frame = base_dim * temporal_factor * px * element_size * 3
+    per_frame = base_dim * temporal_factor * px * element_size * 3 * batch
     return DecodePlan(bands, max(1, min(t, working_set_bytes // per_frame)))
 
 

@@ -63,17 +63,48 @@ def denoise_block(
     noise: (B, C, f, H, W) initial noise; renoise: one noise tensor per step after the first.
     Returns the clean latent x0 (float32, on the model's device).
     """
+    b = noise.shape[0]
+    steps = torch.tensor(timesteps, dtype=torch.float32)[:, None].expand(-1, b)
+    return _denoise(
+        lambda x, t, commit: model.forward_block(x, t, state, commit), model, noise, steps, renoise, context_t
+    )
+
+
+@torch.no_grad()
+def denoise_sessions(
+    model: WanDiT,
+    states: list[DiTState],
+    noise: torch.Tensor,
+    timesteps: Sequence[Sequence[float]],
+    renoise: Sequence[torch.Tensor],
+    context_t: float = 0.0,
+) -> torch.Tensor:
+    """`denoise_block` for several sessions at once: row i of noise/renoise is session i's, and
+    `timesteps[i]` its step list (all of one length: the sessions take their steps together)."""
+    if len({len(ts) for ts in timesteps}) != 1:
+        raise ValueError("sessions denoised together must have step lists of one length")
+    steps = torch.tensor(list(timesteps), dtype=torch.float32).T  # (steps, S)
+    return _denoise(
+        lambda x, t, commit: model.forward_sessions(x, t, states, commit), model, noise, steps, renoise, context_t
+    )
+
+
+def _denoise(forward, model: WanDiT, noise, steps: torch.Tensor, renoise, context_t: float) -> torch.Tensor:
+    """The few-step flow sampler; steps: (n_steps, B) timesteps, one column per row of the batch.
+    For each step: x0 = x - sigma * v; then re-noise to the next step's sigma; finally one pass at
+    t = context_t commits the clean block's keys/values to the cache."""
     b, _, f = noise.shape[:3]
     dev = model.patch_embedding.weight.device
     x = noise.to(dev, torch.float32)
     x0 = x
-    for i, t in enumerate(timesteps):
-        tt = torch.full((b, f), t, device=dev)
-        v = model.forward_block(x, tt, state, commit=False)
-        sigma = t / 1000.0
+    steps = steps.to(dev)
+    for i in range(steps.shape[0]):
+        t = steps[i]  # (B,)
+        v = forward(x, t[:, None].expand(b, f), False)
+        sigma = (t / 1000.0).view(b, 1, 1, 1, 1)
         x0 = x - sigma * v
-        if i + 1 < len(timesteps):
-            s_next = timesteps[i + 1] / 1000.0
+        if i + 1 < steps.shape[0]:
+            s_next = (steps[i + 1] / 1000.0).view(b, 1, 1, 1, 1)
             x = (1.0 - s_next) * x0 + s_next * renoise[i].to(dev, torch.float32)
-    model.forward_block(x0, torch.full((b, f), context_t, device=dev), state, commit=True)
+    forward(x0, torch.full((b, f), context_t, device=dev), True)
     return x0

@@ -336,6 +336,35 @@ class WanVAEDecoder(nn.Module):
         z = z.to(w.dtype).contiguous(memory_format=layout(z))
         return unframes(conv2d(frames(z), w[:, :, 0], self.conv2.bias), z.shape[0])
 
+    @torch.no_grad()
+    def decode_sessions(
+        self,
+        z: torch.Tensor,
+        states: list[VAEState],
+        plan: DecodePlan | None = None,
+        rank: int = 0,
+        halo: Halo | None = None,
+        shard_front: bool = False,
+    ) -> torch.Tensor:
+        """`decode_rows` for several sessions in one call: row i of z is a block of the session
+        whose temporal cache is `states[i]`. Their caches are stacked along the batch for the
+        call and handed back each its own row after, so each result equals its session decoded
+        alone. All must be at the same phase of a shot (all at its first block, or none): the
+        first latent frame of a shot decodes to 1 frame, later ones to 4."""
+        if len(states) != z.shape[0]:
+            raise ValueError(f"{z.shape[0]} blocks for {len(states)} sessions")
+        if len({st.latent_frames == 0 for st in states}) > 1:
+            raise ValueError("sessions at a shot's first block and later ones cannot decode together")
+        merged = VAEState(
+            [None if c is None else torch.cat([st.cache[i] for st in states]) for i, c in enumerate(states[0].cache)],
+            states[0].latent_frames,
+        )
+        out = self.decode_rows(z, merged, plan, rank, halo, shard_front)
+        for i, st in enumerate(states):
+            st.cache = [None if c is None else c[i : i + 1] for c in merged.cache]
+            st.latent_frames += z.shape[2]
+        return out
+
     def decode(self, z: torch.Tensor, state: VAEState) -> torch.Tensor:
         """z: (B, z_dim, T, h, w) normalised latents of one block -> (B, 3, T_out, 8h, 8w) in [-1, 1]."""
         return self.decode_rows(z, state)
