@@ -86,6 +86,7 @@ class PipelineConfig:
     collective_timeout_s: float = 120.0  # torch.distributed timeout inside a VAE group
     restart_workers: bool = True  # restart a worker (group) that died
     restart_backoff_reset_s: float = 300.0  # a worker up this long restarts without back-off when it next dies
+    max_batch: int = 4  # DiT: queued blocks of up to this many sessions run in one forward (1: no batching)
     vae_cpu_working_set_bytes: int = 48 * 2**20  # cpu: full-resolution activations per decode call (cache-sized)
 
 
@@ -277,6 +278,7 @@ def validate(cfg: Config) -> None:
     _check(p.max_blocks_in_flight >= 1, "pipeline.max_blocks_in_flight", "must be >= 1", p.max_blocks_in_flight)
     _check(p.latent_slots >= 2, "pipeline.latent_slots", "must be >= 2", p.latent_slots)
     _check(p.frame_slots >= 2, "pipeline.frame_slots", "must be >= 2", p.frame_slots)
+    _check(1 <= p.max_batch <= 64, "pipeline.max_batch", "must be 1-64", p.max_batch)
     _check(
         p.vae_cpu_working_set_bytes >= 4096,
         "pipeline.vae_cpu_working_set_bytes",

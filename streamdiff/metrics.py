@@ -47,6 +47,12 @@ class Metrics:
             "streamdiff_stalls", "Fragments that arrived after real-time playback would have needed them", registry=r
         )
         self.stall_seconds = Counter("streamdiff_stall_seconds", "Playback time lost to stalls", registry=r)
+        self.dit_batched_blocks = Counter(
+            "streamdiff_dit_batched_blocks",
+            "DiT blocks computed, by how many ran in one forward",
+            ["batch"],
+            registry=r,
+        )
         self.sessions = Counter("streamdiff_sessions", "Sessions that ended, by outcome", ["outcome"], registry=r)
         self.requests = Counter("streamdiff_http_requests", "HTTP requests by status class", ["status"], registry=r)
 

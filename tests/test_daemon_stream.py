@@ -12,7 +12,7 @@ import time
 import httpx
 import pytest
 
-from .helpers import Daemon, decode, ffprobe, fragments, stream_video
+from .helpers import Daemon, assert_same_video, decode, ffprobe, fragments, stream_video
 
 STORYBOARD = {
     "scenes": [
@@ -145,6 +145,37 @@ def test_two_concurrent_streams_complete(daemon):
     check_video(results["b"], 33, 192, 112, 16)
     # Each equals the same request made alone: sessions interleaved without interfering.
     assert stream_video(daemon.url, bodies["b"])[0] == results["b"]
+
+
+def test_concurrent_streams_of_one_size_batch_and_equal_themselves_alone(daemon):
+    """Three streams of one size at once: the DiT runs their blocks in shared forwards (the
+    metrics count blocks by batch size), and each stream equals the same request alone."""
+    before = dit_batch_counts(daemon)
+    bodies = [{"prompt": f"scene {i}", "num_frames": 81, "size": "128x64", "seed": 50 + i} for i in range(3)]
+    results = {}
+    threads = [
+        threading.Thread(target=lambda i=i, b=b: results.__setitem__(i, stream_video(daemon.url, b)[0]))
+        for i, b in enumerate(bodies)
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    after = dit_batch_counts(daemon)
+    batched = sum(after.get(k, 0) - before.get(k, 0) for k in after if k > 1)
+    assert batched > 0, (before, after)
+    for i, body in enumerate(bodies):
+        check_video(results[i], 81, 128, 64, 16)
+        assert_same_video(results[i], stream_video(daemon.url, body)[0])
+
+
+def dit_batch_counts(d: Daemon) -> dict[int, float]:
+    """Blocks the DiT computed, by the size of the batch they were in (from /metrics)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(d.url + "/metrics").text
+    fam = next(f for f in text_string_to_metric_families(text) if f.name == "streamdiff_dit_batched_blocks")
+    return {int(s.labels["batch"]): s.value for s in fam.samples if s.name.endswith("_total")}
 
 
 def idle(d: Daemon, timeout_s: float = 30) -> dict:

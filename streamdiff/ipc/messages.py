@@ -93,8 +93,9 @@ class LatentDone(Message, tag="latent"):
     block: int
     slot: int
     shape: list[int]
-    compute_ms: float
+    compute_ms: float  # this block's share of its batch's time
     skipped: bool = False  # the session was cancelled: nothing was written
+    batch: int = 1  # blocks computed together in that forward
 
 
 class FramesDone(Message, tag="frames"):

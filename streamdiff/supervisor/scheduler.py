@@ -285,6 +285,7 @@ class Scheduler:
         else:
             self.stage_ms["dit"] += msg.compute_ms
             self.metrics.stage_seconds.labels("dit").observe(msg.compute_ms / 1000)
+            self.metrics.dit_batched_blocks.labels(str(msg.batch)).inc()
             sess.dit_ms.append(msg.compute_ms)
             self.decode_wait.append((sess, msg.block, msg.slot, msg.shape))
         self.pump()

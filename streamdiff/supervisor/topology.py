@@ -100,6 +100,7 @@ def build_topology(cfg: Config, control_addr: str, latent_ring: RingSpec, frame_
             heartbeat_interval_s=p.heartbeat_interval_s,
             log_level=cfg.server.log_level,
             vae_working_set_bytes=p.vae_cpu_working_set_bytes,
+            max_batch=p.max_batch,
             faults=faults,
         )
         for i in sorted(roles)

@@ -171,13 +171,36 @@ class Worker:
                 for stage in self.stages.values():
                     stage.open(msg)
             elif isinstance(msg, m.GenerateBlock):
-                self.send(self.stages["dit"].generate(msg, msg.session in self.closed))
+                batch = [msg, *self._take(msg, lambda other: self.stages["dit"].batchable(msg, other))]
+                replies, refusals = self.stages["dit"].generate(batch, self.closed)
+                for reply in replies:
+                    self.send(reply)
+                for refused, exc in refusals:
+                    self._failed(refused, exc)
             elif isinstance(msg, m.DecodeBlock):
                 self.send(self.stages["vae"].decode(msg, msg.session in self.closed))
         except Exception as exc:
             self._failed(msg, exc)
         finally:
             self.busy_since = 0.0
+
+    def _take(self, head: m.Message, fits) -> list[m.Message]:
+        """Queued block messages of other sessions that `fits` accepts, up to the batch limit,
+        in queue order: each session's earliest queued message, one per session, so no message
+        overtakes an earlier one of its session. They run with `head`."""
+        taken, sessions = [], {head.session}
+        for queued in list(self.pending):
+            if len(taken) + 1 >= self.spec.max_batch:
+                break
+            session = getattr(queued, "session", None)
+            if session in sessions or not fits(queued):
+                if session is not None:
+                    sessions.add(session)  # a later block of this session must not overtake it
+                continue
+            self.pending.remove(queued)
+            taken.append(queued)
+            sessions.add(session)
+        return taken
 
     def _failed(self, msg: m.Message, exc: Exception) -> None:
         session, block = getattr(msg, "session", None), getattr(msg, "block", None)

@@ -107,19 +107,53 @@ class DiTStage:
         if np.prod(shape) * 4 > self.ring.spec.slot_bytes:
             raise RequestError(f"a latent block of shape {shape} does not fit a ring slot")
 
-    def generate(self, msg: m.GenerateBlock, cancelled: bool) -> m.LatentDone:
-        sess = self.sessions.get(msg.session)
-        if cancelled or sess is None:
-            return m.LatentDone(msg.session, msg.block, msg.slot, [], 0.0, skipped=True)
-        self.check(msg, sess)
+    def batchable(self, head: m.GenerateBlock, other: m.Message) -> bool:
+        """Whether `other` can join `head`'s forward: another session's block of the same
+        latent size and frame count (one block per session per batch; each keeps its order)."""
+        a, b = self.sessions.get(head.session), self.sessions.get(getattr(other, "session", ""))
+        return (
+            isinstance(other, m.GenerateBlock)
+            and a is not None
+            and b is not None
+            and other.frames == head.frames
+            and a.latent_hw == b.latent_hw
+        )
+
+    def generate(self, msgs: list[m.GenerateBlock], closed: set[str]) -> tuple[list, list]:
+        """The next block of each message's session, all in one batched forward where their step
+        lists agree (several sessions' blocks cost less per block than one at a time).
+        Returns (replies, refusals): LatentDone per block run or skipped, (message, RequestError)
+        per block refused at its check. Any other error propagates: the worker's own."""
+        replies, refusals, run = [], [], []
+        for msg in msgs:
+            sess = self.sessions.get(msg.session)
+            if msg.session in closed or sess is None:
+                replies.append(m.LatentDone(msg.session, msg.block, msg.slot, [], 0.0, skipped=True))
+                continue
+            try:
+                self.check(msg, sess)
+            except RequestError as exc:
+                refusals.append((msg, exc))
+                continue
+            run.append((msg, sess))
         t0 = time.perf_counter()
-        self.faults.hit("compute", self.seeds.get(msg.session))
-        if msg.prompt is not None:
-            self.engine.set_scene(sess, msg.prompt, cut=msg.cut, seed=msg.seed)
-        latent = self.engine.generate_block(sess, msg.frames)[0]  # (C, f, h, w) float32, CPU
-        self.ring.array(msg.slot, latent.shape, np.float32)[...] = latent.numpy()
-        ms = 1000 * (time.perf_counter() - t0)
-        return m.LatentDone(msg.session, msg.block, msg.slot, list(latent.shape), ms)
+        for msg, sess in run:
+            self.faults.hit("compute", self.seeds.get(msg.session))
+            if msg.prompt is not None:
+                self.engine.set_scene(sess, msg.prompt, cut=msg.cut, seed=msg.seed)
+        groups: dict[int, list] = {}  # sessions denoise together when their step lists have one length
+        for msg, sess in run:
+            groups.setdefault(len(self.engine.steps_of(sess)), []).append((msg, sess))
+        latents = {}
+        for group in groups.values():
+            outs = self.engine.generate_blocks([sess for _, sess in group], group[0][0].frames)
+            latents.update({msg.session: out[0] for (msg, _), out in zip(group, outs, strict=True)})
+        ms = 1000 * (time.perf_counter() - t0) / max(1, len(run))  # each block's share
+        for msg, _ in run:
+            latent = latents[msg.session]  # (C, f, h, w) float32, CPU
+            self.ring.array(msg.slot, latent.shape, np.float32)[...] = latent.numpy()
+            replies.append(m.LatentDone(msg.session, msg.block, msg.slot, list(latent.shape), ms, batch=len(run)))
+        return replies, refusals
 
     def shutdown(self) -> None:
         self.ring.close()

@@ -360,9 +360,7 @@ class WanDiT(nn.Module):
         return self._forward(x, t, [state], commit)
 
     @torch.no_grad()
-    def forward_sessions(
-        self, x: torch.Tensor, t: torch.Tensor, states: list[DiTState], commit: bool
-    ) -> torch.Tensor:
+    def forward_sessions(self, x: torch.Tensor, t: torch.Tensor, states: list[DiTState], commit: bool) -> torch.Tensor:
         """`forward_block` for several sessions in one forward: x (S, C, f, H, W), row i the
         block of session `states[i]` (same latent size; any prompts, cache positions, windows);
         t (S, f). Equal to running each alone: only the projections and FFN are batched."""
