@@ -14,7 +14,7 @@ import time
 import httpx
 import pytest
 
-from ..helpers import Daemon, assert_same_video, stream_video
+from ..helpers import Daemon, assert_same_video, stream_video, wait_until
 from ..test_daemon_stream import check_video
 
 
@@ -69,15 +69,6 @@ def start_stream(url: str, body: dict, out: dict) -> threading.Thread:
     return t
 
 
-def wait_for(pred, timeout_s=60):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if pred():
-            return
-        time.sleep(0.02)
-    raise TimeoutError
-
-
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize(
     "layout,victim_role",
@@ -96,9 +87,9 @@ def test_killed_worker_fails_its_session_only(layout, victim_role):
         reference_b, _, _ = stream_video(d.url, body_b)
         a, b = {}, {}
         ta = start_stream(d.url, body_a, a)
-        wait_for(lambda: a.get("bytes", 0) > 0)
+        wait_until(lambda: a.get("bytes", 0) > 0)
         tb = start_stream(d.url, body_b, b)
-        wait_for(lambda: b.get("bytes", 0) > 0)
+        wait_until(lambda: b.get("bytes", 0) > 0)
         job_a = httpx.get(f"{d.url}/v1/videos/{a['id']}").json()
         job_b = httpx.get(f"{d.url}/v1/videos/{b['id']}").json()
         victim = job_a["workers"]["dit"] if victim_role == "dit" else job_a["workers"]["vae"][0]
@@ -133,7 +124,7 @@ def test_sigterm_drains_running_streams(tmp_path):
     workers = d.children()
     out = {}
     t = start_stream(d.url, {"prompt": "finish me", "num_frames": 97, "size": "128x64"}, out)
-    wait_for(lambda: out.get("bytes", 0) > 0)
+    wait_until(lambda: out.get("bytes", 0) > 0)
     d.proc.send_signal(signal.SIGTERM)
     time.sleep(0.3)
     r = httpx.post(d.url + "/v1/videos", json={"prompt": "too late", "num_frames": 5}, timeout=10)
@@ -146,7 +137,7 @@ def test_sigterm_drains_running_streams(tmp_path):
     assert d.segments() == []
     # Workers are joined before the supervisor exits; multiprocessing's resource tracker notices
     # its parent is gone a moment later.
-    wait_for(lambda: not any(alive(p) for p in workers), 10)
+    wait_until(lambda: not any(alive(p) for p in workers), 10)
 
 
 @pytest.mark.timeout(300)
@@ -156,7 +147,7 @@ def test_drain_deadline_cuts_long_streams(tmp_path):
     d = Daemon("--config", str(cfg))
     out = {}
     t = start_stream(d.url, {"prompt": "too long", "seconds": 120, "size": "128x64"}, out)
-    wait_for(lambda: out.get("bytes", 0) > 0)
+    wait_until(lambda: out.get("bytes", 0) > 0)
     t0 = time.monotonic()
     d.proc.send_signal(signal.SIGTERM)
     assert d.proc.wait(timeout=60) == 0
@@ -206,7 +197,7 @@ def test_supervisor_kill_then_restart_cleans_up():
     assert len(d.segments()) == 2
     d.proc.kill()  # SIGKILL to the supervisor only
     d.proc.wait()
-    wait_for(lambda: not any(alive(p) for p in workers), 30)  # workers die with their parent
+    wait_until(lambda: not any(alive(p) for p in workers), 30)  # workers die with their parent
     stale = [n for n in os.listdir("/dev/shm") if n.startswith(f"sd-{instance}-")]
     assert len(stale) == 2  # a SIGKILLed supervisor cannot clean up
     d2 = Daemon(instance=instance)  # the same instance name: sweeps what the dead one left
