@@ -86,6 +86,7 @@ class PipelineConfig:
     collective_timeout_s: float = 120.0  # torch.distributed timeout inside a VAE group
     restart_workers: bool = True  # restart a worker (group) that died
     restart_backoff_reset_s: float = 300.0  # a worker up this long restarts without back-off when it next dies
+    cpu_memory_budget_bytes: int = 8 * 2**30  # cpu: caches one worker's sessions may hold (devices: 90% of free)
     max_batch: int = 4  # DiT: queued blocks of up to this many sessions run in one forward (1: no batching)
     vae_cpu_working_set_bytes: int = 48 * 2**20  # cpu: full-resolution activations per decode call (cache-sized)
 
@@ -104,6 +105,10 @@ class EncoderConfig:
 class LimitsConfig:
     max_sessions: int = 4  # sessions generating at once; more wait in the queue
     max_queue: int = 16  # waiting sessions beyond which requests get 429
+    max_queue_wait_s: float = (
+        30.0  # a session predicted to start later than this gets 429 (Retry-After: the prediction)
+    )
+    target_utilization: float = 0.9  # admit while every stage's predicted busy share stays under this
     min_size: int = 64  # smallest width/height in pixels
     max_width: int = 832
     max_height: int = 480
@@ -311,6 +316,19 @@ def validate(cfg: Config) -> None:
     _check(e.encode_timeout_s > 0, "encoder.encode_timeout_s", "must be > 0", e.encode_timeout_s)
     _check(lim.max_sessions >= 1, "limits.max_sessions", "must be >= 1", lim.max_sessions)
     _check(lim.max_queue >= 0, "limits.max_queue", "must be >= 0", lim.max_queue)
+    _check(lim.max_queue_wait_s >= 0, "limits.max_queue_wait_s", "must be >= 0", lim.max_queue_wait_s)
+    _check(
+        0 < lim.target_utilization <= 1.5,
+        "limits.target_utilization",
+        "must be in (0, 1.5]",
+        lim.target_utilization,
+    )
+    _check(
+        p.cpu_memory_budget_bytes >= 2**20,
+        "pipeline.cpu_memory_budget_bytes",
+        "must be >= 1 MiB",
+        p.cpu_memory_budget_bytes,
+    )
     _check(
         16 <= lim.min_size <= min(lim.max_width, lim.max_height),
         "limits.min_size",

@@ -47,6 +47,13 @@ class Metrics:
             "streamdiff_stalls", "Fragments that arrived after real-time playback would have needed them", registry=r
         )
         self.stall_seconds = Counter("streamdiff_stall_seconds", "Playback time lost to stalls", registry=r)
+        self.block_cost_ratio = Histogram(
+            "streamdiff_block_cost_ratio",
+            "A block's measured compute time over the capacity model's prediction for it",
+            ["stage"],
+            buckets=(0.25, 0.5, 0.67, 0.8, 0.9, 1.0, 1.1, 1.25, 1.5, 2.0, 4.0),
+            registry=r,
+        )
         self.dit_batched_blocks = Counter(
             "streamdiff_dit_batched_blocks",
             "DiT blocks computed, by how many ran in one forward",

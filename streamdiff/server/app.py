@@ -8,6 +8,7 @@ import asyncio
 import hmac
 import json
 import logging
+import math
 from email.utils import formatdate
 from pathlib import Path
 
@@ -174,7 +175,7 @@ async def create_video(request: web.Request) -> web.StreamResponse:
             None,
             "rate_limit_exceeded",
             "rate_limit_error",
-            {"Retry-After": "10"},
+            {"Retry-After": str(max(1, math.ceil(exc.retry_after_s)))},
         ) from None
     jobs.add(job)
     log.info(

@@ -100,10 +100,10 @@ class Supervisor:
             p.restart_backoff_reset_s,
         )
         self.scheduler = Scheduler(
-            self.cfg, self.topology, self.latent_ring, self.frame_ring, self._send, self.pool.ready
+            self.cfg, self.topology, self.latent_ring, self.frame_ring, self._send, self.pool.ready, self.facts
         )
         self.pool.on_lost = self.scheduler.workers_lost
-        self.pool.on_worker_ready = lambda name: self.scheduler.pump()
+        self.pool.on_worker_ready = self._worker_ready
         self.pool.on_idle = self.scheduler.worker_idle
         self._tasks.append(asyncio.create_task(self._recv_loop(), name="control-recv"))
         self.pool.spawn_all()
@@ -124,6 +124,10 @@ class Supervisor:
             self.topology.vae_groups,
             self.cfg.topology.device,
         )
+
+    def _worker_ready(self, name: str) -> None:
+        self.scheduler.worker_info(name, self.pool.workers[name].info)
+        self.scheduler.pump()
 
     def _pin_self(self) -> None:
         """On the CPU, keep the supervisor (HTTP, encoding) off the VAE's cores: share the DiT

@@ -33,6 +33,7 @@ from ..ipc.shm import Ring, SlotPool
 from ..media.encoder import FragmentWriter, open_encoder
 from ..metrics import Metrics
 from ..plan import Block, Scene
+from .capacity import CapacityModel, Demand
 from .topology import Topology
 
 log = logging.getLogger("streamdiff.scheduler")
@@ -52,7 +53,9 @@ class SessionSink(Protocol):
 
 
 class QueueFull(Exception):
-    pass
+    def __init__(self, message: str, retry_after_s: float = 10.0) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
 
 
 @dataclass
@@ -92,6 +95,7 @@ class Session:
     started: float | None = None
     fragment_times: list[float] = field(default_factory=list)  # monotonic, one per block
     stall_s: float = 0.0  # playback delay accumulated so far (a player rebuffers, then continues)
+    demand: Demand | None = None  # what it asks of its units (the capacity model), once placed
     stalls: int = 0
     dit_ms: list[float] = field(default_factory=list)
     vae_ms: list[float] = field(default_factory=list)
@@ -119,8 +123,11 @@ class Scheduler:
         frame_ring: Ring,
         send: Callable[[str, m.Message], None],
         worker_ready: Callable[[str], bool],
+        facts: dict | None = None,
     ) -> None:
         self.cfg = cfg
+        self.facts = facts or {"spatial_factor": 8, "size_multiple": 16}
+        self.capacity = CapacityModel(cfg.limits.target_utilization)
         self.topology = topology
         self.latent_ring, self.frame_ring = latent_ring, frame_ring
         self.latent_pool = SlotPool(latent_ring.spec.slots)
@@ -141,28 +148,92 @@ class Scheduler:
         return [s for s in self.sessions.values() if s.state == RUNNING]
 
     def submit(self, sess: Session) -> None:
+        """Admit now, queue (when predicted to start within max_queue_wait_s), or QueueFull with
+        the predicted wait as Retry-After."""
+        lim = self.cfg.limits
         running = len(self.running)
-        if running >= self.cfg.limits.max_sessions and len(self.queue) >= self.cfg.limits.max_queue:
+        if running >= lim.max_sessions and len(self.queue) >= lim.max_queue:
             raise QueueFull(f"{running} sessions running and {len(self.queue)} queued")
+        wait = self.predicted_wait(sess)
+        if wait > 0 and (wait > lim.max_queue_wait_s or len(self.queue) >= lim.max_queue):
+            raise QueueFull(f"predicted to start in {wait:.0f}s beside the {running} running sessions", wait)
         self.sessions[sess.id] = sess
         self.queue.append(sess)
         self.pump()
 
-    def _place(self, sess: Session) -> bool:
-        ready_dit = [w for w in self.topology.dit_workers if self.worker_ready(w)]
-        ready_groups = [i for i, g in enumerate(self.topology.vae_groups) if all(self.worker_ready(w) for w in g)]
-        if not ready_dit or not ready_groups:
-            return False
-        load: dict[str, int] = {w: 0 for w in self.topology.dit_workers}
-        gload = [0] * len(self.topology.vae_groups)
+    # -- the capacity model ---------------------------------------------------------------------
+    def worker_info(self, name: str, info: dict) -> None:
+        """A worker's READY: its calibration block and memory facts seed the capacity model."""
+        if "dit_cost" in info:
+            self.capacity.calibrate(name, info["dit_cost"]["size"], info["dit_cost"]["block_ms"], info["dit_memory"])
+        if "vae_cost" in info and info.get("vae_rank") == 0:
+            unit = self._group_unit(next(i for i, g in enumerate(self.topology.vae_groups) if name in g))
+            self.capacity.calibrate(unit, info["vae_cost"]["size"], info["vae_cost"]["block_ms"], info["vae_memory"])
+
+    @staticmethod
+    def _group_unit(group: int) -> str:
+        return f"vae-group-{group}"
+
+    def _demand(self, sess: Session, dit: str, group: int) -> Demand:
+        f = self.facts
+        block_s = max(b.frames_out for b in sess.blocks) / sess.fps
+        mult, sf = f.get("size_multiple", 16), f["spatial_factor"]
+        return self.capacity.demand(
+            {"dit": dit, "vae": self._group_unit(group)},
+            (sess.width, sess.height),
+            block_s,
+            (sess.height // sf, sess.width // sf),
+            (sess.height // mult) * (sess.width // mult),
+            len(self.topology.vae_groups[group]),
+        )
+
+    def _candidate(self, sess: Session, ready_only: bool = True) -> tuple[str, int] | None:
+        """The DiT worker and VAE group a session would go to: the least busy by predicted share
+        (an aggregated worker's session decodes in its own process)."""
+        dits = [w for w in self.topology.dit_workers if not ready_only or self.worker_ready(w)]
+        groups = [
+            i for i, g in enumerate(self.topology.vae_groups) if not ready_only or all(self.worker_ready(w) for w in g)
+        ]
+        if not dits or not groups:
+            return None
+        share, _ = self.capacity.load([s.demand for s in self.running if s.demand is not None])
+        count: dict[str, int] = {}
         for s in self.running:
-            load[s.dit] += 1
-            gload[s.group] += 1
-        dit = min(ready_dit, key=lambda w: (load[w], w))
-        colocated = [i for i in ready_groups if dit in self.topology.vae_groups[i]]
-        group = colocated[0] if colocated else min(ready_groups, key=lambda i: (gload[i], i))
-        sess.dit, sess.group = dit, group
-        sess.vae_workers = list(self.topology.vae_groups[group])
+            count[s.dit] = count.get(s.dit, 0) + 1
+            count[self._group_unit(s.group)] = count.get(self._group_unit(s.group), 0) + 1
+
+        def busy(unit: str) -> tuple[float, int, str]:
+            return (share.get(unit, 0.0), count.get(unit, 0), unit)
+
+        dit = min(dits, key=busy)
+        colocated = [i for i in groups if dit in self.topology.vae_groups[i]]
+        group = colocated[0] if colocated else min(groups, key=lambda i: busy(self._group_unit(i)))
+        return dit, group
+
+    def predicted_wait(self, sess: Session) -> float:
+        """Seconds until `sess` would be admitted (0: now), replaying the running sessions' ends
+        at real-time pace and the queue ahead."""
+        cand = self._candidate(sess, ready_only=False)
+        if cand is None:
+            return 0.0  # nothing to go by: the count limits decide
+        new = self._demand(sess, *cand)
+        running = [
+            (sum(b.emit for b in s.blocks[s.encoded :]) / s.fps, s.demand) for s in self.running if s.demand is not None
+        ]
+        ahead = [(q.frames / q.fps, self._demand(q, *cand)) for q in self.queue]
+        return self.capacity.predicted_start(new, running, ahead)
+
+    def _place(self, sess: Session) -> bool:
+        """Place the session if a ready pipeline has room for it (capacity and memory)."""
+        cand = self._candidate(sess)
+        if cand is None:
+            return False
+        demand = self._demand(sess, *cand)
+        if not self.capacity.fits(demand, [s.demand for s in self.running if s.demand is not None]):
+            return False
+        sess.dit, sess.group = cand
+        sess.vae_workers = list(self.topology.vae_groups[sess.group])
+        sess.demand = demand
         return True
 
     def _start(self, sess: Session) -> None:
@@ -285,10 +356,16 @@ class Scheduler:
         else:
             self.stage_ms["dit"] += msg.compute_ms
             self.metrics.stage_seconds.labels("dit").observe(msg.compute_ms / 1000)
+            self._observe_cost("dit", sess.dit, sess, msg.compute_ms)
             self.metrics.dit_batched_blocks.labels(str(msg.batch)).inc()
             sess.dit_ms.append(msg.compute_ms)
             self.decode_wait.append((sess, msg.block, msg.slot, msg.shape))
         self.pump()
+
+    def _observe_cost(self, stage: str, unit: str, sess: Session, ms: float) -> None:
+        predicted = self.capacity.observe(unit, (sess.width, sess.height), ms)
+        if predicted:
+            self.metrics.block_cost_ratio.labels(stage).observe(ms / predicted)
 
     def on_frames(self, msg: m.FramesDone) -> None:
         sess = self.sessions.get(msg.session)
@@ -301,6 +378,7 @@ class Scheduler:
         if not msg.skipped and msg.rank == 0:
             self.stage_ms["vae"] += msg.compute_ms
             self.metrics.stage_seconds.labels("vae").observe(msg.compute_ms / 1000)
+            self._observe_cost("vae", self._group_unit(sess.group), sess, msg.compute_ms)
             sess.vae_ms.append(msg.compute_ms)
         if len(work.reported) < len(self.topology.vae_groups[sess.group]):
             return

@@ -101,6 +101,7 @@ def build_topology(cfg: Config, control_addr: str, latent_ring: RingSpec, frame_
             log_level=cfg.server.log_level,
             vae_working_set_bytes=p.vae_cpu_working_set_bytes,
             max_batch=p.max_batch,
+            cpu_memory_budget_bytes=p.cpu_memory_budget_bytes,
             faults=faults,
         )
         for i in sorted(roles)

@@ -33,6 +33,25 @@ def _select_device(device: str) -> None:
         torch.xpu.set_device(dev)
 
 
+def memory_budget_bytes(device: str, cpu_budget: int) -> int:
+    """What this worker's sessions may hold: 90% of the device memory still free after the
+    model loaded, or on the CPU the configured budget."""
+    t = torch.device(device).type
+    if t == "cuda":
+        return int(0.9 * torch.cuda.mem_get_info(torch.device(device))[0])
+    if t == "xpu" and hasattr(torch.xpu, "mem_get_info"):
+        return int(0.9 * torch.xpu.mem_get_info(torch.device(device))[0])
+    return cpu_budget
+
+
+def _timed(device: str, fn) -> float:
+    _sync(device)
+    t0 = time.perf_counter()
+    fn()
+    _sync(device)
+    return 1000 * (time.perf_counter() - t0)
+
+
 def _sync(device: str) -> None:
     t = torch.device(device).type
     if t == "cuda":
@@ -67,6 +86,8 @@ class DiTStage:
         self.sessions: dict = {}
         self.seeds: dict[str, int] = {}
         self.next_block: dict[str, int] = {}  # session -> the block index due next
+        self.cpu_budget = spec.cpu_memory_budget_bytes
+        self.calibration = self.calibrate()
 
     def info(self) -> dict:
         p = self.engine.preset
@@ -81,6 +102,29 @@ class DiTStage:
             "default_size": list(p.default_size),
             "max_shot_latent_frames": p.dit.rope_max_positions,
             "embedded_weights": p.embedded,
+            **self.calibration,
+        }
+
+    def calibrate(self) -> dict:
+        """One steady-state block at the preset's default size, timed (the admission model's
+        first estimate, refined by every block after), and what a session holds in memory."""
+        p, w, h = self.engine.preset, *self.engine.preset.default_size
+        sess = self.engine.open_session(w, h, seed=0)
+        self.engine.set_scene(sess, "calibration", cut=True)
+        self.engine.generate_block(sess, p.sampler.frames_per_block)  # the first block has its own steps
+        ms = _timed(self.device, lambda: self.engine.generate_block(sess, p.sampler.frames_per_block))
+        kv = sess.state.kv
+        tokens = kv.k[0].shape[2]  # window * tokens per frame
+        per_token = sum(t.numel() * t.element_size() for t in (*kv.k, *kv.v)) // tokens
+        cross = sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in sess.state.cross)
+        return {
+            "dit_cost": {"block_ms": ms, "size": [w, h]},
+            "dit_memory": {
+                "kv_bytes_per_token": per_token,  # every layer's keys and values
+                "window_frames": kv.window,
+                "cross_bytes": cross,
+                "budget_bytes": memory_budget_bytes(self.device, self.cpu_budget),
+            },
         }
 
     def open(self, msg: m.OpenSession) -> None:
@@ -180,6 +224,8 @@ class VAEStage:
         self.sessions: dict = {}
         self.seeds: dict[str, int] = {}
         self.next_block: dict[str, int] = {}  # session -> the block index due next
+        self.cpu_budget = spec.cpu_memory_budget_bytes
+        self.calibration = self.calibrate()
 
     def info(self) -> dict:
         p = self.engine.preset
@@ -188,6 +234,34 @@ class VAEStage:
             "vae_world": self.world,
             "spatial_factor": p.vae.spatial_factor,
             "temporal_factor": p.vae.temporal_factor,
+            **self.calibration,
+        }
+
+    def calibrate(self) -> dict:
+        """One steady-state block at the preset's default size, decoded by the whole group
+        (every shard runs it: the same collectives), timed; and the temporal cache it leaves,
+        per latent pixel of this shard's share, for the memory side of admission."""
+        p = self.engine.preset
+        w, h = p.default_size
+        sf, fpb = p.vae.spatial_factor, p.sampler.frames_per_block
+        state = self.engine.open_session()
+        halo_for = (lambda plan: ExchangeHalo(self.rank, list(plan.bands))) if self.world > 1 else (lambda plan: None)
+        g = torch.Generator().manual_seed(0)
+        for i, f in enumerate((1, fpb)):
+            z = torch.randn(1, p.dit.in_channels, f, h // sf, w // sf, generator=g)
+            plan = self.engine.plan(tuple(z.shape[1:]), self.world)
+
+            def run(z=z, plan=plan):
+                return self.engine.decode_block(state, z, plan, self.rank, halo_for(plan), self.shard_front)
+
+            ms = _timed(self.device, run) if i else (run(), 0.0)[1]
+        cache = sum(c.numel() * c.element_size() for c in state.cache if c is not None)
+        return {
+            "vae_cost": {"block_ms": ms, "size": [w, h]},
+            "vae_memory": {
+                "cache_bytes_per_latent_pixel": cache / ((h // sf) * (w // sf)),
+                "budget_bytes": memory_budget_bytes(self.device, self.cpu_budget),
+            },
         }
 
     def open(self, msg: m.OpenSession) -> None:

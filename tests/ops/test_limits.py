@@ -19,7 +19,10 @@ def daemon_with(tmp_path, text: str, **kw) -> Daemon:
 
 @pytest.mark.timeout(300)
 def test_admission_queue_and_429(tmp_path):
-    d = daemon_with(tmp_path, "[limits]\nmax_sessions = 1\nmax_queue = 1\n")
+    # The count limits alone (the capacity model told to admit anything that waits < 10 min).
+    d = daemon_with(
+        tmp_path, "[limits]\nmax_sessions = 1\nmax_queue = 1\ntarget_utilization = 1.5\nmax_queue_wait_s = 600\n"
+    )
     try:
         body = {"prompt": "long", "seconds": 60, "size": "128x64"}
         a = httpx.post(d.url + "/v1/videos", json=body).json()
@@ -119,3 +122,36 @@ def test_missing_keys_file_is_a_config_error(tmp_path):
         [sys.executable, "-m", "streamdiff.cli", "--config", str(cfg)], capture_output=True, text=True, timeout=60
     )
     assert r.returncode == 2 and "server.api_keys_file" in r.stderr
+
+
+@pytest.mark.timeout(300)
+def test_admission_from_the_capacity_model(tmp_path):
+    """A target utilisation so low that one session fills its pipeline: the next request is
+    predicted to start when the running one ends (its remaining length, streamed in real time):
+    with that beyond max_queue_wait_s it gets 429 with the prediction as Retry-After; within it,
+    it waits in the queue and starts when the first ends."""
+    d = daemon_with(tmp_path, "[limits]\ntarget_utilization = 0.01\nmax_queue_wait_s = 1\n")
+    try:
+        body = {"prompt": "long", "seconds": 20, "size": "128x64"}
+        a = httpx.post(d.url + "/v1/videos", json=body).json()
+        b = httpx.post(d.url + "/v1/videos", json=body)
+        assert b.status_code == 429 and 10 <= int(b.headers["retry-after"]) <= 21, b.headers
+        assert "predicted to start" in b.json()["error"]["message"]
+        httpx.delete(f"{d.url}/v1/videos/{a['id']}")
+    finally:
+        d.stop()
+    d = daemon_with(tmp_path, "[limits]\ntarget_utilization = 0.01\nmax_queue_wait_s = 60\n")
+    try:
+        a = httpx.post(d.url + "/v1/videos", json=body).json()
+        b = httpx.post(d.url + "/v1/videos", json=body).json()
+        time.sleep(0.5)
+        assert httpx.get(f"{d.url}/v1/videos/{b['id']}").json()["status"] == "queued"
+        httpx.delete(f"{d.url}/v1/videos/{a['id']}")
+        deadline = time.monotonic() + 30
+        while httpx.get(f"{d.url}/v1/videos/{b['id']}").json()["status"] == "queued":
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        assert "streamdiff_block_cost_ratio_bucket" in httpx.get(d.url + "/metrics").text
+        httpx.delete(f"{d.url}/v1/videos/{b['id']}")
+    finally:
+        d.stop()

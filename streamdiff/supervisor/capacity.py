@@ -1,0 +1,131 @@
+"""Admission from a capacity model (supervisor process; plain arithmetic, no I/O).
+
+A session plays in real time when each unit it runs on — its DiT worker and its VAE group —
+spends less time on a block than the block lasts on screen. Each unit's cost per block is
+measured: one calibration block at the preset's default size when the worker starts (READY),
+then every block's reported compute time (an exponential average per unit and size; DiT blocks
+computed in a shared forward report their share, so batching shows up as it happens). A size
+never seen yet is estimated from the nearest measured one, scaled by pixels.
+
+Admitting a session adds its demand — block cost / block duration — to its units. It is admitted
+when every unit stays under `target_utilization` and the caches it will hold fit the unit's
+memory budget (the DiT's KV window and prompt cache, the VAE's temporal cache for its share of
+the rows). Otherwise `predicted_start` replays the running sessions' ends (each is expected to
+stream at real-time pace) to say when it would fit: the API queues it when that is within
+`max_queue_wait_s`, else answers 429 with that wait as Retry-After.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+EWMA = 0.3  # weight of the newest block in a unit's cost
+
+
+@dataclass
+class Demand:
+    """What one session asks of its units: busy share and bytes held, per unit."""
+
+    share: dict[str, float] = field(default_factory=dict)  # unit -> fraction of its time
+    memory: dict[str, float] = field(default_factory=dict)  # unit -> bytes
+
+
+class CapacityModel:
+    def __init__(self, target_utilization: float) -> None:
+        self.target = target_utilization
+        self.cost_ms: dict[tuple[str, tuple[int, int]], float] = {}  # (unit, (w, h)) -> ms per block
+        self.memory: dict[str, dict] = {}  # unit -> what its worker said it holds per session
+        self.predicted_ms: dict[str, float] = {}  # stage -> last prediction, for /metrics
+
+    # -- what the workers tell ----------------------------------------------------------------
+    def calibrate(self, unit: str, size: list[int], block_ms: float, memory: dict | None) -> None:
+        self.cost_ms.setdefault((unit, (size[0], size[1])), block_ms)
+        if memory:
+            self.memory[unit] = memory
+
+    def observe(self, unit: str, size: tuple[int, int], block_ms: float) -> float | None:
+        """A block's measured time; returns what the model had predicted for it."""
+        predicted = self.block_ms(unit, size)
+        key = (unit, size)
+        old = self.cost_ms.get(key)
+        self.cost_ms[key] = block_ms if old is None else (1 - EWMA) * old + EWMA * block_ms
+        return predicted
+
+    def block_ms(self, unit: str, size: tuple[int, int]) -> float | None:
+        """Measured cost at this size, else the nearest measured size of the unit scaled by
+        pixels; None when the unit has reported nothing."""
+        if (unit, size) in self.cost_ms:
+            return self.cost_ms[(unit, size)]
+        known = [(s, ms) for (u, s), ms in self.cost_ms.items() if u == unit]
+        if not known:
+            return None
+        px = size[0] * size[1]
+        s, ms = min(known, key=lambda item: abs(math.log(item[0][0] * item[0][1] / px)))
+        return ms * px / (s[0] * s[1])
+
+    # -- sessions -------------------------------------------------------------------------------
+    def demand(self, units: dict[str, str], size: tuple[int, int], block_s: float, latent_hw, tokens: int, k: int):
+        """units: stage -> unit name; block_s: one block's duration on screen; tokens: the DiT's
+        tokens per latent frame; k: shards of the VAE group."""
+        d = Demand()
+        for stage, unit in units.items():
+            ms = self.block_ms(unit, size)
+            if ms is not None:
+                d.share[unit] = ms / 1000 / block_s
+            mem = self.memory.get(unit)
+            if mem is None:
+                continue
+            if stage == "dit":
+                d.memory[unit] = mem["kv_bytes_per_token"] * mem["window_frames"] * tokens + mem["cross_bytes"]
+            else:  # each shard holds about its share of the rows (the calibration measured one shard)
+                d.memory[unit] = mem["cache_bytes_per_latent_pixel"] * latent_hw[0] * latent_hw[1]
+        return d
+
+    def load(self, running: list[Demand]) -> tuple[dict[str, float], dict[str, float]]:
+        share: dict[str, float] = {}
+        memory: dict[str, float] = {}
+        for d in running:
+            for u, x in d.share.items():
+                share[u] = share.get(u, 0.0) + x
+            for u, x in d.memory.items():
+                memory[u] = memory.get(u, 0.0) + x
+        return share, memory
+
+    def fits(self, new: Demand, running: list[Demand]) -> bool:
+        """Whether `new` can join `running` on its units. A unit with nothing running takes any
+        session: one that cannot stream in real time even alone still gets made, just not
+        beside others (a job that is not watched live does not need real time)."""
+        mine = set(new.share) | set(new.memory)
+        running = [d for d in running if mine & (set(d.share) | set(d.memory))]
+        if not running:
+            return True
+        share, memory = self.load(running)
+        if any(share.get(u, 0.0) + x > self.target for u, x in new.share.items()):
+            return False
+        return all(
+            memory.get(u, 0.0) + x <= self.memory[u]["budget_bytes"] for u, x in new.memory.items() if u in self.memory
+        )
+
+    def predicted_start(
+        self, new: Demand, running: list[tuple[float, Demand]], ahead: list[tuple[float, Demand]]
+    ) -> float:
+        """Seconds from now until `new` fits, given running sessions (seconds left, demand) and
+        sessions queued ahead of it (their length, demand), each streaming at real-time pace."""
+        ends = sorted(running, key=lambda r: r[0])
+        now, active = 0.0, [d for _, d in ends]
+        pending = [*ahead, (0.0, new)]
+        while pending:
+            length, d = pending[0]
+            if self.fits(d, active):
+                pending.pop(0)
+                if not pending:
+                    return now
+                active.append(d)
+                ends.append((now + length, d))
+                ends.sort(key=lambda r: r[0])
+                continue
+            t, done = ends.pop(0)  # an empty unit takes anything, so this never runs dry
+            now = max(now, t)
+            active.remove(done)
+        return now

@@ -1,0 +1,60 @@
+"""The admission arithmetic (supervisor/capacity.py), driven directly: shares from measured
+block costs, sizes estimated by pixels, memory budgets, and the predicted start of a session
+that does not fit now."""
+
+from __future__ import annotations
+
+import pytest
+
+from streamdiff.supervisor.capacity import CapacityModel, Demand
+
+DIT_MEM = {"kv_bytes_per_token": 1000, "window_frames": 12, "cross_bytes": 5000, "budget_bytes": 10**9}
+VAE_MEM = {"cache_bytes_per_latent_pixel": 2000.0, "budget_bytes": 10**9}
+
+
+def model(target=0.9, dit_ms=200.0, vae_ms=300.0) -> CapacityModel:
+    c = CapacityModel(target)
+    c.calibrate("dit0", [256, 144], dit_ms, DIT_MEM)
+    c.calibrate("vae-group-0", [256, 144], vae_ms, VAE_MEM)
+    return c
+
+
+def demand(c: CapacityModel, size=(256, 144), block_s=0.75) -> Demand:
+    return c.demand({"dit": "dit0", "vae": "vae-group-0"}, size, block_s, (size[1] // 8, size[0] // 8), 144, 1)
+
+
+def test_shares_and_memory_of_a_session():
+    c = model()
+    d = demand(c)
+    assert d.share == pytest.approx({"dit0": 0.2 / 0.75, "vae-group-0": 0.3 / 0.75})
+    assert d.memory["dit0"] == 1000 * 12 * 144 + 5000
+    assert d.memory["vae-group-0"] == 2000.0 * 18 * 32
+    # A size never measured: the nearest measured one, scaled by pixels (4x the pixels, 4x the cost).
+    assert c.block_ms("vae-group-0", (512, 288)) == pytest.approx(1200.0)
+    # Measured blocks move the estimate (an exponential average) and report what was predicted.
+    assert c.observe("vae-group-0", (256, 144), 400.0) == pytest.approx(300.0)
+    assert c.block_ms("vae-group-0", (256, 144)) == pytest.approx(0.7 * 300 + 0.3 * 400)
+
+
+def test_admission_stops_at_the_target_and_an_idle_unit_takes_anything():
+    c = model()  # VAE share 0.4 per session: two fit under 0.9, a third does not
+    one, two, three = demand(c), demand(c), demand(c)
+    assert c.fits(one, []) and c.fits(two, [one]) and not c.fits(three, [one, two])
+    heavy = demand(c, block_s=0.1)  # 3x real time: cannot stream live even alone
+    assert c.fits(heavy, []) and not c.fits(heavy, [one])
+
+
+def test_memory_budget_limits_admission_too():
+    c = model()
+    c.memory["vae-group-0"] = {**VAE_MEM, "budget_bytes": 2000.0 * 18 * 32 * 1.5}
+    small = demand(c, block_s=10.0)  # nearly no time share: only memory can refuse it
+    assert c.fits(small, []) and not c.fits(small, [small])
+
+
+def test_predicted_start_replays_the_running_sessions_ends():
+    c = model()
+    d = demand(c)
+    assert c.predicted_start(d, [(5.0, d)], []) == 0.0  # fits now
+    assert c.predicted_start(d, [(12.0, d), (7.0, d)], []) == 7.0  # when the first ends
+    # A session queued ahead takes the first free place; this one waits for the next end.
+    assert c.predicted_start(d, [(12.0, d), (7.0, d)], [(20.0, d)]) == 12.0
