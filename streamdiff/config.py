@@ -77,6 +77,7 @@ class TopologyConfig:
 @dataclass(frozen=True)
 class PipelineConfig:
     max_blocks_in_flight: int = 3  # per session: blocks generated but not yet delivered
+    startup_buffer_s: float = 0.5  # a player starts this long after its first fragment: deadlines count from there
     latent_slots: int = 8
     frame_slots: int = 6
     ready_timeout_s: float = 600.0  # workers must report READY within this
@@ -297,6 +298,7 @@ def validate(cfg: Config) -> None:
         "block_timeout_s",
         "collective_timeout_s",
         "restart_backoff_reset_s",
+        "startup_buffer_s",
     ):
         _check(getattr(p, k) > 0, f"pipeline.{k}", "must be > 0", getattr(p, k))
     _check(

@@ -285,10 +285,16 @@ class Scheduler:
 
     # -- the pump -----------------------------------------------------------------------------
     def pump(self) -> None:
-        """Hand out free slots: decodes first (they hold latent slots), then admissions, then
-        new blocks round-robin over the running sessions."""
+        """Hand out free slots, earliest playback deadline first: decodes (they hold latent
+        slots), then admissions, then new blocks. Work-conserving: a slot stays free only while
+        no session has a block it could run; a session far ahead of its player yields to one
+        that is behind (its next deadline is later)."""
         while self.decode_wait and self.frame_pool.free:
-            sess, block, lslot, shape = self.decode_wait.popleft()
+            # The waiting block due first; a session's own blocks come in order (their deadlines
+            # grow with the block), which its VAE's temporal cache needs.
+            i = min(range(len(self.decode_wait)), key=lambda k: self._deadline(*self.decode_wait[k][:2]))
+            sess, block, lslot, shape = self.decode_wait[i]
+            del self.decode_wait[i]
             if sess.state != RUNNING:
                 self.latent_pool.give(lslot)
                 self._maybe_forget(sess)
@@ -310,18 +316,24 @@ class Scheduler:
                 log.exception("session %s could not start", sess.id)
                 self._finish(sess, FAILED, f"could not start: {exc}")
         limit = self.cfg.pipeline.max_blocks_in_flight
-        progress = True
-        while progress and self.latent_pool.free:
-            progress = False
-            for sess in sorted(self.running, key=lambda s: (s.issued - s.delivered, s.created)):
-                if not self.latent_pool.free:
-                    break
-                if sess.issued >= len(sess.blocks) or sess.issued - sess.delivered >= limit:
-                    continue
-                if not self.worker_ready(sess.dit):
-                    continue
-                self._issue(sess)
-                progress = True
+        while self.latent_pool.free:
+            ready = [
+                s
+                for s in self.running
+                if s.issued < len(s.blocks) and s.issued - s.delivered < limit and self.worker_ready(s.dit)
+            ]
+            if not ready:
+                break
+            self._issue(min(ready, key=lambda s: (self._deadline(s, s.issued), s.created)))
+
+    def _deadline(self, sess: Session, block: int) -> float:
+        """When the session's player needs the block's first frame (monotonic seconds): its first
+        fragment's arrival + the start-up buffer + the stalls so far + the block's media time.
+        Before the first fragment, the clock starts at the request (the first block is due one
+        start-up buffer after it)."""
+        start = sess.fragment_times[0] if sess.fragment_times else sess.created
+        b = sess.blocks[min(block, len(sess.blocks) - 1)]
+        return start + self.cfg.pipeline.startup_buffer_s + sess.stall_s + b.start_frame / sess.fps
 
     def _issue(self, sess: Session) -> None:
         b = sess.blocks[sess.issued]
