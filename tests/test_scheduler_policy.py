@@ -88,7 +88,7 @@ def test_a_lost_block_message_is_reclaimed_once_its_worker_waits_idle():
     sched.pump()
     used = sched.latent_pool.used
     lost_at = sess.dit_sent[0]
-    sched.worker_idle("dit0", since=lost_at + 0.5)  # idle, but too soon after: not proof
+    sched.worker_idle("dit0", since=lost_at + 0.01)  # its wait began as they went out: not proof
     assert sess.state == RUNNING and sched.latent_pool.used == used == 3
     sched.worker_idle("dit0", since=lost_at + 5.0)  # waiting idle long after all three went out
     assert sess.state == "failed" and "lost" in sess.error

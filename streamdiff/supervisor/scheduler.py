@@ -39,9 +39,9 @@ from .topology import Topology
 log = logging.getLogger("streamdiff.scheduler")
 
 QUEUED, RUNNING, DONE, FAILED, CANCELLED = "queued", "running", "done", "failed", "cancelled"
-# A waiting worker wakes for a message within milliseconds: a block sent this long before a worker
-# started its current wait (nothing running, nothing queued) never reached it.
-LOST_AFTER_S = 1.0
+# A message on a local socket arrives within milliseconds: a block sent this long before a worker
+# began a wait (nothing running, nothing queued) that then lasted a second never reached it.
+LOST_AFTER_S = 0.05
 
 
 class SessionSink(Protocol):
@@ -526,6 +526,12 @@ class Scheduler:
             # for the block's (a VAE group's shards each send one).
             if msg.block in sess.at_dit and msg.worker == sess.dit:
                 self.latent_pool.give(sess.at_dit.pop(msg.block))
+                if msg.kind == "session":  # a gap: the earlier blocks it never got are lost (FIFO)
+                    for b in [b for b in sess.at_dit if b < msg.block]:
+                        log.error(
+                            "session %s: block %d never reached %s (a lost control message)", sess.id, b, msg.worker
+                        )
+                        self.latent_pool.give(sess.at_dit.pop(b))
             elif msg.block in sess.at_vae and msg.worker in sess.vae_workers:
                 work = sess.at_vae[msg.block]
                 work.reported.add(sess.vae_workers.index(msg.worker))

@@ -158,9 +158,10 @@ class WorkerPool:
         w = self.workers.get(msg.worker)
         if w is not None:
             w.last_heartbeat, w.busy_s = time.monotonic(), msg.busy_s
-            # Half a second of waiting: every reply it sent before has arrived (its own socket,
-            # loopback), so what it still owes us after that, it never received.
-            if msg.idle_s >= 0.5 and w.ready:
+            # A second of waiting: every reply it sent before has arrived (loopback), and a
+            # message sent before the wait began would have ended it: what it still owes us from
+            # before then, it never received.
+            if msg.idle_s >= 1.0 and w.ready:
                 self.on_idle(msg.worker, w.last_heartbeat - msg.idle_s)
 
     def handle_startup_failure(self, msg: m.Failed) -> None:

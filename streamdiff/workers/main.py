@@ -128,11 +128,13 @@ class Worker:
             if not self.pending:
                 # Waiting with nothing queued: what the heartbeat reports as idle. A message that
                 # arrives ends the wait at once, so a long wait proves none was sent meanwhile.
-                self.waiting_since = time.monotonic()
-                poller.poll(timeout=1000)
-                self.waiting_since = 0.0
+                # (A poll that times out goes on waiting: the wait is not restarted.)
+                self.waiting_since = self.waiting_since or time.monotonic()
+                if poller.poll(timeout=1000):
+                    self.waiting_since = 0.0
             self._drain()
             if self.pending:
+                self.waiting_since = 0.0
                 self.busy_since = time.monotonic()  # before the pop: never idle with a message in hand
                 self._handle(self.pending.popleft())
 
