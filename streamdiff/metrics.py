@@ -54,6 +54,9 @@ class Metrics:
             buckets=(0.25, 0.5, 0.67, 0.8, 0.9, 1.0, 1.1, 1.25, 1.5, 2.0, 4.0),
             registry=r,
         )
+        self.scheduler_seconds = Counter(
+            "streamdiff_scheduler_seconds", "Time the scheduler spent deciding (its handlers)", registry=r
+        )
         self.dit_batched_blocks = Counter(
             "streamdiff_dit_batched_blocks",
             "DiT blocks computed, by how many ran in one forward",

@@ -16,6 +16,7 @@ cancelled session's blocks are answered `skipped`), or after the pool reports th
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import time
@@ -50,6 +51,25 @@ class SessionSink(Protocol):
     def on_start(self, session: Session) -> None: ...
     def on_data(self, session: Session, data: bytes, block: Block | None) -> None: ...
     def on_end(self, session: Session, state: str, error: str | None, code: str | None = None) -> None: ...
+
+
+def scheduler_time(method):
+    """Count the time spent deciding (an entry point of the scheduler, not nested ones) in
+    streamdiff_scheduler_seconds: its overhead per block, against the blocks' own time."""
+
+    @functools.wraps(method)
+    def timed(self, *args, **kwargs):
+        if self._in_handler:
+            return method(self, *args, **kwargs)
+        self._in_handler = True
+        t0 = time.perf_counter()
+        try:
+            return method(self, *args, **kwargs)
+        finally:
+            self._in_handler = False
+            self.metrics.scheduler_seconds.inc(time.perf_counter() - t0)
+
+    return timed
 
 
 class QueueFull(Exception):
@@ -140,6 +160,7 @@ class Scheduler:
         self.stage_ms = {"dit": 0.0, "vae": 0.0, "encode": 0.0}  # summed compute time per stage
         self.metrics = Metrics()
         self.accepting = True
+        self._in_handler = False  # for scheduler_time: only the outermost entry point counts
         self.idle_since: dict[str, float] = {}  # worker -> since when it has waited with nothing to do
 
     # -- admission and placement ------------------------------------------------------------
@@ -147,6 +168,7 @@ class Scheduler:
     def running(self) -> list[Session]:
         return [s for s in self.sessions.values() if s.state == RUNNING]
 
+    @scheduler_time
     def submit(self, sess: Session) -> None:
         """Admit now, queue (when predicted to start within max_queue_wait_s), or QueueFull with
         the predicted wait as Retry-After."""
@@ -284,6 +306,7 @@ class Scheduler:
         return list(dict.fromkeys(names))  # an aggregated worker runs both stages: once
 
     # -- the pump -----------------------------------------------------------------------------
+    @scheduler_time
     def pump(self) -> None:
         """Hand out free slots, earliest playback deadline first: decodes (they hold latent
         slots), then admissions, then new blocks. Work-conserving: a slot stays free only while
@@ -357,6 +380,7 @@ class Scheduler:
         sess.issued += 1
 
     # -- replies ------------------------------------------------------------------------------
+    @scheduler_time
     def on_latent(self, msg: m.LatentDone) -> None:
         sess = self.sessions.get(msg.session)
         if sess is None or sess.at_dit.pop(msg.block, None) is None:
@@ -379,6 +403,7 @@ class Scheduler:
         if predicted:
             self.metrics.block_cost_ratio.labels(stage).observe(ms / predicted)
 
+    @scheduler_time
     def on_frames(self, msg: m.FramesDone) -> None:
         sess = self.sessions.get(msg.session)
         work = sess.at_vae.get(msg.block) if sess else None
@@ -478,6 +503,7 @@ class Scheduler:
         mt.fragments.inc()
         mt.frames.inc(b.emit)
 
+    @scheduler_time
     def acknowledge(self, session_id: str, blocks: int = 1) -> None:
         """The consumer took `blocks` more fragments: room for more blocks in flight."""
         sess = self.sessions.get(session_id)
@@ -485,6 +511,7 @@ class Scheduler:
             sess.delivered += blocks
             self.pump()
 
+    @scheduler_time
     def worker_idle(self, name: str, since: float) -> None:
         """A heartbeat from `name` said it has been waiting for messages, none queued, since
         `since`. A block sent to it well before that never arrived (a lost control message):
@@ -517,6 +544,7 @@ class Scheduler:
                 self._maybe_forget(sess)
         self.pump()
 
+    @scheduler_time
     def on_failed(self, msg: m.Failed) -> None:
         sess = self.sessions.get(msg.session) if msg.session else None
         if sess is None:
@@ -546,6 +574,7 @@ class Scheduler:
         self.pump()
 
     # -- ending -------------------------------------------------------------------------------
+    @scheduler_time
     def cancel(self, session_id: str, reason: str = "cancelled") -> bool:
         sess = self.sessions.get(session_id)
         if sess is None or not sess.active:
@@ -580,6 +609,7 @@ class Scheduler:
                 sess.encode_thread.submit(sess.writer.close)
             sess.encode_thread.shutdown(wait=False)
 
+    @scheduler_time
     def workers_lost(self, names: set[str], why: str) -> None:
         """The pool killed these workers and saw them exit: their slots are free again."""
         for sess in list(self.sessions.values()):
