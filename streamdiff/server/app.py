@@ -16,7 +16,7 @@ from aiohttp import web
 
 from ..config import Config
 from ..supervisor.core import RUNNING, Supervisor
-from ..supervisor.scheduler import QueueFull, Session
+from ..supervisor.engine import QueueFull
 from .api import APIError, bad, parse_video_request
 from .jobs import Job, JobExpired, JobStore
 from .store import VideoStore, node_of
@@ -38,7 +38,7 @@ def error_json(err: APIError) -> web.Response:
 @web.middleware
 async def count_middleware(request: web.Request, handler):
     """streamdiff_http_requests_total by status class (a 5xx is always a bug or an outage)."""
-    sched = request.app[SUPERVISOR].scheduler
+    metrics = request.app[SUPERVISOR].metrics
     status = 500
     try:
         resp = await handler(request)
@@ -48,8 +48,8 @@ async def count_middleware(request: web.Request, handler):
         status = exc.status
         raise
     finally:
-        if sched is not None:
-            sched.metrics.requests.labels(f"{status // 100}xx").inc()
+        if metrics is not None:
+            metrics.requests.labels(f"{status // 100}xx").inc()
 
 
 @web.middleware
@@ -160,14 +160,9 @@ async def create_video(request: web.Request) -> web.StreamResponse:
     _supervisor_ready(sup)
     data = await read_request_data(request)
     req = parse_video_request(data, cfg, sup.facts)
-    from ..plan import plan_blocks
-
-    blocks = plan_blocks(req.scenes, sup.facts["frames_per_block"], sup.facts["temporal_factor"])
-    job = Job(req, sup.scheduler.acknowledge, live_consumer=req.stream, node=cfg.node)
-    sess = Session(job.id, req.scenes, blocks, req.width, req.height, req.fps, req.seed, job)
-    job.session_id = sess.id
+    job = Job(req, live_consumer=req.stream, node=cfg.node)
     try:
-        sup.scheduler.submit(sess)
+        job.follow_session(sup.submit(req, job.id))
     except QueueFull as exc:
         raise APIError(
             429,
@@ -179,14 +174,13 @@ async def create_video(request: web.Request) -> web.StreamResponse:
         ) from None
     jobs.add(job)
     log.info(
-        "job %s: %d frames %dx%d@%d, %d scene(s), %d blocks, stream=%s",
+        "job %s: %d frames %dx%d@%d, %d scene(s), stream=%s",
         job.id,
         req.frames,
         req.width,
         req.height,
         req.fps,
         len(req.scenes),
-        len(blocks),
         req.stream,
     )
     if not req.stream:
@@ -211,7 +205,6 @@ async def stream_job(request: web.Request, job: Job, live: bool, start_chunk: in
     The status line waits for the first fragment: a session that fails before it (a request
     its workers refuse, an encoder that cannot open) answers a JSON error, not a 200 followed
     by a cut. The init segment alone would not play anyway."""
-    sup = request.app[SUPERVISOR]
     resp = web.StreamResponse(
         headers={
             "Content-Type": "video/mp4",
@@ -243,7 +236,7 @@ async def stream_job(request: web.Request, job: Job, live: bool, start_chunk: in
         complete = job.state == "done"
     except (ConnectionResetError, asyncio.CancelledError):
         if live and not job.finished:
-            sup.scheduler.cancel(job.session_id, "client disconnected")
+            job.cancel("client disconnected")
         raise
     except JobExpired:
         log.warning("job %s expired under a reader: ending its transfer truncated", job.id)
@@ -336,7 +329,7 @@ async def delete_video(request: web.Request) -> web.Response:
         raise _elsewhere(request)  # only the node that made a video deletes it
     if job is not None:
         if not job.finished:
-            request.app[SUPERVISOR].scheduler.cancel(job.session_id, "cancelled by DELETE")
+            job.cancel("cancelled by DELETE")
         request.app[JOBS].remove(job.id)
     if store is not None:
         await asyncio.get_running_loop().run_in_executor(None, store.remove, vid)
@@ -460,8 +453,8 @@ async def livez(request: web.Request) -> web.Response:
 async def metrics(request: web.Request) -> web.Response:
     from ..metrics import CONTENT_TYPE
 
-    sched = request.app[SUPERVISOR].scheduler
-    body = sched.metrics.render() if sched is not None else b""
+    metrics = request.app[SUPERVISOR].metrics
+    body = metrics.render() if metrics is not None else b""
     return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE})
 
 
@@ -474,7 +467,7 @@ async def admin_drain(request: web.Request) -> web.Response:
     sup.begin_drain()
     log.info("drain requested by %s", request.remote)
     return web.json_response(
-        {"state": sup.state, "node": request.app[CONFIG].node, "running": len(sup.scheduler.running)}, status=202
+        {"state": sup.state, "node": request.app[CONFIG].node, "running": sup.running_sessions}, status=202
     )
 
 
@@ -497,8 +490,8 @@ def make_app(sup: Supervisor, cfg: Config, api_keys: list[bytes]) -> web.Applica
         lim.max_jobs, lim.keep_completed_bytes, lim.keep_completed_s, lim.keep_completed_min_s, app[STORE]
     )
     app.on_response_prepare.append(add_node_header)
-    if sup.scheduler is not None:
-        sup.scheduler.metrics.watch(sup, app[JOBS])
+    if sup.metrics is not None:
+        sup.metrics.watch(sup, app[JOBS])
 
     async def prune_jobs(app: web.Application):
         async def loop():

@@ -1,7 +1,8 @@
 """Video jobs: the OpenAI video object, the bytes of its MP4, readers that follow it live
 (supervisor process).
 
-A job is the sink of one pipeline session. Its bytes are the CMAF stream: the init segment, then
+A job follows one engine session through its SessionHandle (supervisor/engine.py): a task reads
+the handle's events into the job. Its bytes are the CMAF stream: the init segment, then
 one fragment per block; readers (the streaming POST, GET .../content) start from byte 0 and
 follow new fragments as they arrive. Backpressure: when the job was created with
 `"stream": true` its own response is the consumer whose pace throttles the session (a slow
@@ -22,7 +23,7 @@ from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable
 
 from ..plan import Block
-from ..supervisor.scheduler import CANCELLED, DONE, Session
+from ..supervisor.engine import CANCELLED, DONE, Data, SessionHandle, Started
 
 log = logging.getLogger("streamdiff.http")
 
@@ -34,7 +35,7 @@ class JobExpired(Exception):
 
 
 class Job:
-    def __init__(self, request, ack: Callable[[str, int], None], live_consumer: bool, node: str = "local") -> None:
+    def __init__(self, request, live_consumer: bool, node: str = "local") -> None:
         self.id = f"video_{secrets.token_hex(12)}_{node}"  # the node that holds it, for a balancer's routing
         self.request = request
         self.created_at = int(time.time())
@@ -49,14 +50,14 @@ class Job:
         self.readers = 0  # transfers following or reading this job right now
         self.frames_done = 0
         self.fragments = 0
-        self.session_id: str | None = None
+        self.handle: SessionHandle | None = None  # the engine session it follows
         self.placement: dict | None = None  # the workers the session runs on
         self.expired = False
         self.keep_s: float | None = None  # set by the store: how long the finished video is kept
         self.on_finished: Callable[[Job], None] = lambda job: None
-        self._ack = ack
         self.live_consumer = live_consumer
         self._changed = asyncio.Event()
+        self._follower: asyncio.Task | None = None
         self.t_created = time.monotonic()
         self.t_first_fragment: float | None = None
         self.t_finished: float | None = None
@@ -66,13 +67,24 @@ class Job:
             self.scene_starts.append(start)
             start += sc.frames
 
-    # -- SessionSink --------------------------------------------------------------------------
-    def on_start(self, session: Session) -> None:
-        self.state = "running"
-        self.placement = {"dit": session.dit, "vae": session.vae_workers}
-        self._notify()
+    # -- the engine session -------------------------------------------------------------------
+    def follow_session(self, handle: SessionHandle) -> None:
+        """Read the session's events into this job until it ends."""
+        self.handle = handle
+        self._follower = asyncio.ensure_future(self._read(handle))
 
-    def on_data(self, session: Session, data: bytes, block: Block | None) -> None:
+    async def _read(self, handle: SessionHandle) -> None:
+        async for ev in handle:
+            if isinstance(ev, Started):
+                self.state, self.placement = "running", ev.placement
+            elif isinstance(ev, Data):
+                self._append(ev.data, ev.block)
+            else:
+                self._end(ev.state, ev.error, ev.code)
+            self._notify()
+        self.on_finished(self)
+
+    def _append(self, data: bytes, block: Block | None) -> None:
         self.chunks.append(data)
         self.is_fragment.append(block is not None)
         self.nbytes += len(data)
@@ -82,11 +94,10 @@ class Job:
             self.frames_done += block.emit
             if self.t_first_fragment is None:
                 self.t_first_fragment = time.monotonic()
-            if not self.live_consumer:
-                self._ack(session.id, 1)
-        self._notify()
+            if not self.live_consumer:  # buffered here: the engine may go on at once
+                self.handle.ack()
 
-    def on_end(self, session: Session, state: str, error: str | None, code: str | None = None) -> None:
+    def _end(self, state: str, error: str | None, code: str | None) -> None:
         self.state = state
         self.completed_at = int(time.time())
         self.t_finished = time.monotonic()
@@ -95,8 +106,10 @@ class Job:
             self.error = {"code": code, "message": error or state}
         elif self.keep_s is not None:
             self.expires_at = int(self.completed_at + self.keep_s)
-        self._notify()
-        self.on_finished(self)
+
+    def cancel(self, reason: str) -> None:
+        if self.handle is not None and not self.finished:
+            self.handle.cancel(reason)
 
     def _notify(self) -> None:
         self._changed.set()
@@ -126,8 +139,8 @@ class Job:
             self.readers -= 1
 
     def ack(self, blocks: int = 1) -> None:
-        if self.session_id is not None:
-            self._ack(self.session_id, blocks)
+        if self.handle is not None:
+            self.handle.ack(blocks)
 
     def expire(self) -> None:
         """Drop the bytes (the video object stays); a reader still following is woken to fail."""

@@ -25,7 +25,9 @@ from ..config import Config
 from ..ipc import messages as m
 from ..ipc.shm import Ring, sweep_stale
 from ..models.spec import PRESET_FACTS
-from .scheduler import Scheduler
+from ..plan import plan_blocks
+from .engine import SessionHandle
+from .scheduler import Scheduler, Session
 from .topology import Topology, build_topology
 from .workers import WorkerPool
 
@@ -220,6 +222,24 @@ class Supervisor:
             self.loop_alive["monitor"] = time.monotonic()
             self.loop_alive.setdefault("control-recv", time.monotonic())
             self.pool.check()
+
+    # -- the API's entry points -------------------------------------------------------------------
+    def submit(self, request, session_id: str) -> SessionHandle:
+        """Plan a validated request into blocks and hand it to the scheduler; the handle reports
+        what happens. Raises QueueFull (429) when it cannot be admitted or queued."""
+        blocks = plan_blocks(request.scenes, self.facts["frames_per_block"], self.facts["temporal_factor"])
+        handle = SessionHandle(session_id, self.scheduler)
+        r = request
+        self.scheduler.submit(Session(session_id, r.scenes, blocks, r.width, r.height, r.fps, r.seed, handle))
+        return handle
+
+    @property
+    def metrics(self):
+        return self.scheduler.metrics if self.scheduler is not None else None
+
+    @property
+    def running_sessions(self) -> int:
+        return len(self.scheduler.running) if self.scheduler is not None else 0
 
     # -- status ---------------------------------------------------------------------------------
     def loops_alive(self) -> bool:

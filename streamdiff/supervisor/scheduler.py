@@ -35,11 +35,11 @@ from ..media.encoder import FragmentWriter, open_encoder
 from ..metrics import Metrics
 from ..plan import Block, Scene
 from .capacity import CapacityModel, Demand
+from .engine import CANCELLED, DONE, FAILED, QUEUED, RUNNING, QueueFull
 from .topology import Topology
 
 log = logging.getLogger("streamdiff.scheduler")
 
-QUEUED, RUNNING, DONE, FAILED, CANCELLED = "queued", "running", "done", "failed", "cancelled"
 # A message on a local socket arrives within milliseconds: a block sent this long before a worker
 # began a wait (nothing running, nothing queued) that then lasted a second never reached it.
 LOST_AFTER_S = 0.05
@@ -70,12 +70,6 @@ def scheduler_time(method):
             self.metrics.scheduler_seconds.inc(time.perf_counter() - t0)
 
     return timed
-
-
-class QueueFull(Exception):
-    def __init__(self, message: str, retry_after_s: float = 10.0) -> None:
-        super().__init__(message)
-        self.retry_after_s = retry_after_s
 
 
 @dataclass

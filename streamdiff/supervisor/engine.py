@@ -1,0 +1,81 @@
+"""The engine as the API sees it (supervisor process): submit a request, get a SessionHandle.
+
+The HTTP layer never builds scheduler sessions nor calls the scheduler: it hands a validated
+request to `Supervisor.submit` and reads what happens from the handle — an async iterator of
+events (`Started`, `Data` for the init segment and each fragment, `Ended`) — and it steers the
+session through the handle (`ack` a fragment taken by a live consumer: backpressure; `cancel`).
+The scheduler feeds the handle as its session's sink, on the event loop, in order.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+
+from ..plan import Block
+
+QUEUED, RUNNING, DONE, FAILED, CANCELLED = "queued", "running", "done", "failed", "cancelled"
+
+
+class QueueFull(Exception):
+    """The session can be neither admitted nor queued (429): retry after `retry_after_s`."""
+
+    def __init__(self, message: str, retry_after_s: float = 10.0) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+@dataclass(frozen=True)
+class Started:
+    placement: dict  # the workers the session runs on: {"dit": name, "vae": [names]}
+
+
+@dataclass(frozen=True)
+class Data:
+    data: bytes
+    block: Block | None  # None for the init segment
+
+
+@dataclass(frozen=True)
+class Ended:
+    state: str  # done | failed | cancelled
+    error: str | None = None
+    code: str | None = None
+
+
+Event = Started | Data | Ended
+
+
+class SessionHandle:
+    def __init__(self, session_id: str, scheduler) -> None:
+        self.id = session_id
+        self._scheduler = scheduler
+        self._events: asyncio.Queue[Event] = asyncio.Queue()
+
+    # -- the scheduler's side (SessionSink) -----------------------------------------------------
+    def on_start(self, session) -> None:
+        self._events.put_nowait(Started({"dit": session.dit, "vae": list(session.vae_workers)}))
+
+    def on_data(self, session, data: bytes, block: Block | None) -> None:
+        self._events.put_nowait(Data(data, block))
+
+    def on_end(self, session, state: str, error: str | None, code: str | None = None) -> None:
+        self._events.put_nowait(Ended(state, error, code))
+
+    # -- the consumer's side ----------------------------------------------------------------------
+    def __aiter__(self):
+        return self._iterate()
+
+    async def _iterate(self):
+        while True:
+            event = await self._events.get()
+            yield event
+            if isinstance(event, Ended):
+                return
+
+    def ack(self, blocks: int = 1) -> None:
+        """The consumer took `blocks` more fragments: room for more in flight."""
+        self._scheduler.acknowledge(self.id, blocks)
+
+    def cancel(self, reason: str = "cancelled") -> bool:
+        return self._scheduler.cancel(self.id, reason)
