@@ -111,8 +111,6 @@ class Session:
     stall_s: float = 0.0  # playback delay accumulated so far (a player rebuffers, then continues)
     demand: Demand | None = None  # what it asks of its units (the capacity model), once placed
     stalls: int = 0
-    dit_ms: list[float] = field(default_factory=list)
-    vae_ms: list[float] = field(default_factory=list)
 
     @property
     def frames(self) -> int:
@@ -388,7 +386,6 @@ class Scheduler:
             self.metrics.stage_seconds.labels("dit").observe(msg.compute_ms / 1000)
             self._observe_cost("dit", sess.dit, sess, msg.compute_ms)
             self.metrics.dit_batched_blocks.labels(str(msg.batch)).inc()
-            sess.dit_ms.append(msg.compute_ms)
             self.decode_wait.append((sess, msg.block, msg.slot, msg.shape))
         self.pump()
 
@@ -410,7 +407,6 @@ class Scheduler:
             self.stage_ms["vae"] += msg.compute_ms
             self.metrics.stage_seconds.labels("vae").observe(msg.compute_ms / 1000)
             self._observe_cost("vae", self._group_unit(sess.group), sess, msg.compute_ms)
-            sess.vae_ms.append(msg.compute_ms)
         if len(work.reported) < len(self.topology.vae_groups[sess.group]):
             return
         del sess.at_vae[msg.block]
