@@ -1,6 +1,6 @@
 """Height-sharded VAE decoding across a group of processes (runs in the VAE shard workers).
 
-Each shard owns a horizontal band of latent rows (`split_rows`) and so a band of every output
+Each shard owns a horizontal band of latent rows (`models/wan/kernels.split_rows`) and so a band of every output
 frame (8x the rows). The decoder (models/wan/vae.py) asks its `Halo` for one neighbour row
 above and below at every 3x3 convolution; `ExchangeHalo` answers with point-to-point sends
 and receives to the two neighbours (zero rows at the global top and bottom), posted all at once
@@ -24,10 +24,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from ..models.wan.kernels import empty, layout, split_rows
+from ..models.wan.kernels import empty, layout
 from ..models.wan.vae import Halo
-
-__all__ = ["BACKENDS", "ExchangeHalo", "group_max", "init_group", "split_rows"]
 
 BACKENDS = {"cpu": "gloo", "cuda": "nccl", "xpu": "xccl"}
 

@@ -325,11 +325,7 @@ class Scheduler:
             if not self._place(sess):
                 break
             self.queue.popleft()
-            try:
-                self._start(sess)
-            except Exception as exc:  # e.g. the encoder could not open
-                log.exception("session %s could not start", sess.id)
-                self._finish(sess, FAILED, f"could not start: {exc}")
+            self._start(sess)  # the encoder opens on the session's thread: its failure ends the session there
         limit = self.cfg.pipeline.max_blocks_in_flight
         while self.latent_pool.free:
             ready = [
