@@ -88,7 +88,7 @@ class PipelineConfig:
     restart_workers: bool = True  # restart a worker (group) that died
     restart_backoff_reset_s: float = 300.0  # a worker up this long restarts without back-off when it next dies
     cpu_memory_budget_bytes: int = 8 * 2**30  # cpu: caches one worker's sessions may hold (devices: 90% of free)
-    max_batch: int = 4  # DiT: queued blocks of up to this many sessions run in one forward (1: no batching)
+    max_batch: int = 4  # DiT: up to this many sessions' blocks in one forward, where it pays (1: no batching)
     vae_cpu_working_set_bytes: int = 48 * 2**20  # cpu: full-resolution activations per decode call (cache-sized)
 
 
@@ -284,7 +284,7 @@ def validate(cfg: Config) -> None:
     _check(p.max_blocks_in_flight >= 1, "pipeline.max_blocks_in_flight", "must be >= 1", p.max_blocks_in_flight)
     _check(p.latent_slots >= 2, "pipeline.latent_slots", "must be >= 2", p.latent_slots)
     _check(p.frame_slots >= 2, "pipeline.frame_slots", "must be >= 2", p.frame_slots)
-    _check(1 <= p.max_batch <= 64, "pipeline.max_batch", "must be 1-64", p.max_batch)
+    _check(1 <= p.max_batch <= 16, "pipeline.max_batch", "must be 1-16", p.max_batch)
     _check(
         p.vae_cpu_working_set_bytes >= 4096,
         "pipeline.vae_cpu_working_set_bytes",

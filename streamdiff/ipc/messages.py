@@ -49,6 +49,13 @@ class GenerateBlock(Message, tag="gen"):
     seed: int | None = None
 
 
+class GenerateBatch(Message, tag="genb"):
+    """DiT: these blocks, of different sessions, in one batched forward where their sizes and
+    step lists agree (the supervisor chose them together); one LatentDone each."""
+
+    blocks: list[GenerateBlock]
+
+
 class DecodeBlock(Message, tag="dec"):
     """VAE shard: decode latent slot `latent_slot` (shape C, f, h, w) into frame slot
     `frame_slot` (frames_out, H, W, 3), its own rows only; `reset`: a new shot starts here."""
@@ -123,6 +130,7 @@ class Failed(Message, tag="failed"):
 MESSAGES = (
     OpenSession,
     GenerateBlock,
+    GenerateBatch,
     DecodeBlock,
     CloseSession,
     Shutdown,

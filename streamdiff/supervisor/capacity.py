@@ -3,9 +3,11 @@
 A session plays in real time when each unit it runs on — its DiT worker and its VAE group —
 spends less time on a block than the block lasts on screen. Each unit's cost per block is
 measured: one calibration block at the preset's default size when the worker starts (READY),
-then every block's reported compute time (an exponential average per unit and size; DiT blocks
-computed in a shared forward report their share, so batching shows up as it happens). A size
-never seen yet is estimated from the nearest measured one, scaled by pixels.
+then every block's reported compute time (an exponential average per unit and size). A DiT
+forward over B sessions' blocks costs B x block cost x batch_factor(B): the factor (per-block
+share at B against alone) is measured at READY for the batch sizes allowed and follows every
+batched block's reported share after. A size never seen yet is estimated from the nearest
+measured one, scaled by pixels.
 
 Admitting a session adds its demand — block cost / block duration — to its units. It is admitted
 when every unit stays under `target_utilization` and the caches it will hold fit the unit's
@@ -36,7 +38,7 @@ class CapacityModel:
         self.target = target_utilization
         self.cost_ms: dict[tuple[str, tuple[int, int]], float] = {}  # (unit, (w, h)) -> ms per block
         self.memory: dict[str, dict] = {}  # unit -> what its worker said it holds per session
-        self.predicted_ms: dict[str, float] = {}  # stage -> last prediction, for /metrics
+        self.factor: dict[tuple[str, int], float] = {}  # (unit, batch size) -> per-block share / alone
 
     # -- what the workers tell ----------------------------------------------------------------
     def calibrate(self, unit: str, size: list[int], block_ms: float, memory: dict | None) -> None:
@@ -44,9 +46,26 @@ class CapacityModel:
         if memory:
             self.memory[unit] = memory
 
-    def observe(self, unit: str, size: tuple[int, int], block_ms: float) -> float | None:
-        """A block's measured time; returns what the model had predicted for it."""
-        predicted = self.block_ms(unit, size)
+    def calibrate_batch(self, unit: str, batch: int, factor: float) -> None:
+        self.factor.setdefault((unit, batch), factor)
+
+    def batch_factor(self, unit: str, batch: int) -> float:
+        """Per-block cost in a batch of `batch` against alone (1.0 when never measured: a batch
+        size nobody has timed is assumed to save nothing)."""
+        return 1.0 if batch <= 1 else self.factor.get((unit, batch), 1.0)
+
+    def observe(self, unit: str, size: tuple[int, int], block_ms: float, batch: int = 1) -> float | None:
+        """A block's measured time (its share of a batch of `batch`); returns what the model had
+        predicted for it. Alone, it updates the unit's cost; in a batch, the batch factor."""
+        alone = self.block_ms(unit, size)
+        predicted = None if alone is None else alone * self.batch_factor(unit, batch)
+        if batch > 1:
+            if alone:
+                key = (unit, batch)
+                old = self.factor.get(key)
+                f = block_ms / alone
+                self.factor[key] = f if old is None else (1 - EWMA) * old + EWMA * f
+            return predicted
         key = (unit, size)
         old = self.cost_ms.get(key)
         self.cost_ms[key] = block_ms if old is None else (1 - EWMA) * old + EWMA * block_ms

@@ -26,6 +26,8 @@ from ..ipc import messages as m
 from ..ipc.shm import Ring, sweep_stale
 from ..models.spec import PRESET_FACTS
 from ..plan import plan_blocks
+from . import scheduler as sch
+from .driver import Driver
 from .engine import SessionHandle
 from .scheduler import Scheduler, Session
 from .topology import Topology, build_topology
@@ -54,6 +56,7 @@ class Supervisor:
         self.frame_ring: Ring | None = None
         self.pool: WorkerPool | None = None
         self.scheduler: Scheduler | None = None
+        self.driver: Driver | None = None
         self.topology: Topology | None = None
         self._ctx: zmq.asyncio.Context | None = None
         self._router: zmq.asyncio.Socket | None = None  # recv_from_workers
@@ -101,12 +104,11 @@ class Supervisor:
             p.ready_timeout_s,
             p.restart_backoff_reset_s,
         )
-        self.scheduler = Scheduler(
-            self.cfg, self.topology, self.latent_ring, self.frame_ring, self._send, self.pool.ready, self.facts
-        )
-        self.pool.on_lost = self.scheduler.workers_lost
-        self.pool.on_worker_ready = self._worker_ready
-        self.pool.on_idle = self.scheduler.worker_idle
+        self.scheduler = Scheduler(self.cfg, self.topology, p.latent_slots, p.frame_slots, self.pool.ready, self.facts)
+        self.driver = driver = Driver(self.cfg, self.scheduler, self._send, self.frame_ring)
+        self.pool.on_lost = lambda names, why: driver.post(sch.WorkersLost(frozenset(names), why))
+        self.pool.on_worker_ready = lambda name: driver.post(sch.WorkerReady(name, self.pool.workers[name].info))
+        self.pool.on_idle = lambda name, since: driver.post(sch.WorkerIdle(name, since))
         self._tasks.append(asyncio.create_task(self._recv_loop(), name="control-recv"))
         self.pool.spawn_all()
         self._pin_self()
@@ -126,10 +128,6 @@ class Supervisor:
             self.topology.vae_groups,
             self.cfg.topology.device,
         )
-
-    def _worker_ready(self, name: str) -> None:
-        self.scheduler.worker_info(name, self.pool.workers[name].info)
-        self.scheduler.pump()
 
     def _pin_self(self) -> None:
         """On the CPU, keep the supervisor (HTTP, encoding) off the VAE's cores: share the DiT
@@ -195,8 +193,8 @@ class Supervisor:
         handlers = {
             m.Ready: lambda msg: self.pool.handle_ready(msg),
             m.Heartbeat: lambda msg: self.pool.handle_heartbeat(msg),
-            m.LatentDone: lambda msg: self.scheduler.on_latent(msg),
-            m.FramesDone: lambda msg: self.scheduler.on_frames(msg),
+            m.LatentDone: self.driver.post,
+            m.FramesDone: self.driver.post,
             m.Failed: self._on_failed,
         }
         while True:
@@ -213,7 +211,7 @@ class Supervisor:
             log.error("worker %s: %s", msg.worker, msg.message)
             self.pool.handle_startup_failure(msg)
         else:
-            self.scheduler.on_failed(msg)
+            self.driver.post(msg)
 
     async def _monitor_loop(self) -> None:
         interval = self.cfg.pipeline.heartbeat_interval_s
@@ -222,16 +220,17 @@ class Supervisor:
             self.loop_alive["monitor"] = time.monotonic()
             self.loop_alive.setdefault("control-recv", time.monotonic())
             self.pool.check()
+            self.driver.step()  # time passes: blocks past their deadline fail their sessions
 
     # -- the API's entry points -------------------------------------------------------------------
     def submit(self, request, session_id: str) -> SessionHandle:
         """Plan a validated request into blocks and hand it to the scheduler; the handle reports
         what happens. Raises QueueFull (429) when it cannot be admitted or queued."""
         blocks = plan_blocks(request.scenes, self.facts["frames_per_block"], self.facts["temporal_factor"])
-        handle = SessionHandle(session_id, self.scheduler)
         r = request
-        self.scheduler.submit(Session(session_id, r.scenes, blocks, r.width, r.height, r.fps, r.seed, handle))
-        return handle
+        return self.driver.submit(
+            Session(session_id, r.scenes, blocks, r.width, r.height, r.fps, r.seed, created=time.monotonic())
+        )
 
     @property
     def metrics(self):
@@ -304,9 +303,7 @@ class Supervisor:
         if self.state != RUNNING:
             return
         self.state = DRAINING
-        self.scheduler.accepting = False
-        for sess in list(self.scheduler.queue):
-            self.scheduler.cancel(sess.id, "the server is draining")
+        self.driver.step(sch.StopAdmitting("the server is draining"))
 
     async def drain(self, timeout_s: float) -> None:
         """Stop admitting; let running sessions finish until the deadline."""
@@ -319,10 +316,10 @@ class Supervisor:
 
     def cancel_all(self, reason: str = "the server is shutting down") -> None:
         """End every session now (their streams end truncated)."""
-        if self.scheduler is not None:
-            self.scheduler.accepting = False
+        if self.driver is not None:
+            self.driver.step(sch.StopAdmitting(reason))
             for sess in list(self.scheduler.sessions.values()):
-                self.scheduler.cancel(sess.id, reason)
+                self.driver.cancel(sess.id, reason)
 
     async def close(self) -> None:
         if self.state == STOPPED:
@@ -334,8 +331,8 @@ class Supervisor:
         for t in self._tasks:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
-        if self.scheduler is not None:
-            self.scheduler.close()
+        if self.driver is not None:
+            self.driver.close()
         if self._router is not None:
             self._router.close(linger=0)  # the shadow shares its socket
         if self._ctx is not None:

@@ -4,7 +4,7 @@ The HTTP layer never builds scheduler sessions nor calls the scheduler: it hands
 request to `Supervisor.submit` and reads what happens from the handle — an async iterator of
 events (`Started`, `Data` for the init segment and each fragment, `Ended`) — and it steers the
 session through the handle (`ack` a fragment taken by a live consumer: backpressure; `cancel`).
-The scheduler feeds the handle as its session's sink, on the event loop, in order.
+The driver feeds the handle from the scheduler's actions, on the event loop, in order.
 """
 
 from __future__ import annotations
@@ -47,19 +47,19 @@ Event = Started | Data | Ended
 
 
 class SessionHandle:
-    def __init__(self, session_id: str, scheduler) -> None:
+    def __init__(self, session_id: str, engine) -> None:
         self.id = session_id
-        self._scheduler = scheduler
+        self._engine = engine  # ack(id, blocks) and cancel(id, reason)
         self._events: asyncio.Queue[Event] = asyncio.Queue()
 
-    # -- the scheduler's side (SessionSink) -----------------------------------------------------
-    def on_start(self, session) -> None:
-        self._events.put_nowait(Started({"dit": session.dit, "vae": list(session.vae_workers)}))
+    # -- the engine's side ------------------------------------------------------------------------
+    def on_start(self, placement: dict) -> None:
+        self._events.put_nowait(Started(placement))
 
-    def on_data(self, session, data: bytes, block: Block | None) -> None:
+    def on_data(self, data: bytes, block: Block | None) -> None:
         self._events.put_nowait(Data(data, block))
 
-    def on_end(self, session, state: str, error: str | None, code: str | None = None) -> None:
+    def on_end(self, state: str, error: str | None, code: str | None = None) -> None:
         self._events.put_nowait(Ended(state, error, code))
 
     # -- the consumer's side ----------------------------------------------------------------------
@@ -75,7 +75,7 @@ class SessionHandle:
 
     def ack(self, blocks: int = 1) -> None:
         """The consumer took `blocks` more fragments: room for more in flight."""
-        self._scheduler.acknowledge(self.id, blocks)
+        self._engine.ack(self.id, blocks)
 
     def cancel(self, reason: str = "cancelled") -> bool:
-        return self._scheduler.cancel(self.id, reason)
+        return self._engine.cancel(self.id, reason)

@@ -1,41 +1,56 @@
-"""Sessions, placement, ring slots and the block pipeline (supervisor process).
+"""The step scheduler (supervisor process; plain code: no I/O, no asyncio, no clock of its own).
 
-The life of a block: the scheduler takes a free latent slot and sends GenerateBlock to the
-session's DiT worker; LatentDone puts it in the decode queue; when a frame slot is free,
-DecodeBlock goes to every shard of the session's VAE group; when all shards report, the latent
-slot frees and the encoder turns the frames into one CMAF fragment; then the frame slot frees
-and the fragment goes to the session's sink. Blocks of different sessions interleave at block
-boundaries; each session has at most `max_blocks_in_flight` blocks between "sent to the DiT"
-and "taken by its consumer", so a slow client throttles only its own session while the DiT
-runs ahead by up to that many blocks for everyone else.
+Every block of every session is a ticket with one explicit state, and the ticket owns the ring
+slots its state holds:
 
-Slot ownership is exact: a slot is only freed by the reply of the worker that held it (a
-cancelled session's blocks are answered `skipped`), or after the pool reports that worker dead.
+    queued -> dit -> latent_ready -> vae -> frames_ready -> encoded -> emitted
+    any state -> cancelled | failed, once no process holds a slot of it any more
+
+    queued        nothing yet                     dit           latent slot (the DiT writes it)
+    latent_ready  latent slot (waits for the VAE) vae           latent + frame slot (the group)
+    frames_ready  frame slot (the encoder reads)  encoded, emitted, cancelled, failed: none
+
+`step(events, now)` takes everything that happened since the last step — submissions, worker
+replies, encoder results, acks, cancels, worker deaths and idle reports — and returns the actions
+that follow: messages to send, encoders to open, fragments to encode, bytes and ends to hand to
+the sessions. The driver (`driver.py`) carries the actions out and feeds their results back as
+events; the policy tests drive `step` directly with a fake transport (deterministic: no
+processes, no sleeps, the time is an argument).
+
+The policy:
+- Deadlines. A block is due when its session's player needs its first frame: first fragment +
+  start-up buffer + stalls so far + the block's media time (before the first fragment the clock
+  counts from the request). Each stage serves the earliest deadline first and is work-conserving:
+  a slot stays free only while no session has a block it may run; a session far ahead of its
+  player yields to one that is behind.
+- Batches. A DiT worker gets at most DIT_DEPTH batches at once (one running, one queued), so the
+  choice of what runs next is made late, here. A batch is the most urgent block plus other
+  sessions' blocks of the same size, added while the measured per-block cost falls with the
+  batch size and the batch does not make its most urgent block late that would have been on
+  time. A VAE group's shards all get the same decode messages, so they always agree.
+- Admission from the capacity model (capacity.py); a session's window: at most
+  `max_blocks_in_flight` blocks between "sent to the DiT" and "taken by its consumer".
+- No silent loss. A ticket sent to a worker leaves only by that worker's answer, by the worker
+  proving it never got it (idle since before it went out: a lost message), or by the worker's
+  death; a ticket unanswered after `block_timeout_s` fails its session at once (its slots come
+  back by one of the three).
 """
 
 from __future__ import annotations
 
-import asyncio
-import functools
 import json
 import logging
-import time
 from collections import deque
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Protocol
-
-import numpy as np
 
 from ..config import Config
 from ..ipc import messages as m
-from ..ipc.shm import Ring, SlotPool
-from ..media.encoder import FragmentWriter, open_encoder
+from ..ipc.shm import SlotPool
 from ..metrics import Metrics
 from ..plan import Block, Scene
 from .capacity import CapacityModel, Demand
-from .engine import CANCELLED, DONE, FAILED, QUEUED, RUNNING, QueueFull
+from .engine import CANCELLED, DONE, FAILED, QUEUED, RUNNING
 from .topology import Topology
 
 log = logging.getLogger("streamdiff.scheduler")
@@ -43,42 +58,169 @@ log = logging.getLogger("streamdiff.scheduler")
 # A message on a local socket arrives within milliseconds: a block sent this long before a worker
 # began a wait (nothing running, nothing queued) that then lasted a second never reached it.
 LOST_AFTER_S = 0.05
+DIT_DEPTH = 2  # batches a DiT worker holds at once: one running, one queued behind it
+
+# Ticket states.
+T_QUEUED, T_DIT, T_LATENT, T_VAE, T_FRAMES, T_ENCODED, T_EMITTED = (
+    "queued",
+    "dit",
+    "latent_ready",
+    "vae",
+    "frames_ready",
+    "encoded",
+    "emitted",
+)
+T_CANCELLED, T_FAILED = "cancelled", "failed"
+FINAL = (T_EMITTED, T_CANCELLED, T_FAILED)
 
 
-class SessionSink(Protocol):
-    """Where a session's bytes go (the API's job)."""
-
-    def on_start(self, session: Session) -> None: ...
-    def on_data(self, session: Session, data: bytes, block: Block | None) -> None: ...
-    def on_end(self, session: Session, state: str, error: str | None, code: str | None = None) -> None: ...
+# -- events (in) --------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Submit:
+    session: Session
 
 
-def scheduler_time(method):
-    """Count the time spent deciding (an entry point of the scheduler, not nested ones) in
-    streamdiff_scheduler_seconds: its overhead per block, against the blocks' own time."""
+@dataclass(frozen=True)
+class Cancel:
+    session: str
+    reason: str = "cancelled"
 
-    @functools.wraps(method)
-    def timed(self, *args, **kwargs):
-        if self._in_handler:
-            return method(self, *args, **kwargs)
-        self._in_handler = True
-        t0 = time.perf_counter()
-        try:
-            return method(self, *args, **kwargs)
-        finally:
-            self._in_handler = False
-            self.metrics.scheduler_seconds.inc(time.perf_counter() - t0)
 
-    return timed
+@dataclass(frozen=True)
+class Ack:
+    session: str
+    blocks: int = 1
+
+
+@dataclass(frozen=True)
+class WorkerReady:
+    worker: str
+    info: dict
+
+
+@dataclass(frozen=True)
+class WorkerIdle:
+    worker: str
+    since: float  # when its wait with nothing queued began (the scheduler's clock)
+
+
+@dataclass(frozen=True)
+class WorkersLost:
+    workers: frozenset[str]
+    why: str
+
+
+@dataclass(frozen=True)
+class EncoderOpened:
+    session: str
+    init: bytes | None = None
+    error: str | None = None
+
+
+@dataclass(frozen=True)
+class Encoded:
+    session: str
+    block: int
+    data: bytes | None = None
+    error: str | None = None
+    seconds: float = 0.0
+
+
+@dataclass(frozen=True)
+class StopAdmitting:
+    reason: str
+
+
+Event = (
+    Submit
+    | Cancel
+    | Ack
+    | WorkerReady
+    | WorkerIdle
+    | WorkersLost
+    | EncoderOpened
+    | Encoded
+    | StopAdmitting
+    | m.LatentDone
+    | m.FramesDone
+    | m.Failed
+)
+
+
+# -- actions (out) ------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Send:
+    worker: str
+    msg: m.Message
+
+
+@dataclass(frozen=True)
+class OpenEncoder:
+    session: str
+    width: int
+    height: int
+    fps: int
+    keyframes: list[int]
+
+
+@dataclass(frozen=True)
+class Encode:
+    session: str
+    block: Block
+    frame_slot: int
+    shape: tuple[int, int, int, int]  # the slot's frames: (frames_out, height, width, 3)
+    idr: bool
+    events: list[tuple[int, str, bytes]]  # emsg boxes: (presentation offset, id, JSON)
+
+
+@dataclass(frozen=True)
+class CloseEncoder:
+    session: str
+
+
+@dataclass(frozen=True)
+class Start:
+    session: str
+    placement: dict
+
+
+@dataclass(frozen=True)
+class Emit:
+    session: str
+    data: bytes
+    block: Block | None  # None: the init segment
+
+
+@dataclass(frozen=True)
+class End:
+    session: str
+    state: str
+    error: str | None = None
+    code: str | None = None
+
+
+@dataclass(frozen=True)
+class Reject:
+    session: str
+    message: str
+    retry_after_s: float
+
+
+Action = Send | OpenEncoder | Encode | CloseEncoder | Start | Emit | End | Reject
 
 
 @dataclass
-class VaeWork:
-    latent_slot: int
-    frame_slot: int
-    sent_at: float = 0.0
-    reported: set[int] = field(default_factory=set)
-    skipped: bool = False
+class Ticket:
+    block: Block
+    state: str = T_QUEUED
+    latent_slot: int | None = None
+    frame_slot: int | None = None
+    shape: list[int] | None = None  # the latent's, once made
+    sent_at: float = 0.0  # when it went to its current worker(s)
+    batch: int | None = None  # the DiT batch it went in
+    reported: set[int] = field(default_factory=set)  # VAE ranks that answered
+    skipped: bool = False  # some shard answered without decoding
+    encoding: bool = False  # an Encode is out for it
 
 
 @dataclass
@@ -90,40 +232,40 @@ class Session:
     height: int
     fps: int
     seed: int
-    sink: SessionSink
+    created: float  # the scheduler's clock
     state: str = QUEUED
+    error: str | None = None
     dit: str | None = None
     group: int | None = None
     vae_workers: list[str] = field(default_factory=list)  # the shards of its VAE group
-    issued: int = 0  # blocks sent to the DiT
-    encoded: int = 0  # fragments made
-    delivered: int = 0  # fragments taken by the consumer
-    at_dit: dict[int, int] = field(default_factory=dict)  # block -> latent slot
-    dit_sent: dict[int, float] = field(default_factory=dict)  # block -> when GenerateBlock went out
-    at_vae: dict[int, VaeWork] = field(default_factory=dict)
-    writer: FragmentWriter | None = None
-    encode_thread: ThreadPoolExecutor | None = None  # this session's encoder runs here, nowhere else
-    encode_tail: asyncio.Future | None = None
-    error: str | None = None
-    created: float = field(default_factory=time.monotonic)
+    tickets: list[Ticket] = field(default_factory=list)
+    issued: int = 0  # tickets past queued
+    acked: int = 0  # fragments taken by the consumer
+    encoder: str = "none"  # none | opening | open
     started: float | None = None
-    fragment_times: list[float] = field(default_factory=list)  # monotonic, one per block
+    fragment_times: list[float] = field(default_factory=list)  # one per block
     stall_s: float = 0.0  # playback delay accumulated so far (a player rebuffers, then continues)
-    demand: Demand | None = None  # what it asks of its units (the capacity model), once placed
     stalls: int = 0
+    demand: Demand | None = None  # what it asks of its units, once placed
+
+    def __post_init__(self) -> None:
+        if not self.tickets:
+            self.tickets = [Ticket(b) for b in self.blocks]
 
     @property
     def frames(self) -> int:
         return sum(b.emit for b in self.blocks)
 
     @property
-    def outstanding(self) -> int:
-        """Blocks some process or the encoder still holds slots for."""
-        return len(self.at_dit) + len(self.at_vae) + (1 if self.encode_tail and not self.encode_tail.done() else 0)
-
-    @property
     def active(self) -> bool:
         return self.state in (QUEUED, RUNNING)
+
+    @property
+    def emitted(self) -> int:
+        return sum(t.state == T_EMITTED for t in self.tickets)
+
+    def count(self, state: str) -> int:
+        return sum(t.state == state for t in self.tickets)
 
 
 class Scheduler:
@@ -131,9 +273,8 @@ class Scheduler:
         self,
         cfg: Config,
         topology: Topology,
-        latent_ring: Ring,
-        frame_ring: Ring,
-        send: Callable[[str, m.Message], None],
+        latent_slots: int,
+        frame_slots: int,
         worker_ready: Callable[[str], bool],
         facts: dict | None = None,
     ) -> None:
@@ -141,47 +282,83 @@ class Scheduler:
         self.facts = facts or {"spatial_factor": 8, "size_multiple": 16}
         self.capacity = CapacityModel(cfg.limits.target_utilization)
         self.topology = topology
-        self.latent_ring, self.frame_ring = latent_ring, frame_ring
-        self.latent_pool = SlotPool(latent_ring.spec.slots)
-        self.frame_pool = SlotPool(frame_ring.spec.slots)
-        self.send = send
+        self.latent_pool = SlotPool(latent_slots)
+        self.frame_pool = SlotPool(frame_slots)
         self.worker_ready = worker_ready
         self.sessions: dict[str, Session] = {}  # every session with work or slots outstanding
         self.queue: deque[Session] = deque()
-        self.decode_wait: deque[tuple[Session, int, int, list[int]]] = deque()
         self.stage_ms = {"dit": 0.0, "vae": 0.0, "encode": 0.0}  # summed compute time per stage
         self.metrics = Metrics()
         self.accepting = True
-        self._in_handler = False  # for scheduler_time: only the outermost entry point counts
         self.idle_since: dict[str, float] = {}  # worker -> since when it has waited with nothing to do
+        self.batches: dict[int, tuple[str, int]] = {}  # DiT batch -> (worker, tickets still out)
+        self.dit_free_at: dict[str, float] = {}  # DiT worker -> when its batches are predicted done
+        self._next_batch = 0
+        self.now = 0.0
+        self._out: list[Action] = []
 
-    # -- admission and placement ------------------------------------------------------------
+    # -- the step -------------------------------------------------------------------------------
+    def step(self, events: list[Event], now: float) -> list[Action]:
+        """Apply `events` in order, then hand out work; return what to do."""
+        self.now, self._out = now, []
+        for ev in events:
+            self._apply(ev)
+        self._check_deadlines()
+        self._dispatch()
+        out, self._out = self._out, []
+        return out
+
+    def _apply(self, ev: Event) -> None:
+        handler = {
+            Submit: self._submit,
+            Cancel: self._cancel,
+            Ack: self._ack,
+            WorkerReady: self._worker_ready,
+            WorkerIdle: self._worker_idle,
+            WorkersLost: self._workers_lost,
+            EncoderOpened: self._encoder_opened,
+            Encoded: self._encoded,
+            StopAdmitting: self._stop_admitting,
+            m.LatentDone: self._latent_done,
+            m.FramesDone: self._frames_done,
+            m.Failed: self._failed,
+        }[type(ev)]
+        handler(ev)
+
     @property
     def running(self) -> list[Session]:
         return [s for s in self.sessions.values() if s.state == RUNNING]
 
-    @scheduler_time
-    def submit(self, sess: Session) -> None:
-        """Admit now, queue (when predicted to start within max_queue_wait_s), or QueueFull with
-        the predicted wait as Retry-After."""
-        lim = self.cfg.limits
+    # -- admission and placement ------------------------------------------------------------
+    def _submit(self, ev: Submit) -> None:
+        """Admit now, queue (when predicted to start within max_queue_wait_s), or Reject with the
+        predicted wait as Retry-After."""
+        sess, lim = ev.session, self.cfg.limits
         running = len(self.running)
+        if not self.accepting:
+            self._out.append(Reject(sess.id, "the server is not admitting sessions", 10.0))
+            return
         if running >= lim.max_sessions and len(self.queue) >= lim.max_queue:
-            raise QueueFull(f"{running} sessions running and {len(self.queue)} queued")
+            self._out.append(Reject(sess.id, f"{running} sessions running and {len(self.queue)} queued", 10.0))
+            return
         wait = self.predicted_wait(sess)
         if wait > 0 and (wait > lim.max_queue_wait_s or len(self.queue) >= lim.max_queue):
-            raise QueueFull(f"predicted to start in {wait:.0f}s beside the {running} running sessions", wait)
+            message = f"predicted to start in {wait:.0f}s beside the {running} running sessions"
+            self._out.append(Reject(sess.id, message, wait))
+            return
         self.sessions[sess.id] = sess
         self.queue.append(sess)
-        self.pump()
 
-    # -- the capacity model ---------------------------------------------------------------------
-    def worker_info(self, name: str, info: dict) -> None:
-        """A worker's READY: its calibration block and memory facts seed the capacity model."""
+    def _worker_ready(self, ev: WorkerReady) -> None:
+        """A worker's READY: its calibration blocks and memory facts seed the capacity model."""
+        info = ev.info
         if "dit_cost" in info:
-            self.capacity.calibrate(name, info["dit_cost"]["size"], info["dit_cost"]["block_ms"], info["dit_memory"])
+            cost = info["dit_cost"]
+            self.capacity.calibrate(ev.worker, cost["size"], cost["block_ms"], info["dit_memory"])
+            for b, ms in info.get("dit_batch_ms", {}).items():
+                self.capacity.calibrate_batch(ev.worker, int(b), ms / cost["block_ms"])
         if "vae_cost" in info and info.get("vae_rank") == 0:
-            unit = self._group_unit(next(i for i, g in enumerate(self.topology.vae_groups) if name in g))
+            unit = self._group_unit(next(i for i, g in enumerate(self.topology.vae_groups) if ev.worker in g))
             self.capacity.calibrate(unit, info["vae_cost"]["size"], info["vae_cost"]["block_ms"], info["vae_memory"])
 
     @staticmethod
@@ -232,7 +409,9 @@ class Scheduler:
             return 0.0  # nothing to go by: the count limits decide
         new = self._demand(sess, *cand)
         running = [
-            (sum(b.emit for b in s.blocks[s.encoded :]) / s.fps, s.demand) for s in self.running if s.demand is not None
+            (sum(t.block.emit for t in s.tickets if t.state != T_EMITTED) / s.fps, s.demand)
+            for s in self.running
+            if s.demand is not None
         ]
         ahead = [(q.frames / q.fps, self._demand(q, *cand)) for q in self.queue]
         return self.capacity.predicted_start(new, running, ahead)
@@ -251,230 +430,278 @@ class Scheduler:
         return True
 
     def _start(self, sess: Session) -> None:
-        sess.state, sess.started = RUNNING, time.monotonic()
+        sess.state, sess.started = RUNNING, self.now
         self.metrics.queue_seconds.observe(sess.started - sess.created)
-        every = self.cfg.encoder.keyframe_every_blocks
-        keyframes = [b.start_frame for b in sess.blocks if b.index % every == 0]
         opened = m.OpenSession(sess.id, sess.width, sess.height, sess.seed)
         for w in self._workers_of(sess):
-            self.send(w, opened)
-        sess.sink.on_start(sess)
-        # The encoder opens on the session's own thread (an FFmpeg child or a hardware probe can
-        # take a while) while the workers start on its first block; encoding waits for it.
-        sess.encode_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"encode-{sess.id[-12:]}")
-        sess.encode_tail = asyncio.ensure_future(self._open_writer(sess, keyframes))
-        sess.encode_tail.add_done_callback(lambda _t, s=sess: self._maybe_forget(s))
-
-    def _make_writer(self, sess: Session, keyframes: list[int]) -> tuple[FragmentWriter, bytes]:
-        enc = self.cfg.encoder
-        encoder = open_encoder(
-            enc.kind,
-            sess.width,
-            sess.height,
-            sess.fps,
-            keyframes,
-            crf=enc.crf,
-            bitrate_kbps=enc.bitrate_kbps,
-            device=enc.vaapi_device,
-        )
-        writer = FragmentWriter(encoder, sess.width, sess.height, sess.fps)
-        return writer, writer.init_segment()
-
-    async def _open_writer(self, sess: Session, keyframes: list[int]) -> None:
-        try:
-            sess.writer, init = await asyncio.wait_for(
-                asyncio.get_running_loop().run_in_executor(sess.encode_thread, self._make_writer, sess, keyframes),
-                self.cfg.encoder.encode_timeout_s,
-            )
-        except Exception as exc:
-            log.error("session %s: the encoder could not open: %r", sess.id, exc)
-            self._finish(sess, FAILED, f"could not start: the encoder did not open: {exc!r}")
-            return
-        if init and sess.state == RUNNING:
-            sess.sink.on_data(sess, init, None)
+            self._out.append(Send(w, opened))
+        self._out.append(Start(sess.id, {"dit": sess.dit, "vae": list(sess.vae_workers)}))
+        # The encoder opens off the loop (an FFmpeg child or a hardware probe can take a while)
+        # while the workers start on the first block; encoding waits for it.
+        every = self.cfg.encoder.keyframe_every_blocks
+        keyframes = [b.start_frame for b in sess.blocks if b.index % every == 0]
+        sess.encoder = "opening"
+        self._out.append(OpenEncoder(sess.id, sess.width, sess.height, sess.fps, keyframes))
 
     def _workers_of(self, sess: Session) -> list[str]:
         names = [sess.dit] + self.topology.vae_groups[sess.group]
         return list(dict.fromkeys(names))  # an aggregated worker runs both stages: once
 
-    # -- the pump -----------------------------------------------------------------------------
-    @scheduler_time
-    def pump(self) -> None:
-        """Hand out free slots, earliest playback deadline first: decodes (they hold latent
-        slots), then admissions, then new blocks. Work-conserving: a slot stays free only while
-        no session has a block it could run; a session far ahead of its player yields to one
-        that is behind (its next deadline is later)."""
-        while self.decode_wait and self.frame_pool.free:
-            # The waiting block due first; a session's own blocks come in order (their deadlines
-            # grow with the block), which its VAE's temporal cache needs.
-            i = min(range(len(self.decode_wait)), key=lambda k: self._deadline(*self.decode_wait[k][:2]))
-            sess, block, lslot, shape = self.decode_wait[i]
-            del self.decode_wait[i]
-            if sess.state != RUNNING:
-                self.latent_pool.give(lslot)
-                self._maybe_forget(sess)
-                continue
-            fslot = self.frame_pool.take()
-            b = sess.blocks[block]
-            msg = m.DecodeBlock(sess.id, block, lslot, fslot, shape, b.frames_out, reset=b.shot_start)
-            sess.at_vae[block] = VaeWork(lslot, fslot, time.monotonic())
-            for w in self.topology.vae_groups[sess.group]:
-                self.send(w, msg)
+    def _stop_admitting(self, ev: StopAdmitting) -> None:
+        self.accepting = False
+        for sess in list(self.queue):
+            self._end(sess, CANCELLED, ev.reason)
+
+    # -- dispatch -----------------------------------------------------------------------------
+    def deadline(self, sess: Session, block: int) -> float:
+        """When the session's player needs the block's first frame: its first fragment's arrival
+        + the start-up buffer + the stalls so far + the block's media time. Before the first
+        fragment, the clock starts at the request."""
+        start = sess.fragment_times[0] if sess.fragment_times else sess.created
+        b = sess.blocks[min(block, len(sess.blocks) - 1)]
+        return start + self.cfg.pipeline.startup_buffer_s + sess.stall_s + b.start_frame / sess.fps
+
+    def _dispatch(self) -> None:
+        """Decodes first (they hold latent slots the DiT needs), then admissions, then DiT
+        batches; each earliest deadline first."""
+        self._dispatch_decodes()
         while self.queue and self.accepting and len(self.running) < self.cfg.limits.max_sessions:
             sess = self.queue[0]
             if not self._place(sess):
                 break
             self.queue.popleft()
-            self._start(sess)  # the encoder opens on the session's thread: its failure ends the session there
-        limit = self.cfg.pipeline.max_blocks_in_flight
-        while self.latent_pool.free:
-            ready = [
-                s
-                for s in self.running
-                if s.issued < len(s.blocks) and s.issued - s.delivered < limit and self.worker_ready(s.dit)
-            ]
+            self._start(sess)
+        for dit in self.topology.dit_workers:
+            self._dispatch_dit(dit)
+
+    def _dispatch_decodes(self) -> None:
+        # Per session, its earliest latent_ready block, and only once every earlier block has
+        # gone to the VAE (the temporal cache needs them in order).
+        while self.frame_pool.free:
+            ready = []
+            for s in self.running:
+                if not all(self.worker_ready(w) for w in s.vae_workers):
+                    continue
+                t = next((t for t in s.tickets if t.state in (T_QUEUED, T_DIT, T_LATENT)), None)
+                if t is not None and t.state == T_LATENT:
+                    ready.append((self.deadline(s, t.block.index), s.created, s, t))
             if not ready:
+                return
+            _, _, sess, t = min(ready, key=lambda r: r[:2])
+            t.frame_slot = self.frame_pool.take()
+            t.state, t.sent_at, t.reported, t.skipped = T_VAE, self.now, set(), False
+            b = t.block
+            msg = m.DecodeBlock(sess.id, b.index, t.latent_slot, t.frame_slot, t.shape, b.frames_out, b.shot_start)
+            for w in sess.vae_workers:
+                self._out.append(Send(w, msg))
+
+    def _issuable(self, sess: Session) -> bool:
+        limit = self.cfg.pipeline.max_blocks_in_flight
+        return sess.issued < len(sess.blocks) and sess.issued - sess.acked < limit
+
+    def _dispatch_dit(self, dit: str) -> None:
+        if not self.worker_ready(dit):
+            return
+        while sum(w == dit for w, _ in self.batches.values()) < DIT_DEPTH and self.latent_pool.free:
+            cands = [s for s in self.running if s.dit == dit and self._issuable(s)]
+            if not cands:
+                return
+            cands.sort(key=lambda s: (self.deadline(s, s.issued), s.created))
+            self._send_batch(dit, self._choose_batch(dit, cands))
+
+    def _choose_batch(self, dit: str, cands: list[Session]) -> list[Session]:
+        """The most urgent block and, while it pays, other sessions' blocks of the same size:
+        the measured per-block cost must fall with each one added, and the batch must not make
+        the head late that would have been on time alone."""
+        head = cands[0]
+        size = (head.width, head.height)
+        frames = head.blocks[head.issued].latent_frames
+        base = self.capacity.block_ms(dit, size)
+        cap = min(self.cfg.pipeline.max_batch, len(self.latent_pool.free))
+        batch = [head]
+        if base is None or cap < 2:
+            return batch
+        vae = self.capacity.block_ms(self._group_unit(head.group), size) or 0.0
+        due = self.deadline(head, head.issued) - vae / 1000
+
+        start = max(self.now, self.dit_free_at.get(dit, 0.0))  # after the batch already queued there
+
+        def finish(n: int) -> float:
+            return start + self._batch_ms(dit, base, n) / 1000
+
+        for s in cands[1:]:
+            if len(batch) >= cap:
                 break
-            self._issue(min(ready, key=lambda s: (self._deadline(s, s.issued), s.created)))
+            if (s.width, s.height) != size or s.blocks[s.issued].latent_frames != frames:
+                continue
+            n = len(batch) + 1
+            if self.capacity.batch_factor(dit, n) >= self.capacity.batch_factor(dit, n - 1):
+                break  # no cheaper per block: not worth the wait
+            if finish(n) > due >= finish(n - 1):
+                break  # would make the head late
+            batch.append(s)
+        return batch
 
-    def _deadline(self, sess: Session, block: int) -> float:
-        """When the session's player needs the block's first frame (monotonic seconds): its first
-        fragment's arrival + the start-up buffer + the stalls so far + the block's media time.
-        Before the first fragment, the clock starts at the request (the first block is due one
-        start-up buffer after it)."""
-        start = sess.fragment_times[0] if sess.fragment_times else sess.created
-        b = sess.blocks[min(block, len(sess.blocks) - 1)]
-        return start + self.cfg.pipeline.startup_buffer_s + sess.stall_s + b.start_frame / sess.fps
+    def _batch_ms(self, dit: str, base: float, n: int) -> float:
+        return base * n * self.capacity.batch_factor(dit, n)
 
-    def _issue(self, sess: Session) -> None:
-        b = sess.blocks[sess.issued]
-        scene = sess.scenes[b.scene]
-        slot = self.latent_pool.take()
-        first = b.first_of_scene
-        self.send(
-            sess.dit,
-            m.GenerateBlock(
-                sess.id,
-                b.index,
-                b.latent_frames,
-                slot,
-                prompt=scene.prompt if first else None,
-                cut=b.shot_start and first,
-                seed=scene.seed if first else None,
-            ),
+    def _send_batch(self, dit: str, batch: list[Session]) -> None:
+        bid = self._next_batch
+        self._next_batch += 1
+        msgs = []
+        for sess in batch:
+            t = sess.tickets[sess.issued]
+            b = t.block
+            scene = sess.scenes[b.scene]
+            first = b.first_of_scene
+            t.latent_slot = self.latent_pool.take()
+            t.state, t.sent_at, t.batch = T_DIT, self.now, bid
+            sess.issued += 1
+            msgs.append(
+                m.GenerateBlock(
+                    sess.id,
+                    b.index,
+                    b.latent_frames,
+                    t.latent_slot,
+                    prompt=scene.prompt if first else None,
+                    cut=b.shot_start and first,
+                    seed=scene.seed if first else None,
+                )
+            )
+        self.batches[bid] = (dit, len(msgs))
+        base = self.capacity.block_ms(dit, (batch[0].width, batch[0].height)) or 0.0
+        self.dit_free_at[dit] = (
+            max(self.now, self.dit_free_at.get(dit, 0.0)) + self._batch_ms(dit, base, len(msgs)) / 1000
         )
-        sess.at_dit[b.index] = slot
-        sess.dit_sent[b.index] = time.monotonic()
-        sess.issued += 1
+        self._out.append(Send(dit, m.GenerateBatch(msgs)))
+
+    def _encode_next(self, sess: Session) -> None:
+        """Encode the session's next block once its frames are ready (one at a time, in order)."""
+        if sess.state != RUNNING or sess.encoder != "open" or any(t.encoding for t in sess.tickets):
+            return
+        t = next((t for t in sess.tickets if t.state not in FINAL), None)
+        if t is None or t.state != T_FRAMES:
+            return
+        b = t.block
+        events = []
+        if b.first_of_scene:
+            sc = sess.scenes[b.scene]
+            info = {
+                "scene": b.scene,
+                "prompt": sc.prompt,
+                "start_frame": b.start_frame,
+                "frames": sc.frames,
+                "transition": sc.transition,
+            }
+            events.append((0, str(b.scene), json.dumps(info).encode()))
+        t.encoding = True
+        shape = (b.frames_out, sess.height, sess.width, 3)
+        idr = b.index % self.cfg.encoder.keyframe_every_blocks == 0
+        self._out.append(Encode(sess.id, b, t.frame_slot, shape, idr, events))
 
     # -- replies ------------------------------------------------------------------------------
-    @scheduler_time
-    def on_latent(self, msg: m.LatentDone) -> None:
-        sess = self.sessions.get(msg.session)
-        if sess is None or sess.at_dit.pop(msg.block, None) is None:
+    def _ticket(self, session: str, block: int | None, state: str) -> tuple[Session | None, Ticket | None]:
+        sess = self.sessions.get(session)
+        if sess is None or block is None or not 0 <= block < len(sess.tickets):
+            return sess, None
+        t = sess.tickets[block]
+        return sess, (t if t.state == state else None)
+
+    def _left_dit(self, t: Ticket) -> None:
+        worker, out = self.batches.pop(t.batch)
+        if out > 1:
+            self.batches[t.batch] = (worker, out - 1)
+        t.batch = None
+
+    def _latent_done(self, msg: m.LatentDone) -> None:
+        sess, t = self._ticket(msg.session, msg.block, T_DIT)
+        if t is None:
             log.warning("latent for unknown block %s/%s", msg.session, msg.block)
             return
+        self._left_dit(t)
         if msg.skipped or sess.state != RUNNING:
-            self.latent_pool.give(msg.slot)
-            self._maybe_forget(sess)
-        else:
-            self.stage_ms["dit"] += msg.compute_ms
-            self.metrics.stage_seconds.labels("dit").observe(msg.compute_ms / 1000)
-            self._observe_cost("dit", sess.dit, sess, msg.compute_ms)
-            self.metrics.dit_batched_blocks.labels(str(msg.batch)).inc()
-            self.decode_wait.append((sess, msg.block, msg.slot, msg.shape))
-        self.pump()
-
-    def _observe_cost(self, stage: str, unit: str, sess: Session, ms: float) -> None:
-        predicted = self.capacity.observe(unit, (sess.width, sess.height), ms)
+            self._release(sess, t)
+            return
+        self.stage_ms["dit"] += msg.compute_ms
+        self.metrics.stage_seconds.labels("dit").observe(msg.compute_ms / 1000)
+        self.metrics.dit_batched_blocks.labels(str(msg.batch)).inc()
+        predicted = self.capacity.observe(sess.dit, (sess.width, sess.height), msg.compute_ms, msg.batch)
         if predicted:
-            self.metrics.block_cost_ratio.labels(stage).observe(ms / predicted)
+            self.metrics.block_cost_ratio.labels("dit").observe(msg.compute_ms / predicted)
+        t.state, t.shape = T_LATENT, list(msg.shape)
 
-    @scheduler_time
-    def on_frames(self, msg: m.FramesDone) -> None:
-        sess = self.sessions.get(msg.session)
-        work = sess.at_vae.get(msg.block) if sess else None
-        if work is None:
+    def _frames_done(self, msg: m.FramesDone) -> None:
+        sess, t = self._ticket(msg.session, msg.block, T_VAE)
+        if t is None:
             log.warning("frames for unknown block %s/%s", msg.session, msg.block)
             return
-        work.reported.add(msg.rank)
-        work.skipped |= msg.skipped
+        t.reported.add(msg.rank)
+        t.skipped |= msg.skipped
         if not msg.skipped and msg.rank == 0:
             self.stage_ms["vae"] += msg.compute_ms
             self.metrics.stage_seconds.labels("vae").observe(msg.compute_ms / 1000)
-            self._observe_cost("vae", self._group_unit(sess.group), sess, msg.compute_ms)
-        if len(work.reported) < len(self.topology.vae_groups[sess.group]):
-            return
-        del sess.at_vae[msg.block]
-        self.latent_pool.give(work.latent_slot)
-        if work.skipped or sess.state != RUNNING:
-            self.frame_pool.give(work.frame_slot)
-            self._maybe_forget(sess)
-        else:
-            prev = sess.encode_tail
-            sess.encode_tail = asyncio.ensure_future(self._encode(sess, msg.block, work.frame_slot, prev))
-            sess.encode_tail.add_done_callback(lambda _t, s=sess: self._maybe_forget(s))
-        self.pump()
+            predicted = self.capacity.observe(self._group_unit(sess.group), (sess.width, sess.height), msg.compute_ms)
+            if predicted:
+                self.metrics.block_cost_ratio.labels("vae").observe(msg.compute_ms / predicted)
+        self._vae_answered(sess, t)
 
-    async def _encode(self, sess: Session, block: int, fslot: int, prev: asyncio.Future | None) -> None:
-        if prev is not None:
-            await asyncio.shield(prev)  # fragments leave in block order
-        b = sess.blocks[block]
-        data, error = None, None
-        try:
-            if sess.state == RUNNING:
-                frames = self.frame_ring.array(fslot, (b.frames_out, sess.height, sess.width, 3), np.uint8)[: b.emit]
-                idr = b.index % self.cfg.encoder.keyframe_every_blocks == 0
-                events = []
-                if b.first_of_scene:
-                    sc = sess.scenes[b.scene]
-                    events.append(
-                        (
-                            0,
-                            str(b.scene),
-                            json.dumps(
-                                {
-                                    "scene": b.scene,
-                                    "prompt": sc.prompt,
-                                    "start_frame": b.start_frame,
-                                    "frames": sc.frames,
-                                    "transition": sc.transition,
-                                }
-                            ).encode(),
-                        )
-                    )
-                t0 = time.perf_counter()
-                # On the session's own thread, bounded: a stuck encoder fails its session only.
-                data = await asyncio.wait_for(
-                    asyncio.get_running_loop().run_in_executor(
-                        sess.encode_thread, sess.writer.fragment, frames, idr, events
-                    ),
-                    self.cfg.encoder.encode_timeout_s,
-                )
-                dt = time.perf_counter() - t0
-                self.stage_ms["encode"] += 1000 * dt
-                self.metrics.stage_seconds.labels("encode").observe(dt)
-        except Exception as exc:
-            log.error("encoding block %d of %s failed: %r", block, sess.id, exc)
-            error = exc if not isinstance(exc, TimeoutError) else TimeoutError("no fragment within encode_timeout_s")
-        finally:
-            self.frame_pool.give(fslot)
-        if error is not None:
-            self._finish(sess, FAILED, f"encoder failed: {error}")
-        elif data is not None and sess.state == RUNNING:
-            sess.encoded += 1
-            self._observe_fragment(sess, b)
-            sess.sink.on_data(sess, data, b)
-            if sess.encoded == len(sess.blocks):
-                self._finish(sess, DONE, None)
-        self.pump()
+    def _vae_answered(self, sess: Session, t: Ticket) -> None:
+        if len(t.reported) < len(sess.vae_workers):
+            return
+        self.latent_pool.give(t.latent_slot)
+        t.latent_slot = None
+        if t.skipped or sess.state != RUNNING:
+            self._release(sess, t)
+            return
+        t.state = T_FRAMES
+        self._encode_next(sess)
+
+    def _encoder_opened(self, ev: EncoderOpened) -> None:
+        sess = self.sessions.get(ev.session)
+        if sess is None or sess.encoder != "opening":
+            return
+        if ev.error is not None:
+            sess.encoder = "none"
+            log.error("session %s: the encoder could not open: %s", sess.id, ev.error)
+            self._end(sess, FAILED, f"could not start: the encoder did not open: {ev.error}")
+            return
+        sess.encoder = "open"
+        if sess.state == RUNNING:
+            if ev.init:
+                self._out.append(Emit(sess.id, ev.init, None))
+            self._encode_next(sess)
+
+    def _encoded(self, ev: Encoded) -> None:
+        sess, t = self._ticket(ev.session, ev.block, T_FRAMES)
+        if t is None or not t.encoding:
+            return
+        t.encoding = False
+        self.frame_pool.give(t.frame_slot)
+        t.frame_slot = None
+        if sess.state != RUNNING:
+            self._release(sess, t)
+            return
+        if ev.error is not None:
+            log.error("encoding block %d of %s failed: %s", ev.block, sess.id, ev.error)
+            t.state = T_FAILED
+            self._end(sess, FAILED, f"encoder failed: {ev.error}")
+            return
+        self.stage_ms["encode"] += 1000 * ev.seconds
+        self.metrics.stage_seconds.labels("encode").observe(ev.seconds)
+        t.state = T_ENCODED
+        self._observe_fragment(sess, t.block)
+        t.state = T_EMITTED
+        self._out.append(Emit(sess.id, ev.data, t.block))
+        if sess.emitted == len(sess.tickets):
+            self._end(sess, DONE, None)
+        else:
+            self._encode_next(sess)
 
     def _observe_fragment(self, sess: Session, b: Block) -> None:
         """Time to first fragment, intervals, and stalls against real-time playback: playback
         starts with the first fragment; a fragment that arrives after its first frame was due
         is a stall, and the player's clock slips by the difference."""
-        now = time.monotonic()
-        mt = self.metrics
+        now, mt = self.now, self.metrics
         if sess.fragment_times:
             mt.fragment_interval_seconds.observe(now - sess.fragment_times[-1])
             due = sess.fragment_times[0] + sess.stall_s + b.start_frame / sess.fps
@@ -489,135 +716,145 @@ class Scheduler:
         mt.fragments.inc()
         mt.frames.inc(b.emit)
 
-    @scheduler_time
-    def acknowledge(self, session_id: str, blocks: int = 1) -> None:
-        """The consumer took `blocks` more fragments: room for more blocks in flight."""
-        sess = self.sessions.get(session_id)
+    def _ack(self, ev: Ack) -> None:
+        sess = self.sessions.get(ev.session)
         if sess is not None:
-            sess.delivered += blocks
-            self.pump()
+            sess.acked += ev.blocks
 
-    @scheduler_time
-    def worker_idle(self, name: str, since: float) -> None:
-        """A heartbeat from `name` said it has been waiting for messages, none queued, since
-        `since`. A block sent to it well before that never arrived (a lost control message):
-        without this its session would wait forever and its slots never come back. The session
-        fails; its slots are safe to reuse, since no process will write them."""
+    # -- losses -------------------------------------------------------------------------------
+    def _worker_idle(self, ev: WorkerIdle) -> None:
+        """A heartbeat said the worker has waited with nothing queued since `since`: a block
+        sent to it well before that never arrived (a lost control message). Its session fails;
+        its slots are safe to reuse, since no process will write them."""
+        name, since = ev.worker, ev.since
         self.idle_since[name] = since
         for sess in list(self.sessions.values()):
             lost = []
-            if sess.dit == name:
-                lost += [b for b in sess.at_dit if sess.dit_sent.get(b, since) < since - LOST_AFTER_S]
-            if name in sess.vae_workers:
-                # A group's block is lost when no shard got it: every shard idle since it went out.
-                # (Had some shards got it, they wait in its collectives and fail at their timeout.)
-                lost += [
-                    b
-                    for b, work in sess.at_vae.items()
-                    if not work.reported
-                    and all(self.idle_since.get(w, 0.0) > work.sent_at + LOST_AFTER_S for w in sess.vae_workers)
-                ]
-            for block in lost:
-                log.error("session %s: block %d never reached its worker (a lost control message)", sess.id, block)
-                if block in sess.at_dit:
-                    self.latent_pool.give(sess.at_dit.pop(block))
-                if block in sess.at_vae:
-                    work = sess.at_vae.pop(block)
-                    self.latent_pool.give(work.latent_slot)
-                    self.frame_pool.give(work.frame_slot)
-                if sess.active:
-                    self._finish(sess, FAILED, f"block {block} was lost on its way to a worker")
-                self._maybe_forget(sess)
-        self.pump()
+            for t in sess.tickets:
+                if t.state == T_DIT and sess.dit == name and t.sent_at < since - LOST_AFTER_S:
+                    lost.append(t)
+                # A group's block is lost when no shard got it: every shard idle since it went
+                # out. (Had some got it, they wait in its collectives and fail at their timeout.)
+                elif (
+                    t.state == T_VAE
+                    and name in sess.vae_workers
+                    and not t.reported
+                    and all(self.idle_since.get(w, 0.0) > t.sent_at + LOST_AFTER_S for w in sess.vae_workers)
+                ):
+                    lost.append(t)
+            for t in lost:
+                log.error("session %s: block %d never reached its worker (a lost message)", sess.id, t.block.index)
+                self._end(sess, FAILED, f"block {t.block.index} was lost on its way to a worker")
+                self._worker_gone(sess, t)
 
-    @scheduler_time
-    def on_failed(self, msg: m.Failed) -> None:
+    def _failed(self, msg: m.Failed) -> None:
         sess = self.sessions.get(msg.session) if msg.session else None
         if sess is None:
             return
-        if msg.kind in ("request", "session"):
-            # The worker carries on and answers nothing else for this block: its reply stands
-            # for the block's (a VAE group's shards each send one).
-            if msg.block in sess.at_dit and msg.worker == sess.dit:
-                self.latent_pool.give(sess.at_dit.pop(msg.block))
-                if msg.kind == "session":  # a gap: the earlier blocks it never got are lost (FIFO)
-                    for b in [b for b in sess.at_dit if b < msg.block]:
-                        log.error(
-                            "session %s: block %d never reached %s (a lost control message)", sess.id, b, msg.worker
-                        )
-                        self.latent_pool.give(sess.at_dit.pop(b))
-            elif msg.block in sess.at_vae and msg.worker in sess.vae_workers:
-                work = sess.at_vae[msg.block]
-                work.reported.add(sess.vae_workers.index(msg.worker))
-                work.skipped = True
-                if len(work.reported) == len(sess.vae_workers):
-                    del sess.at_vae[msg.block]
-                    self.latent_pool.give(work.latent_slot)
-                    self.frame_pool.give(work.frame_slot)
-        # kind "worker": the worker exits; its slots come back in workers_lost once it has.
         code = "invalid_request" if msg.kind == "request" else "generation_failed"
-        self._finish(sess, FAILED, f"{msg.worker}: {msg.message}", code)
-        self.pump()
-
-    # -- ending -------------------------------------------------------------------------------
-    @scheduler_time
-    def cancel(self, session_id: str, reason: str = "cancelled") -> bool:
-        sess = self.sessions.get(session_id)
-        if sess is None or not sess.active:
-            return False
-        self._finish(sess, CANCELLED, reason)
-        self.pump()
-        return True
-
-    def _finish(self, sess: Session, state: str, error: str | None, code: str | None = None) -> None:
-        if not sess.active:
+        self._end(sess, FAILED, f"{msg.worker}: {msg.message}", code)
+        if msg.kind not in ("request", "session"):
+            return  # the worker exits; its tickets come back in WorkersLost once it has
+        # The worker carries on and answers nothing else for this block: its reply stands for
+        # the block's (a VAE group's shards each send one).
+        _, t = self._ticket(sess.id, msg.block, T_DIT)
+        if t is not None and msg.worker == sess.dit:
+            self._worker_gone(sess, t)
+            if msg.kind == "session":  # a gap: the earlier blocks it never got are lost (FIFO)
+                for e in sess.tickets[: msg.block]:
+                    if e.state == T_DIT:
+                        log.error("session %s: block %d never reached %s", sess.id, e.block.index, msg.worker)
+                        self._worker_gone(sess, e)
             return
-        was_running = sess.state == RUNNING
-        sess.state, sess.error = state, error
-        if sess in self.queue:
-            self.queue.remove(sess)
-        if was_running:
-            closing = m.CloseSession(sess.id)
-            for w in self._workers_of(sess):
-                self.send(w, closing)
-        self.metrics.sessions.labels(state).inc()
-        if state != DONE:
-            log.info("session %s %s: %s", sess.id, state, error)
-        sess.sink.on_end(sess, state, error, code)
-        self._maybe_forget(sess)
+        _, t = self._ticket(sess.id, msg.block, T_VAE)
+        if t is not None and msg.worker in sess.vae_workers:
+            t.reported.add(sess.vae_workers.index(msg.worker))
+            t.skipped = True
+            self._vae_answered(sess, t)
 
-    def _maybe_forget(self, sess: Session) -> None:
-        """Drop an ended session once nothing holds a slot for it; close its encoder."""
-        if sess.active or sess.outstanding or any(s is sess for s, *_ in self.decode_wait):
-            return
-        if self.sessions.pop(sess.id, None) is not None and sess.encode_thread is not None:
-            if sess.writer is not None:
-                sess.encode_thread.submit(sess.writer.close)
-            sess.encode_thread.shutdown(wait=False)
-
-    @scheduler_time
-    def workers_lost(self, names: set[str], why: str) -> None:
+    def _workers_lost(self, ev: WorkersLost) -> None:
         """The pool killed these workers and saw them exit: their slots are free again."""
         for sess in list(self.sessions.values()):
-            dit_lost = sess.dit in names
-            group_lost = sess.group is not None and bool(names & set(self.topology.vae_groups[sess.group]))
+            dit_lost = sess.dit in ev.workers
+            group_lost = bool(ev.workers & set(sess.vae_workers))
             if not (dit_lost or group_lost):
                 continue
-            if dit_lost:
-                for slot in sess.at_dit.values():
-                    self.latent_pool.give(slot)
-                sess.at_dit.clear()
-            if group_lost:
-                for work in sess.at_vae.values():
-                    self.latent_pool.give(work.latent_slot)
-                    self.frame_pool.give(work.frame_slot)
-                sess.at_vae.clear()
-            if sess.state == RUNNING:
-                self._finish(sess, FAILED, why)
-            self._maybe_forget(sess)
-        self.pump()
+            self._end(sess, FAILED, ev.why)
+            for t in sess.tickets:
+                if (t.state == T_DIT and dit_lost) or (t.state == T_VAE and group_lost):
+                    self._worker_gone(sess, t)
+
+    def _worker_gone(self, sess: Session, t: Ticket) -> None:
+        """No worker holds the ticket's slots any more (it answered with a refusal, never got
+        the message, or died)."""
+        if t.state == T_DIT:
+            self._left_dit(t)
+        self._release(sess, t)
+
+    def _check_deadlines(self) -> None:
+        """A ticket out at a worker for longer than block_timeout_s fails its session now; its
+        slots come back once the worker answers, proves idle, or is gone."""
+        limit = self.cfg.pipeline.block_timeout_s
+        for sess in list(self.sessions.values()):
+            if not sess.active:
+                continue
+            late = next((t for t in sess.tickets if t.state in (T_DIT, T_VAE) and self.now - t.sent_at > limit), None)
+            if late is not None:
+                where = sess.dit if late.state == T_DIT else f"VAE group {sess.group}"
+                self._end(sess, FAILED, f"block {late.block.index} got no answer from {where} in {limit:.0f}s")
+
+    # -- ending -------------------------------------------------------------------------------
+    def _cancel(self, ev: Cancel) -> None:
+        sess = self.sessions.get(ev.session)
+        if sess is not None and sess.active:
+            self._end(sess, CANCELLED, ev.reason)
+
+    def _end(self, sess: Session, state: str, error: str | None, code: str | None = None) -> None:
+        """The session ends now (the client hears at once); its tickets give back what nobody
+        else holds now, and the rest as their holders answer."""
+        if sess.active:
+            was_running = sess.state == RUNNING
+            sess.state, sess.error = state, error
+            if sess in self.queue:
+                self.queue.remove(sess)
+            if was_running:
+                closing = m.CloseSession(sess.id)
+                for w in self._workers_of(sess):
+                    self._out.append(Send(w, closing))
+                self._out.append(CloseEncoder(sess.id))  # after any encode already out
+            self.metrics.sessions.labels(state).inc()
+            if state != DONE:
+                log.info("session %s %s: %s", sess.id, state, error)
+            self._out.append(End(sess.id, state, error, code))
+        for t in sess.tickets:
+            if t.state in (T_QUEUED, T_LATENT) or (t.state == T_FRAMES and not t.encoding):
+                self._release(sess, t)
+        self._forget(sess)
+
+    def _release(self, sess: Session, t: Ticket) -> None:
+        """Give back the ticket's slots; it ends cancelled or failed with its session."""
+        if t.latent_slot is not None:
+            self.latent_pool.give(t.latent_slot)
+        if t.frame_slot is not None:
+            self.frame_pool.give(t.frame_slot)
+        t.latent_slot = t.frame_slot = None
+        t.encoding = False
+        t.state = T_CANCELLED if sess.state == CANCELLED else T_FAILED
+        if sess.active:  # a ticket lost while its session still ran: the session cannot go on
+            self._end(sess, FAILED, f"block {t.block.index} was lost")
+        self._forget(sess)
+
+    def _forget(self, sess: Session) -> None:
+        """Drop an ended session once none of its tickets holds a slot."""
+        if not sess.active and all(t.state in FINAL for t in sess.tickets):
+            self.sessions.pop(sess.id, None)
 
     def snapshot(self) -> dict:
+        tickets: dict[str, int] = {}
+        for s in self.sessions.values():
+            for t in s.tickets:
+                if t.state not in FINAL:
+                    tickets[t.state] = tickets.get(t.state, 0) + 1
         return {
             "running": len(self.running),
             "queued": len(self.queue),
@@ -626,10 +863,6 @@ class Scheduler:
             "latent_slots": self.latent_pool.total,
             "frame_slots_used": self.frame_pool.used,
             "frame_slots": self.frame_pool.total,
-            "decode_wait": len(self.decode_wait),
+            "decode_wait": tickets.get(T_LATENT, 0),
+            "tickets": tickets,
         }
-
-    def close(self) -> None:
-        for sess in self.sessions.values():
-            if sess.encode_thread is not None:
-                sess.encode_thread.shutdown(wait=False, cancel_futures=True)

@@ -149,10 +149,11 @@ class Worker:
             msg = m.decode(raw)
             if isinstance(msg, m.OpenSession):
                 self.seeds[msg.session] = msg.seed
-            elif isinstance(msg, m.GenerateBlock | m.DecodeBlock) and self.faults.drop(
-                msg.session, self.seeds.get(msg.session)
-            ):
-                log.warning("dropping %s %s/%d (injected fault)", msg.type, msg.session, msg.block)
+            elif isinstance(msg, m.GenerateBatch):
+                msg.blocks = [b for b in msg.blocks if not self._dropped(b)]
+                if not msg.blocks:
+                    continue
+            elif isinstance(msg, m.DecodeBlock) and self._dropped(msg):
                 continue
             if isinstance(msg, m.CloseSession):
                 self.closed.add(msg.session)
@@ -172,9 +173,8 @@ class Worker:
                 self.closed.discard(msg.session)
                 for stage in self.stages.values():
                     stage.open(msg)
-            elif isinstance(msg, m.GenerateBlock):
-                batch = [msg, *self._take(msg, lambda other: self.stages["dit"].batchable(msg, other))]
-                replies, refusals = self.stages["dit"].generate(batch, self.closed)
+            elif isinstance(msg, m.GenerateBatch):
+                replies, refusals = self.stages["dit"].generate(msg.blocks, self.closed)
                 for reply in replies:
                     self.send(reply)
                 for refused, exc in refusals:
@@ -182,27 +182,15 @@ class Worker:
             elif isinstance(msg, m.DecodeBlock):
                 self.send(self.stages["vae"].decode(msg, msg.session in self.closed))
         except Exception as exc:
-            self._failed(msg, exc)
+            self._failed(msg.blocks[0] if isinstance(msg, m.GenerateBatch) else msg, exc)
         finally:
             self.busy_since = 0.0
 
-    def _take(self, head: m.Message, fits) -> list[m.Message]:
-        """Queued block messages of other sessions that `fits` accepts, up to the batch limit,
-        in queue order: each session's earliest queued message, one per session, so no message
-        overtakes an earlier one of its session. They run with `head`."""
-        taken, sessions = [], {head.session}
-        for queued in list(self.pending):
-            if len(taken) + 1 >= self.spec.max_batch:
-                break
-            session = getattr(queued, "session", None)
-            if session in sessions or not fits(queued):
-                if session is not None:
-                    sessions.add(session)  # a later block of this session must not overtake it
-                continue
-            self.pending.remove(queued)
-            taken.append(queued)
-            sessions.add(session)
-        return taken
+    def _dropped(self, msg: m.GenerateBlock | m.DecodeBlock) -> bool:
+        if self.faults.drop(msg.session, self.seeds.get(msg.session)):
+            log.warning("dropping %s %s/%d (injected fault)", msg.type, msg.session, msg.block)
+            return True
+        return False
 
     def _failed(self, msg: m.Message, exc: Exception) -> None:
         session, block = getattr(msg, "session", None), getattr(msg, "block", None)

@@ -87,6 +87,7 @@ class DiTStage:
         self.seeds: dict[str, int] = {}
         self.next_block: dict[str, int] = {}  # session -> the block index due next
         self.cpu_budget = spec.cpu_memory_budget_bytes
+        self.max_batch = spec.max_batch
         self.calibration = self.calibrate()
 
     def info(self) -> dict:
@@ -117,13 +118,27 @@ class DiTStage:
         tokens = kv.k[0].shape[2]  # window * tokens per frame
         per_token = sum(t.numel() * t.element_size() for t in (*kv.k, *kv.v)) // tokens
         cross = sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in sess.state.cross)
+        budget = memory_budget_bytes(self.device, self.cpu_budget)
+        # Per-block share of a batched forward, for each batch size the supervisor may choose
+        # (as many sessions as half the memory budget holds: the rest is for the real ones).
+        largest = min(self.max_batch, int(budget // 2 // max(1, per_token * tokens + cross)))
+        others = [self.engine.open_session(w, h, seed=i) for i in range(1, largest)]
+        for other in others:
+            self.engine.set_scene(other, "calibration", cut=True)
+            self.engine.generate_block(other, p.sampler.frames_per_block)
+        batch_ms = {}
+        for b in range(2, largest + 1):
+            group = [sess, *others[: b - 1]]
+            ms_b = _timed(self.device, lambda g=group: self.engine.generate_blocks(g, p.sampler.frames_per_block))
+            batch_ms[str(b)] = ms_b / b
         return {
             "dit_cost": {"block_ms": ms, "size": [w, h]},
+            "dit_batch_ms": batch_ms,
             "dit_memory": {
                 "kv_bytes_per_token": per_token,  # every layer's keys and values
                 "window_frames": kv.window,
                 "cross_bytes": cross,
-                "budget_bytes": memory_budget_bytes(self.device, self.cpu_budget),
+                "budget_bytes": budget,
             },
         }
 
@@ -151,21 +166,9 @@ class DiTStage:
         if np.prod(shape) * 4 > self.ring.spec.slot_bytes:
             raise RequestError(f"a latent block of shape {shape} does not fit a ring slot")
 
-    def batchable(self, head: m.GenerateBlock, other: m.Message) -> bool:
-        """Whether `other` can join `head`'s forward: another session's block of the same
-        latent size and frame count (one block per session per batch; each keeps its order)."""
-        a, b = self.sessions.get(head.session), self.sessions.get(getattr(other, "session", ""))
-        return (
-            isinstance(other, m.GenerateBlock)
-            and a is not None
-            and b is not None
-            and other.frames == head.frames
-            and a.latent_hw == b.latent_hw
-        )
-
     def generate(self, msgs: list[m.GenerateBlock], closed: set[str]) -> tuple[list, list]:
-        """The next block of each message's session, all in one batched forward where their step
-        lists agree (several sessions' blocks cost less per block than one at a time).
+        """The next block of each message's session (the supervisor's batch: one block per
+        session), in one batched forward where sizes and step counts agree.
         Returns (replies, refusals): LatentDone per block run or skipped, (message, RequestError)
         per block refused at its check. Any other error propagates: the worker's own."""
         replies, refusals, run = [], [], []
@@ -185,9 +188,9 @@ class DiTStage:
             self.faults.hit("compute", self.seeds.get(msg.session))
             if msg.prompt is not None:
                 self.engine.set_scene(sess, msg.prompt, cut=msg.cut, seed=msg.seed)
-        groups: dict[int, list] = {}  # sessions denoise together when their step lists have one length
+        groups: dict[tuple, list] = {}  # sessions denoise together where size and step count agree
         for msg, sess in run:
-            groups.setdefault(len(self.engine.steps_of(sess)), []).append((msg, sess))
+            groups.setdefault((sess.latent_hw, msg.frames, len(self.engine.steps_of(sess))), []).append((msg, sess))
         latents = {}
         for group in groups.values():
             outs = self.engine.generate_blocks([sess for _, sess in group], group[0][0].frames)

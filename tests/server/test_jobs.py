@@ -14,16 +14,16 @@ from streamdiff.server.jobs import Job, JobExpired, JobStore
 from streamdiff.supervisor.engine import SessionHandle
 
 REQ = SimpleNamespace(scenes=[Scene("p", 9)], frames=9, fps=16, model="tiny", prompt="p", width=64, height=64, seed=1)
-SESSION = SimpleNamespace(id="s", dit="dit0", vae_workers=["vae0.0"])
+PLACEMENT = {"dit": "dit0", "vae": ["vae0.0"]}
 
 
-class Scheduler:
+class Engine:
     """Stands for the engine behind a SessionHandle: records acknowledgements."""
 
     def __init__(self) -> None:
         self.acks = 0
 
-    def acknowledge(self, session_id: str, blocks: int) -> None:
+    def ack(self, session_id: str, blocks: int) -> None:
         self.acks += blocks
 
     def cancel(self, session_id: str, reason: str) -> bool:
@@ -41,16 +41,16 @@ async def settle() -> None:
 
 async def job_with(nbytes: int, chunks: int = 4) -> Job:
     job = Job(REQ, live_consumer=False)
-    job.follow_session(SessionHandle(job.id, Scheduler()))
-    job.handle.on_start(SESSION)
+    job.follow_session(SessionHandle(job.id, Engine()))
+    job.handle.on_start(PLACEMENT)
     for i in range(chunks):
-        job.handle.on_data(SESSION, bytes([i]) * (nbytes // chunks), block(i))
+        job.handle.on_data(bytes([i]) * (nbytes // chunks), block(i))
     await settle()
     return job
 
 
 async def finish(job: Job, ago_s: float = 0.0) -> None:
-    job.handle.on_end(SESSION, "done", None)
+    job.handle.on_end("done", None)
     await settle()
     job.t_finished -= ago_s
 
@@ -63,7 +63,7 @@ async def _just_finished():
     store = JobStore(max_jobs=100, keep_bytes=1000, keep_s=3600, min_keep_s=5)
     running = await job_with(5000)
     done = await job_with(400)
-    assert done.handle._scheduler.acks == 4  # a buffered job takes every fragment at once
+    assert done.handle._engine.acks == 4  # a buffered job takes every fragment at once
     store.add(running)
     store.add(done)
     await finish(done)  # prunes: 5400 bytes against 1000, but it finished this very tick
