@@ -63,6 +63,12 @@ class Metrics:
             ["batch"],
             registry=r,
         )
+        self.vae_batched_blocks = Counter(
+            "streamdiff_vae_batched_blocks",
+            "VAE blocks decoded, by how many ran in one call",
+            ["batch"],
+            registry=r,
+        )
         self.sessions = Counter("streamdiff_sessions", "Sessions that ended, by outcome", ["outcome"], registry=r)
         self.requests = Counter("streamdiff_http_requests", "HTTP requests by status class", ["status"], registry=r)
 

@@ -48,6 +48,7 @@ class World:
         self.drop = lambda worker, msg: False  # a message lost on its way
         self.acks: list[s.Event] = []
         self.acking = True  # the consumer takes every fragment at once
+        self.slow: set[str] = set()  # workers that answer last
 
     # -- the scheduler's side -------------------------------------------------------------------
     def step(self, *events: s.Event, dt: float = 0.001) -> list[s.Action]:
@@ -63,7 +64,7 @@ class World:
             self.sent.append((a.worker, a.msg))
             if isinstance(a.msg, m.CloseSession):
                 self.closed.add((a.worker, a.msg.session))
-            elif isinstance(a.msg, m.GenerateBatch | m.DecodeBlock) and not self.drop(a.worker, a.msg):
+            elif isinstance(a.msg, m.GenerateBatch | m.DecodeBatch) and not self.drop(a.worker, a.msg):
                 self.todo.append((a.worker, a.msg))
         elif isinstance(a, s.OpenEncoder | s.Encode):
             self.todo.append(("encoder", a))
@@ -105,15 +106,21 @@ class World:
                 for b in what.blocks
             ]
         rank = next(g.index(worker) for g in self.groups if worker in g)
-        skipped = (worker, what.session) in self.closed
-        return [m.FramesDone(what.session, what.block, rank, what.frame_slot, 20.0, skipped=skipped)]
+        return [
+            m.FramesDone(d.session, d.block, rank, d.frame_slot, 20.0, batch=len(what.blocks))
+            if (worker, d.session) not in self.closed
+            else m.FramesDone(d.session, d.block, rank, d.frame_slot, 0.0, skipped=True)
+            for d in what.blocks
+        ]
 
     def advance(self) -> bool:
-        """Carry out the oldest outstanding job; False when there is none."""
+        """Carry out the oldest outstanding job (a slow worker's only when nothing else is
+        left: the bottleneck); False when there is none."""
         if not self.todo:
             return False
-        worker, what = self.todo.popleft()
-        self.step(*self._answer(worker, what))
+        job = next((j for j in self.todo if j[0] not in self.slow), self.todo[0])
+        self.todo.remove(job)
+        self.step(*self._answer(*job))
         return True
 
     def run(self, limit: int = 1000) -> None:
@@ -239,7 +246,7 @@ def test_worker_death_at_every_point(k, dead, frame_slots):
 def test_death_of_one_shard_of_a_group_frees_blocks_the_other_shard_answered():
     w = World(layout=ONE_PIPELINE_K2)
     w.submit("s")
-    while not any(isinstance(x, m.DecodeBlock) for _, x in w.todo):
+    while not any(isinstance(x, m.DecodeBatch) for _, x in w.todo):
         w.advance()
     while w.todo[0][0] != "vae0.0":  # the first shard answers its decode, the second never will
         w.advance()
@@ -294,7 +301,8 @@ def test_a_slow_stage_bounds_what_runs_ahead_and_a_dead_slow_one_fails_at_its_de
     assert "s" not in w.ended
     w.step(dt=31)
     assert w.ended["s"].state == "failed" and "no answer" in w.ended["s"].error
-    assert w.sched.frame_pool.used == w.sched.latent_pool.used == limit  # the stuck worker holds them
+    # The stuck worker holds what it was sent (two batches); the block waiting for it came back.
+    assert w.sched.frame_pool.used == w.sched.latent_pool.used == s.STAGE_DEPTH
     w.todo.extend(held)
     w.run()
     w.assert_clean()
@@ -398,5 +406,42 @@ def test_decodes_go_earliest_deadline_first_and_in_order_per_session():
     w.sched.frame_pool.free.extend([0, 1])
     w.sent.clear()
     w.step()
-    decoded = [(msg.session, msg.block) for _, msg in w.sent if isinstance(msg, m.DecodeBlock)]
-    assert decoded == [("b", 0), ("b", 1)]  # both slots to the session that is behind, in block order
+    decoded = [[(d.session, d.block) for d in msg.blocks] for _, msg in w.sent if isinstance(msg, m.DecodeBatch)]
+    assert decoded == [[("b", 0)], [("b", 1)]]  # both slots to the session that is behind, in block order
+
+
+def vae_calibrated(world: World, factor: float, block_ms: float = 100.0) -> None:
+    info = {
+        "vae_rank": 0,
+        "vae_cost": {"block_ms": block_ms, "size": [128, 64]},
+        "vae_batch_ms": {"2": factor * block_ms},
+        "vae_memory": None,
+    }
+    world.step(s.WorkerReady(world.groups[0][0], info))
+
+
+def decode_batches(w: World) -> dict[str, list[list[tuple[str, int]]]]:
+    """Per VAE worker, the batches it was sent."""
+    out: dict[str, list] = {}
+    for worker, msg in w.sent:
+        if isinstance(msg, m.DecodeBatch):
+            out.setdefault(worker, []).append([(d.session, d.block) for d in msg.blocks])
+    return out
+
+
+@pytest.mark.parametrize("factor", [0.7, 1.2])
+def test_a_vae_group_decodes_batches_only_where_its_measured_cost_falls(factor):
+    """A k=2 group: decodes of two sessions go together once the group is busy and a batch of two
+    was measured cheaper per block; never where it was measured dearer (as on this CPU). Both
+    shards get the very same batches, so they agree on every collective."""
+    w = World(layout=ONE_PIPELINE_K2, cfg=ADMIT_ALL)
+    w.slow = {"vae0.0", "vae0.1"}  # the bottleneck: blocks wait for it
+    vae_calibrated(w, factor)
+    w.submit_together(w.session("a", seconds=4), w.session("b", seconds=4))
+    w.run()
+    batches = decode_batches(w)
+    assert batches["vae0.0"] == batches["vae0.1"]
+    sizes = {len(b) for b in batches["vae0.0"]}
+    assert sizes == ({1, 2} if factor < 1 else {1})
+    assert all(w.ended[n].state == "done" and w.fragments(n) == list(range(6)) for n in "ab")
+    w.assert_clean()

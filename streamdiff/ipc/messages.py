@@ -69,6 +69,14 @@ class DecodeBlock(Message, tag="dec"):
     reset: bool = False
 
 
+class DecodeBatch(Message, tag="decb"):
+    """VAE: these blocks, of different sessions, in one decode call where their sizes and cache
+    phases agree (the supervisor chose them; every shard of the group gets the same batch, so
+    the shards agree by construction); one FramesDone each."""
+
+    blocks: list[DecodeBlock]
+
+
 class CloseSession(Message, tag="close"):
     session: str
 
@@ -110,8 +118,9 @@ class FramesDone(Message, tag="frames"):
     block: int
     rank: int
     frame_slot: int
-    compute_ms: float
+    compute_ms: float  # this block's share of its batch's time
     skipped: bool = False  # the group agreed the session was cancelled: nothing was written
+    batch: int = 1  # blocks decoded together in that call
 
 
 class Failed(Message, tag="failed"):
@@ -132,6 +141,7 @@ MESSAGES = (
     GenerateBlock,
     GenerateBatch,
     DecodeBlock,
+    DecodeBatch,
     CloseSession,
     Shutdown,
     Ready,

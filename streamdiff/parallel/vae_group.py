@@ -47,11 +47,12 @@ def init_group(
     )
 
 
-def group_max(value: int, device: str) -> int:
-    """The largest of every rank's value, on every rank: one decision for the whole group."""
-    t = torch.tensor([value], dtype=torch.int32, device=device)
+def group_max(values: list[int], device: str) -> list[int]:
+    """The largest of every rank's values, element-wise, on every rank: one decision per item
+    for the whole group, in one all-reduce."""
+    t = torch.tensor(values, dtype=torch.int32, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return int(t.item())
+    return [int(v) for v in t.tolist()]
 
 
 class ExchangeHalo(Halo):

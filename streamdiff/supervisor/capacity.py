@@ -4,9 +4,9 @@ A session plays in real time when each unit it runs on — its DiT worker and it
 spends less time on a block than the block lasts on screen. Each unit's cost per block is
 measured: one calibration block at the preset's default size when the worker starts (READY),
 then every block's reported compute time (an exponential average per unit and size). A DiT
-forward over B sessions' blocks costs B x block cost x batch_factor(B): the factor (per-block
-share at B against alone) is measured at READY for the batch sizes allowed and follows every
-batched block's reported share after. A size never seen yet is estimated from the nearest
+call over B sessions' blocks costs B x block cost x batch_factor(B): the factor (per-block
+share at B against alone) is measured at READY for a pair, extrapolated to larger batches, and
+follows every batched block's reported share after. A size never seen yet is estimated from the nearest
 measured one, scaled by pixels.
 
 Admitting a session adds its demand — block cost / block duration — to its units. It is admitted
@@ -50,9 +50,15 @@ class CapacityModel:
         self.factor.setdefault((unit, batch), factor)
 
     def batch_factor(self, unit: str, batch: int) -> float:
-        """Per-block cost in a batch of `batch` against alone (1.0 when never measured: a batch
-        size nobody has timed is assumed to save nothing)."""
-        return 1.0 if batch <= 1 else self.factor.get((unit, batch), 1.0)
+        """Per-block cost in a batch of `batch` against alone: measured; else, for a size not run
+        yet, the pair's factor compounded per doubling (worth trying: the first batch of that
+        size measures it); 1.0 when not even a pair was timed (assumed to save nothing)."""
+        if batch <= 1:
+            return 1.0
+        if (unit, batch) in self.factor:
+            return self.factor[(unit, batch)]
+        pair = self.factor.get((unit, 2))
+        return 1.0 if pair is None else pair ** math.log2(batch)
 
     def observe(self, unit: str, size: tuple[int, int], block_ms: float, batch: int = 1) -> float | None:
         """A block's measured time (its share of a batch of `batch`); returns what the model had

@@ -58,7 +58,7 @@ log = logging.getLogger("streamdiff.scheduler")
 # A message on a local socket arrives within milliseconds: a block sent this long before a worker
 # began a wait (nothing running, nothing queued) that then lasted a second never reached it.
 LOST_AFTER_S = 0.05
-DIT_DEPTH = 2  # batches a DiT worker holds at once: one running, one queued behind it
+STAGE_DEPTH = 2  # batches a DiT worker or VAE group holds at once: one running, one queued behind it
 
 # Ticket states.
 T_QUEUED, T_DIT, T_LATENT, T_VAE, T_FRAMES, T_ENCODED, T_EMITTED = (
@@ -291,8 +291,8 @@ class Scheduler:
         self.metrics = Metrics()
         self.accepting = True
         self.idle_since: dict[str, float] = {}  # worker -> since when it has waited with nothing to do
-        self.batches: dict[int, tuple[str, int]] = {}  # DiT batch -> (worker, tickets still out)
-        self.dit_free_at: dict[str, float] = {}  # DiT worker -> when its batches are predicted done
+        self.batches: dict[int, tuple[str, int]] = {}  # batch -> (unit, tickets still out)
+        self.free_at: dict[str, float] = {}  # unit -> when its batches are predicted done
         self._next_batch = 0
         self.now = 0.0
         self._out: list[Action] = []
@@ -359,7 +359,10 @@ class Scheduler:
                 self.capacity.calibrate_batch(ev.worker, int(b), ms / cost["block_ms"])
         if "vae_cost" in info and info.get("vae_rank") == 0:
             unit = self._group_unit(next(i for i, g in enumerate(self.topology.vae_groups) if ev.worker in g))
-            self.capacity.calibrate(unit, info["vae_cost"]["size"], info["vae_cost"]["block_ms"], info["vae_memory"])
+            cost = info["vae_cost"]
+            self.capacity.calibrate(unit, cost["size"], cost["block_ms"], info["vae_memory"])
+            for b, ms in info.get("vae_batch_ms", {}).items():
+                self.capacity.calibrate_batch(unit, int(b), ms / cost["block_ms"])
 
     @staticmethod
     def _group_unit(group: int) -> str:
@@ -475,82 +478,100 @@ class Scheduler:
             self._dispatch_dit(dit)
 
     def _dispatch_decodes(self) -> None:
-        # Per session, its earliest latent_ready block, and only once every earlier block has
-        # gone to the VAE (the temporal cache needs them in order).
-        while self.frame_pool.free:
-            ready = []
-            for s in self.running:
-                if not all(self.worker_ready(w) for w in s.vae_workers):
-                    continue
-                t = next((t for t in s.tickets if t.state in (T_QUEUED, T_DIT, T_LATENT)), None)
-                if t is not None and t.state == T_LATENT:
-                    ready.append((self.deadline(s, t.block.index), s.created, s, t))
-            if not ready:
-                return
-            _, _, sess, t = min(ready, key=lambda r: r[:2])
-            t.frame_slot = self.frame_pool.take()
-            t.state, t.sent_at, t.reported, t.skipped = T_VAE, self.now, set(), False
-            b = t.block
-            msg = m.DecodeBlock(sess.id, b.index, t.latent_slot, t.frame_slot, t.shape, b.frames_out, b.shot_start)
-            for w in sess.vae_workers:
-                self._out.append(Send(w, msg))
+        for gi, workers in enumerate(self.topology.vae_groups):
+            if not all(self.worker_ready(w) for w in workers):
+                continue
+            unit = self._group_unit(gi)
+            while self._depth(unit) < STAGE_DEPTH and self.frame_pool.free:
+                # Per session its earliest latent_ready block, once every earlier block has gone
+                # to the VAE (the temporal cache needs them in order).
+                cands = []
+                for sess in self.running:
+                    if sess.group != gi:
+                        continue
+                    t = next((t for t in sess.tickets if t.state in (T_QUEUED, T_DIT, T_LATENT)), None)
+                    if t is not None and t.state == T_LATENT:
+                        cands.append((sess, t))
+                if not cands:
+                    break
+                batch = self._choose_batch(unit, cands, len(self.frame_pool.free), 0.0, self._decode_key)
+                self._send_decodes(gi, unit, batch)
+
+    @staticmethod
+    def _decode_key(sess: Session, t: Ticket) -> tuple:
+        """Blocks that can decode in one call: same size and cache phase."""
+        return (sess.width, sess.height, tuple(t.shape), t.block.frames_out, t.block.shot_start)
+
+    @staticmethod
+    def _generate_key(sess: Session, t: Ticket) -> tuple:
+        return (sess.width, sess.height, t.block.latent_frames)
 
     def _issuable(self, sess: Session) -> bool:
         limit = self.cfg.pipeline.max_blocks_in_flight
         return sess.issued < len(sess.blocks) and sess.issued - sess.acked < limit
 
+    def _depth(self, unit: str) -> int:
+        return sum(u == unit for u, _ in self.batches.values())
+
     def _dispatch_dit(self, dit: str) -> None:
         if not self.worker_ready(dit):
             return
-        while sum(w == dit for w, _ in self.batches.values()) < DIT_DEPTH and self.latent_pool.free:
-            cands = [s for s in self.running if s.dit == dit and self._issuable(s)]
+        while self._depth(dit) < STAGE_DEPTH and self.latent_pool.free:
+            cands = [(s, s.tickets[s.issued]) for s in self.running if s.dit == dit and self._issuable(s)]
             if not cands:
                 return
-            cands.sort(key=lambda s: (self.deadline(s, s.issued), s.created))
-            self._send_batch(dit, self._choose_batch(dit, cands))
+            head = min(cands, key=lambda c: (self.deadline(c[0], c[1].block.index), c[0].created))[0]
+            after = self.capacity.block_ms(self._group_unit(head.group), (head.width, head.height)) or 0.0
+            batch = self._choose_batch(dit, cands, len(self.latent_pool.free), after, self._generate_key)
+            self._send_generates(dit, batch)
 
-    def _choose_batch(self, dit: str, cands: list[Session]) -> list[Session]:
-        """The most urgent block and, while it pays, other sessions' blocks of the same size:
-        the measured per-block cost must fall with each one added, and the batch must not make
-        the head late that would have been on time alone."""
+    def _choose_batch(self, unit: str, cands: list, slots: int, after_ms: float, key) -> list:
+        """The most urgent block and, while it pays, other sessions' blocks that `key` says can
+        run with it: the measured per-block cost must fall with each one added, and the batch
+        must not make the head late that would have been on time alone (`after_ms`: the stages
+        still ahead of it). cands: (session, ticket); returns the batch in the same form."""
+        cands = sorted(cands, key=lambda c: (self.deadline(c[0], c[1].block.index), c[0].created))
         head = cands[0]
-        size = (head.width, head.height)
-        frames = head.blocks[head.issued].latent_frames
-        base = self.capacity.block_ms(dit, size)
-        cap = min(self.cfg.pipeline.max_batch, len(self.latent_pool.free))
+        base = self.capacity.block_ms(unit, (head[0].width, head[0].height))
+        cap = min(self.cfg.pipeline.max_batch, slots)
         batch = [head]
         if base is None or cap < 2:
             return batch
-        vae = self.capacity.block_ms(self._group_unit(head.group), size) or 0.0
-        due = self.deadline(head, head.issued) - vae / 1000
-
-        start = max(self.now, self.dit_free_at.get(dit, 0.0))  # after the batch already queued there
+        due = self.deadline(head[0], head[1].block.index) - after_ms / 1000
+        start = max(self.now, self.free_at.get(unit, 0.0))  # after the batch already queued there
 
         def finish(n: int) -> float:
-            return start + self._batch_ms(dit, base, n) / 1000
+            return start + self._batch_ms(unit, base, n) / 1000
 
-        for s in cands[1:]:
+        for c in cands[1:]:
             if len(batch) >= cap:
                 break
-            if (s.width, s.height) != size or s.blocks[s.issued].latent_frames != frames:
+            if key(*c) != key(*head):
                 continue
             n = len(batch) + 1
-            if self.capacity.batch_factor(dit, n) >= self.capacity.batch_factor(dit, n - 1):
+            if self.capacity.batch_factor(unit, n) >= self.capacity.batch_factor(unit, n - 1):
                 break  # no cheaper per block: not worth the wait
             if finish(n) > due >= finish(n - 1):
                 break  # would make the head late
-            batch.append(s)
+            batch.append(c)
         return batch
 
-    def _batch_ms(self, dit: str, base: float, n: int) -> float:
-        return base * n * self.capacity.batch_factor(dit, n)
+    def _batch_ms(self, unit: str, base: float, n: int) -> float:
+        return base * n * self.capacity.batch_factor(unit, n)
 
-    def _send_batch(self, dit: str, batch: list[Session]) -> None:
+    def _new_batch(self, unit: str, batch: list) -> int:
         bid = self._next_batch
         self._next_batch += 1
+        self.batches[bid] = (unit, len(batch))
+        sess = batch[0][0]
+        base = self.capacity.block_ms(unit, (sess.width, sess.height)) or 0.0
+        self.free_at[unit] = max(self.now, self.free_at.get(unit, 0.0)) + self._batch_ms(unit, base, len(batch)) / 1000
+        return bid
+
+    def _send_generates(self, dit: str, batch: list) -> None:
+        bid = self._new_batch(dit, batch)
         msgs = []
-        for sess in batch:
-            t = sess.tickets[sess.issued]
+        for sess, t in batch:
             b = t.block
             scene = sess.scenes[b.scene]
             first = b.first_of_scene
@@ -568,12 +589,19 @@ class Scheduler:
                     seed=scene.seed if first else None,
                 )
             )
-        self.batches[bid] = (dit, len(msgs))
-        base = self.capacity.block_ms(dit, (batch[0].width, batch[0].height)) or 0.0
-        self.dit_free_at[dit] = (
-            max(self.now, self.dit_free_at.get(dit, 0.0)) + self._batch_ms(dit, base, len(msgs)) / 1000
-        )
         self._out.append(Send(dit, m.GenerateBatch(msgs)))
+
+    def _send_decodes(self, group: int, unit: str, batch: list) -> None:
+        bid = self._new_batch(unit, batch)
+        msgs = []
+        for sess, t in batch:
+            b = t.block
+            t.frame_slot = self.frame_pool.take()
+            t.state, t.sent_at, t.batch, t.reported, t.skipped = T_VAE, self.now, bid, set(), False
+            item = m.DecodeBlock(sess.id, b.index, t.latent_slot, t.frame_slot, t.shape, b.frames_out, b.shot_start)
+            msgs.append(item)
+        for w in self.topology.vae_groups[group]:
+            self._out.append(Send(w, m.DecodeBatch(msgs)))
 
     def _encode_next(self, sess: Session) -> None:
         """Encode the session's next block once its frames are ready (one at a time, in order)."""
@@ -607,10 +635,10 @@ class Scheduler:
         t = sess.tickets[block]
         return sess, (t if t.state == state else None)
 
-    def _left_dit(self, t: Ticket) -> None:
-        worker, out = self.batches.pop(t.batch)
+    def _left_batch(self, t: Ticket) -> None:
+        unit, out = self.batches.pop(t.batch)
         if out > 1:
-            self.batches[t.batch] = (worker, out - 1)
+            self.batches[t.batch] = (unit, out - 1)
         t.batch = None
 
     def _latent_done(self, msg: m.LatentDone) -> None:
@@ -618,7 +646,7 @@ class Scheduler:
         if t is None:
             log.warning("latent for unknown block %s/%s", msg.session, msg.block)
             return
-        self._left_dit(t)
+        self._left_batch(t)
         if msg.skipped or sess.state != RUNNING:
             self._release(sess, t)
             return
@@ -640,7 +668,9 @@ class Scheduler:
         if not msg.skipped and msg.rank == 0:
             self.stage_ms["vae"] += msg.compute_ms
             self.metrics.stage_seconds.labels("vae").observe(msg.compute_ms / 1000)
-            predicted = self.capacity.observe(self._group_unit(sess.group), (sess.width, sess.height), msg.compute_ms)
+            self.metrics.vae_batched_blocks.labels(str(msg.batch)).inc()
+            unit = self._group_unit(sess.group)
+            predicted = self.capacity.observe(unit, (sess.width, sess.height), msg.compute_ms, msg.batch)
             if predicted:
                 self.metrics.block_cost_ratio.labels("vae").observe(msg.compute_ms / predicted)
         self._vae_answered(sess, t)
@@ -648,6 +678,7 @@ class Scheduler:
     def _vae_answered(self, sess: Session, t: Ticket) -> None:
         if len(t.reported) < len(sess.vae_workers):
             return
+        self._left_batch(t)
         self.latent_pool.give(t.latent_slot)
         t.latent_slot = None
         if t.skipped or sess.state != RUNNING:
@@ -787,8 +818,8 @@ class Scheduler:
     def _worker_gone(self, sess: Session, t: Ticket) -> None:
         """No worker holds the ticket's slots any more (it answered with a refusal, never got
         the message, or died)."""
-        if t.state == T_DIT:
-            self._left_dit(t)
+        if t.state in (T_DIT, T_VAE):
+            self._left_batch(t)
         self._release(sess, t)
 
     def _check_deadlines(self) -> None:

@@ -149,12 +149,10 @@ class Worker:
             msg = m.decode(raw)
             if isinstance(msg, m.OpenSession):
                 self.seeds[msg.session] = msg.seed
-            elif isinstance(msg, m.GenerateBatch):
+            elif isinstance(msg, m.GenerateBatch | m.DecodeBatch):
                 msg.blocks = [b for b in msg.blocks if not self._dropped(b)]
                 if not msg.blocks:
                     continue
-            elif isinstance(msg, m.DecodeBlock) and self._dropped(msg):
-                continue
             if isinstance(msg, m.CloseSession):
                 self.closed.add(msg.session)
                 self.seeds.pop(msg.session, None)
@@ -173,20 +171,20 @@ class Worker:
                 self.closed.discard(msg.session)
                 for stage in self.stages.values():
                     stage.open(msg)
-            elif isinstance(msg, m.GenerateBatch):
-                replies, refusals = self.stages["dit"].generate(msg.blocks, self.closed)
+            elif isinstance(msg, m.GenerateBatch | m.DecodeBatch):
+                stage = self.stages["dit" if isinstance(msg, m.GenerateBatch) else "vae"]
+                replies, refusals = stage.run_batch(msg.blocks, self.closed)
                 for reply in replies:
                     self.send(reply)
                 for refused, exc in refusals:
                     self._failed(refused, exc)
-            elif isinstance(msg, m.DecodeBlock):
-                self.send(self.stages["vae"].decode(msg, msg.session in self.closed))
         except Exception as exc:
-            self._failed(msg.blocks[0] if isinstance(msg, m.GenerateBatch) else msg, exc)
+            self._failed(msg.blocks[0] if isinstance(msg, m.GenerateBatch | m.DecodeBatch) else msg, exc)
         finally:
             self.busy_since = 0.0
 
     def _dropped(self, msg: m.GenerateBlock | m.DecodeBlock) -> bool:
+        """An injected fault: this block's message is lost on its way."""
         if self.faults.drop(msg.session, self.seeds.get(msg.session)):
             log.warning("dropping %s %s/%d (injected fault)", msg.type, msg.session, msg.block)
             return True

@@ -37,6 +37,6 @@ class WorkerSpec:
     log_level: str = "info"
     vae_working_set_bytes: int = 48 * 2**20  # CPU decode: activations per call (see models/wan/kernels.py)
     cpu_memory_budget_bytes: int = 8 * 2**30  # cpu: what one worker's sessions may hold (caches)
-    max_batch: int = 4  # DiT: blocks of different sessions run in one forward, at most this many
+    max_batch: int = 4  # blocks of different sessions in one DiT forward or VAE call, at most this many
     incarnation: int = 0  # 0 for the first start, +1 at each restart
     faults: tuple[Fault, ...] = ()  # deliberate faults (tests and drills only; see workers/faults.py)

@@ -119,18 +119,15 @@ class DiTStage:
         per_token = sum(t.numel() * t.element_size() for t in (*kv.k, *kv.v)) // tokens
         cross = sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in sess.state.cross)
         budget = memory_budget_bytes(self.device, self.cpu_budget)
-        # Per-block share of a batched forward, for each batch size the supervisor may choose
-        # (as many sessions as half the memory budget holds: the rest is for the real ones).
-        largest = min(self.max_batch, int(budget // 2 // max(1, per_token * tokens + cross)))
-        others = [self.engine.open_session(w, h, seed=i) for i in range(1, largest)]
-        for other in others:
+        # Per-block share of a batched forward of two sessions (larger batches are measured as
+        # the supervisor runs them), if half the memory budget holds a second session.
+        batch_ms = {}
+        if self.max_batch > 1 and budget // 2 >= 2 * (per_token * tokens + cross):
+            other = self.engine.open_session(w, h, seed=1)
             self.engine.set_scene(other, "calibration", cut=True)
             self.engine.generate_block(other, p.sampler.frames_per_block)
-        batch_ms = {}
-        for b in range(2, largest + 1):
-            group = [sess, *others[: b - 1]]
-            ms_b = _timed(self.device, lambda g=group: self.engine.generate_blocks(g, p.sampler.frames_per_block))
-            batch_ms[str(b)] = ms_b / b
+            pair, fpb = [sess, other], p.sampler.frames_per_block
+            batch_ms["2"] = _timed(self.device, lambda: self.engine.generate_blocks(pair, fpb)) / 2
         return {
             "dit_cost": {"block_ms": ms, "size": [w, h]},
             "dit_batch_ms": batch_ms,
@@ -166,7 +163,7 @@ class DiTStage:
         if np.prod(shape) * 4 > self.ring.spec.slot_bytes:
             raise RequestError(f"a latent block of shape {shape} does not fit a ring slot")
 
-    def generate(self, msgs: list[m.GenerateBlock], closed: set[str]) -> tuple[list, list]:
+    def run_batch(self, msgs: list[m.GenerateBlock], closed: set[str]) -> tuple[list, list]:
         """The next block of each message's session (the supervisor's batch: one block per
         session), in one batched forward where sizes and step counts agree.
         Returns (replies, refusals): LatentDone per block run or skipped, (message, RequestError)
@@ -228,6 +225,7 @@ class VAEStage:
         self.seeds: dict[str, int] = {}
         self.next_block: dict[str, int] = {}  # session -> the block index due next
         self.cpu_budget = spec.cpu_memory_budget_bytes
+        self.max_batch = spec.max_batch
         self.calibration = self.calibrate()
 
     def info(self) -> dict:
@@ -242,28 +240,41 @@ class VAEStage:
 
     def calibrate(self) -> dict:
         """One steady-state block at the preset's default size, decoded by the whole group
-        (every shard runs it: the same collectives), timed; and the temporal cache it leaves,
-        per latent pixel of this shard's share, for the memory side of admission."""
+        (every shard runs it: the same collectives), timed, alone and in batches of the sizes
+        the supervisor may choose; and the temporal cache it leaves, per latent pixel of this
+        shard's share, for the memory side of admission."""
         p = self.engine.preset
         w, h = p.default_size
         sf, fpb = p.vae.spatial_factor, p.sampler.frames_per_block
-        state = self.engine.open_session()
-        halo_for = (lambda plan: ExchangeHalo(self.rank, list(plan.bands))) if self.world > 1 else (lambda plan: None)
+        budget = memory_budget_bytes(self.device, self.cpu_budget)
         g = torch.Generator().manual_seed(0)
-        for i, f in enumerate((1, fpb)):
-            z = torch.randn(1, p.dit.in_channels, f, h // sf, w // sf, generator=g)
-            plan = self.engine.plan(tuple(z.shape[1:]), self.world)
 
-            def run(z=z, plan=plan):
-                return self.engine.decode_block(state, z, plan, self.rank, halo_for(plan), self.shard_front)
+        def decode(states, frames: int) -> float:
+            z = torch.randn(len(states), p.dit.in_channels, frames, h // sf, w // sf, generator=g)
+            plan = self.engine.plan(tuple(z.shape[1:]), self.world, len(states))
+            halo = ExchangeHalo(self.rank, list(plan.bands)) if self.world > 1 else None
+            front = self.shard_front
+            return _timed(self.device, lambda: self.engine.decode_blocks(states, z, plan, self.rank, halo, front))
 
-            ms = _timed(self.device, run) if i else (run(), 0.0)[1]
+        state = self.engine.open_session()
+        decode([state], 1)  # a shot's first block, then a steady one
+        ms = decode([state], fpb)
         cache = sum(c.numel() * c.element_size() for c in state.cache if c is not None)
+        # A pair decoded in one call, if half the memory budget holds it on every rank (their
+        # free memory differs; all must run the same calibration collectives or none).
+        batch_ms = {}
+        fits = int(self.max_batch > 1 and budget // 2 >= 2 * cache)
+        if -self._agree([-fits])[0]:
+            other = self.engine.open_session()
+            decode([other], 1)
+            decode([other], fpb)  # the same cache phase as `state`
+            batch_ms["2"] = decode([state, other], fpb) / 2
         return {
             "vae_cost": {"block_ms": ms, "size": [w, h]},
+            "vae_batch_ms": batch_ms,
             "vae_memory": {
                 "cache_bytes_per_latent_pixel": cache / ((h // sf) * (w // sf)),
-                "budget_bytes": memory_budget_bytes(self.device, self.cpu_budget),
+                "budget_bytes": budget,
             },
         }
 
@@ -300,37 +311,66 @@ class VAEStage:
         except ValueError as exc:  # e.g. fewer latent rows than shards
             raise RequestError(str(exc)) from None
 
-    def _agree(self, verdict: int) -> int:
-        return group_max(verdict, self.device) if self.world > 1 else verdict
+    def _agree(self, verdicts: list[int]) -> list[int]:
+        return group_max(verdicts, self.device) if self.world > 1 else verdicts
 
-    def decode(self, msg: m.DecodeBlock, cancelled: bool) -> m.FramesDone:
-        state = self.sessions.get(msg.session)
-        verdict, plan, refusal = (SKIP if cancelled or state is None else RUN), None, None
-        if verdict == RUN:
-            try:
-                plan = self.check(msg, state)
-            except RequestError as exc:
-                verdict, refusal = REFUSE, exc
-        verdict = self._agree(verdict)
-        if verdict == REFUSE and refusal is not None:
-            raise refusal  # the shard that refused says why; its peers answer "skipped"
-        if verdict != RUN:
-            return m.FramesDone(msg.session, msg.block, self.rank, msg.frame_slot, 0.0, skipped=True)
+    def run_batch(self, msgs: list[m.DecodeBlock], closed: set[str]) -> tuple[list, list]:
+        """The supervisor's batch (one block per session), decoded in one call per set of blocks
+        whose size and cache phase agree. Every shard checks every block, then the group agrees
+        on each with one all-reduce (a cancel wins over a refusal) before any collective, so all
+        shards run the same decodes. Returns (replies, refusals): FramesDone per block decoded or
+        skipped, (message, RequestError) per block this shard refused (its peers answer
+        skipped). Any other error propagates: the worker's own."""
+        verdicts, refusals = [], {}
+        for msg in msgs:
+            state = self.sessions.get(msg.session)
+            verdict = SKIP if msg.session in closed or state is None else RUN
+            if verdict == RUN:
+                try:
+                    self.check(msg, state)
+                except RequestError as exc:
+                    verdict, refusals[msg.block, msg.session] = REFUSE, exc
+            verdicts.append(verdict)
+        agreed = self._agree(verdicts)
+        replies, refused, run = [], [], []
+        for msg, verdict in zip(msgs, agreed, strict=True):
+            key = (msg.block, msg.session)
+            if verdict == REFUSE and key in refusals:
+                refused.append((msg, refusals[key]))
+            elif verdict != RUN:
+                replies.append(m.FramesDone(msg.session, msg.block, self.rank, msg.frame_slot, 0.0, skipped=True))
+            else:
+                run.append(msg)
         t0 = time.perf_counter()
-        self.faults.hit("compute", self.seeds.get(msg.session))
-        if msg.reset:  # a new shot: the temporal cache starts afresh
-            state = self.sessions[msg.session] = self.engine.open_session()
-        latent = torch.from_numpy(self.latents.array(msg.latent_slot, msg.shape, np.float32))[None]
-        c, f, h, w = msg.shape
+        groups: dict[tuple, list] = {}
+        for msg in run:
+            self.faults.hit("compute", self.seeds.get(msg.session))
+            if msg.reset:  # a new shot: the temporal cache starts afresh
+                self.sessions[msg.session] = self.engine.open_session()
+            state = self.sessions[msg.session]
+            phase = tuple(None if c is None else tuple(c.shape) for c in state.cache)
+            groups.setdefault((tuple(msg.shape), msg.frames_out, phase), []).append(msg)
+        for group in groups.values():
+            self._decode(group)
+        ms = 1000 * (time.perf_counter() - t0) / max(1, len(run))  # each block's share
+        replies += [m.FramesDone(msg.session, msg.block, self.rank, msg.frame_slot, ms, batch=len(run)) for msg in run]
+        return replies, refused
+
+    def _decode(self, msgs: list[m.DecodeBlock]) -> None:
+        c, f, h, w = msgs[0].shape
         sf = self.engine.preset.vae.spatial_factor
+        plan = self.engine.plan((c, f, h, w), self.world, len(msgs))
+        latents = torch.stack(
+            [torch.from_numpy(self.latents.array(msg.latent_slot, msg.shape, np.float32)) for msg in msgs]
+        )
         halo = ExchangeHalo(self.rank, list(plan.bands)) if self.world > 1 else None
-        strip = self.engine.decode_block(state, latent, plan, self.rank, halo, self.shard_front)
+        states = [self.sessions[msg.session] for msg in msgs]
+        strips = self.engine.decode_blocks(states, latents, plan, self.rank, halo, self.shard_front)
         r0, r1 = plan.rows(self.rank)
         _sync(self.device)
-        out = self.frames.array(msg.frame_slot, (msg.frames_out, h * sf, w * sf, 3), np.uint8)
-        out[:, r0 * sf : r1 * sf] = strip.numpy()  # this shard's row strip, in place: no gather copy
-        ms = 1000 * (time.perf_counter() - t0)
-        return m.FramesDone(msg.session, msg.block, self.rank, msg.frame_slot, ms)
+        for msg, strip in zip(msgs, strips, strict=True):
+            out = self.frames.array(msg.frame_slot, (msg.frames_out, h * sf, w * sf, 3), np.uint8)
+            out[:, r0 * sf : r1 * sf] = strip.numpy()  # this shard's row strip, in place: no gather copy
 
     def shutdown(self) -> None:
         self.latents.close()

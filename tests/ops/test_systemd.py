@@ -159,7 +159,7 @@ def test_degraded_is_not_down(tmp_path):
     /health stays 200 (degraded), systemd's watchdog keeps being fed, and a stream on the other
     pipeline plays to its end."""
     cfg = tmp_path / "c.toml"
-    cfg.write_text("[pipeline]\nready_timeout_s = 8.0\n")
+    cfg.write_text("[pipeline]\nready_timeout_s = 12.0\n")  # four workers starting on two cores
     fake = FakeSystemd(str(tmp_path / "notify"))
     env = {
         "NOTIFY_SOCKET": str(tmp_path / "notify"),
