@@ -59,6 +59,7 @@ class Job:
         self._changed = asyncio.Event()
         self._follower: asyncio.Task | None = None
         self.t_created = time.monotonic()
+        self.t_started: float | None = None  # admitted: the engine started its session
         self.t_first_fragment: float | None = None
         self.t_finished: float | None = None
         self.scene_starts: list[int] = []
@@ -77,6 +78,7 @@ class Job:
         async for ev in handle:
             if isinstance(ev, Started):
                 self.state, self.placement = "running", ev.placement
+                self.t_started = time.monotonic()
             elif isinstance(ev, Data):
                 self._append(ev.data, ev.block)
             else:
@@ -199,6 +201,8 @@ class Job:
         }
         if self.placement is not None:
             obj["workers"] = self.placement
+        if self.t_started is not None:
+            obj["queued_s"] = round(self.t_started - self.t_created, 3)  # waiting for admission
         if self.t_first_fragment is not None:
             obj["time_to_first_fragment_s"] = round(self.t_first_fragment - self.t_created, 3)
         return obj

@@ -23,6 +23,7 @@ import math
 from dataclasses import dataclass, field
 
 EWMA = 0.3  # weight of the newest block in a unit's cost
+TRIALS = 3  # batches of a size run before its factor is trusted over a one-off timing at READY
 
 
 @dataclass
@@ -39,6 +40,7 @@ class CapacityModel:
         self.cost_ms: dict[tuple[str, tuple[int, int]], float] = {}  # (unit, (w, h)) -> ms per block
         self.memory: dict[str, dict] = {}  # unit -> what its worker said it holds per session
         self.factor: dict[tuple[str, int], float] = {}  # (unit, batch size) -> per-block share / alone
+        self.batches_seen: dict[tuple[str, int], int] = {}  # (unit, batch size) -> blocks observed
 
     # -- what the workers tell ----------------------------------------------------------------
     def calibrate(self, unit: str, size: list[int], block_ms: float, memory: dict | None) -> None:
@@ -60,12 +62,19 @@ class CapacityModel:
         pair = self.factor.get((unit, 2))
         return 1.0 if pair is None else pair ** math.log2(batch)
 
+    def on_trial(self, unit: str, batch: int) -> bool:
+        """Whether batches of this size are still being tried: a one-off timing at READY is a
+        prior (on a CPU a pair's gain is a few percent, inside the noise of one timing), so the
+        first few real batches run whatever it said, and their measured shares decide after."""
+        return self.batches_seen.get((unit, batch), 0) < TRIALS * batch
+
     def observe(self, unit: str, size: tuple[int, int], block_ms: float, batch: int = 1) -> float | None:
         """A block's measured time (its share of a batch of `batch`); returns what the model had
         predicted for it. Alone, it updates the unit's cost; in a batch, the batch factor."""
         alone = self.block_ms(unit, size)
         predicted = None if alone is None else alone * self.batch_factor(unit, batch)
         if batch > 1:
+            self.batches_seen[(unit, batch)] = self.batches_seen.get((unit, batch), 0) + 1
             if alone:
                 key = (unit, batch)
                 old = self.factor.get(key)

@@ -23,11 +23,12 @@ The policy:
   counts from the request). Each stage serves the earliest deadline first and is work-conserving:
   a slot stays free only while no session has a block it may run; a session far ahead of its
   player yields to one that is behind.
-- Batches. A DiT worker gets at most DIT_DEPTH batches at once (one running, one queued), so the
-  choice of what runs next is made late, here. A batch is the most urgent block plus other
-  sessions' blocks of the same size, added while the measured per-block cost falls with the
-  batch size and the batch does not make its most urgent block late that would have been on
-  time. A VAE group's shards all get the same decode messages, so they always agree.
+- Batches. A DiT worker or VAE group gets at most STAGE_DEPTH batches at once (one running, one
+  queued), so the choice of what runs next is made late, here. A batch is the most urgent block
+  plus other sessions' blocks that can run with it, added while the measured per-block cost
+  falls with the batch size (the first few batches of a size are trials that measure it) and
+  the batch does not make its most urgent block late that would have been on time. A VAE
+  group's shards all get the same batch messages, so they always agree.
 - Admission from the capacity model (capacity.py); a session's window: at most
   `max_blocks_in_flight` blocks between "sent to the DiT" and "taken by its consumer".
 - No silent loss. A ticket sent to a worker leaves only by that worker's answer, by the worker
@@ -549,8 +550,9 @@ class Scheduler:
             if key(*c) != key(*head):
                 continue
             n = len(batch) + 1
-            if self.capacity.batch_factor(unit, n) >= self.capacity.batch_factor(unit, n - 1):
-                break  # no cheaper per block: not worth the wait
+            cheaper = self.capacity.batch_factor(unit, n) < self.capacity.batch_factor(unit, n - 1)
+            if not cheaper and not self.capacity.on_trial(unit, n):
+                break  # measured no cheaper per block: not worth the wait
             if finish(n) > due >= finish(n - 1):
                 break  # would make the head late
             batch.append(c)
