@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 
 EWMA = 0.3  # weight of the newest block in a unit's cost
 TRIALS = 3  # batches of a size run before its factor is trusted over a one-off timing at READY
+TRIAL_MARGIN = 1.1  # ... where that timing put it within this of no gain (a one-off CPU timing's noise)
 
 
 @dataclass
@@ -64,9 +65,12 @@ class CapacityModel:
 
     def on_trial(self, unit: str, batch: int) -> bool:
         """Whether batches of this size are still being tried: a one-off timing at READY is a
-        prior (on a CPU a pair's gain is a few percent, inside the noise of one timing), so the
-        first few real batches run whatever it said, and their measured shares decide after."""
-        return self.batches_seen.get((unit, batch), 0) < TRIALS * batch
+        prior, and where it says "about no gain" (on a CPU a pair's gain is a few percent,
+        inside the noise of one timing) the first few real batches run anyway and their
+        measured shares decide after. A prior that says clearly dearer is believed."""
+        seen = self.batches_seen.get((unit, batch), 0)
+        close = self.batch_factor(unit, batch) < TRIAL_MARGIN * self.batch_factor(unit, batch - 1)
+        return close and seen < TRIALS * batch
 
     def observe(self, unit: str, size: tuple[int, int], block_ms: float, batch: int = 1) -> float | None:
         """A block's measured time (its share of a batch of `batch`); returns what the model had

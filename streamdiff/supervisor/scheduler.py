@@ -247,7 +247,7 @@ class Session:
     fragment_times: list[float] = field(default_factory=list)  # one per block
     stall_s: float = 0.0  # playback delay accumulated so far (a player rebuffers, then continues)
     stalls: int = 0
-    demand: Demand | None = None  # what it asks of its units, once placed
+    demand: Demand | None = None  # what it asked of its units when it was placed
 
     def __post_init__(self) -> None:
         if not self.tickets:
@@ -349,6 +349,8 @@ class Scheduler:
             return
         self.sessions[sess.id] = sess
         self.queue.append(sess)
+        if wait > 0:
+            log.info("session %s queued: predicted to start in %.1fs", sess.id, wait)
 
     def _worker_ready(self, ev: WorkerReady) -> None:
         """A worker's READY: its calibration blocks and memory facts seed the capacity model."""
@@ -382,6 +384,11 @@ class Scheduler:
             len(self.topology.vae_groups[group]),
         )
 
+    def _running_demands(self) -> list[Demand]:
+        """What the running sessions ask of their units at the costs measured now (a session
+        placed on a start-up timing is counted at what its blocks have measured since)."""
+        return [self._demand(s, s.dit, s.group) for s in self.running]
+
     def _candidate(self, sess: Session, ready_only: bool = True) -> tuple[str, int] | None:
         """The DiT worker and VAE group a session would go to: the least busy by predicted share
         (an aggregated worker's session decodes in its own process)."""
@@ -391,7 +398,7 @@ class Scheduler:
         ]
         if not dits or not groups:
             return None
-        share, _ = self.capacity.load([s.demand for s in self.running if s.demand is not None])
+        share, _ = self.capacity.load(self._running_demands())
         count: dict[str, int] = {}
         for s in self.running:
             count[s.dit] = count.get(s.dit, 0) + 1
@@ -413,9 +420,8 @@ class Scheduler:
             return 0.0  # nothing to go by: the count limits decide
         new = self._demand(sess, *cand)
         running = [
-            (sum(t.block.emit for t in s.tickets if t.state != T_EMITTED) / s.fps, s.demand)
+            (sum(t.block.emit for t in s.tickets if t.state != T_EMITTED) / s.fps, self._demand(s, s.dit, s.group))
             for s in self.running
-            if s.demand is not None
         ]
         ahead = [(q.frames / q.fps, self._demand(q, *cand)) for q in self.queue]
         return self.capacity.predicted_start(new, running, ahead)
@@ -426,7 +432,7 @@ class Scheduler:
         if cand is None:
             return False
         demand = self._demand(sess, *cand)
-        if not self.capacity.fits(demand, [s.demand for s in self.running if s.demand is not None]):
+        if not self.capacity.fits(demand, self._running_demands()):
             return False
         sess.dit, sess.group = cand
         sess.vae_workers = list(self.topology.vae_groups[sess.group])
@@ -434,6 +440,8 @@ class Scheduler:
         return True
 
     def _start(self, sess: Session) -> None:
+        share = {u: round(x, 2) for u, x in sess.demand.share.items()}
+        log.info("session %s starts on %s and VAE group %d, busy shares %s", sess.id, sess.dit, sess.group, share)
         sess.state, sess.started = RUNNING, self.now
         self.metrics.queue_seconds.observe(sess.started - sess.created)
         opened = m.OpenSession(sess.id, sess.width, sess.height, sess.seed)

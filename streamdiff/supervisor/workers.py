@@ -150,7 +150,14 @@ class WorkerPool:
         w.ready, w.info, w.last_heartbeat = True, msg.info, time.monotonic()
         w.ready_since = w.last_heartbeat
         self._restarting.discard(msg.worker)
-        log.info("worker %s ready (pid %d)", msg.worker, msg.pid)
+        timed = []  # what it measured at start, for the capacity model
+        for stage in ("dit", "vae"):
+            cost = msg.info.get(f"{stage}_cost")
+            if cost:
+                pair = msg.info.get(f"{stage}_batch_ms", {}).get("2")
+                each = f", {pair:.0f} each in a pair" if pair else ""
+                timed.append(f"{stage} {cost['block_ms']:.0f} ms per block{each}")
+        log.info("worker %s ready (pid %d)%s", msg.worker, msg.pid, f": {'; '.join(timed)}" if timed else "")
         self._wake()
         self.on_worker_ready(msg.worker)
 
