@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from streamdiff.supervisor.capacity import CapacityModel, Demand
+from streamdiff.supervisor.capacity import TRIALS, CapacityModel, Demand
 
 DIT_MEM = {"kv_bytes_per_token": 1000, "window_frames": 12, "cross_bytes": 5000, "budget_bytes": 10**9}
 VAE_MEM = {"cache_bytes_per_latent_pixel": 2000.0, "budget_bytes": 10**9}
@@ -58,3 +58,19 @@ def test_predicted_start_replays_the_running_sessions_ends():
     assert c.predicted_start(d, [(12.0, d), (7.0, d)], []) == 7.0  # when the first ends
     # A session queued ahead takes the first free place; this one waits for the next end.
     assert c.predicted_start(d, [(12.0, d), (7.0, d)], [(20.0, d)]) == 12.0
+
+
+def test_a_batch_factor_timed_at_another_size_is_a_prior_on_trial():
+    """A pair timed at READY at the default size: believed there when clearly dearer; at another
+    size (small matrices gain most from batching) only a prior until real pairs measured it."""
+    cap = CapacityModel(0.9)
+    cap.calibrate("dit0", [256, 144], 100.0, None)
+    cap.calibrate_batch("dit0", [256, 144], 2, 1.3)
+    assert not cap.on_trial("dit0", (256, 144), 2)
+    assert cap.batch_factor("dit0", (128, 64), 2) == 1.3 and cap.on_trial("dit0", (128, 64), 2)
+    alone = cap.block_ms("dit0", (128, 64))
+    for _ in range(TRIALS * 2):  # three pairs, two blocks each
+        cap.observe("dit0", (128, 64), 0.8 * alone, batch=2)
+    assert not cap.on_trial("dit0", (128, 64), 2)
+    assert cap.batch_factor("dit0", (128, 64), 2) < 0.95
+    assert cap.batch_factor("dit0", (256, 144), 2) == 1.3  # each size keeps its own

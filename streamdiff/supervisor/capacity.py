@@ -40,8 +40,8 @@ class CapacityModel:
         self.target = target_utilization
         self.cost_ms: dict[tuple[str, tuple[int, int]], float] = {}  # (unit, (w, h)) -> ms per block
         self.memory: dict[str, dict] = {}  # unit -> what its worker said it holds per session
-        self.factor: dict[tuple[str, int], float] = {}  # (unit, batch size) -> per-block share / alone
-        self.batches_seen: dict[tuple[str, int], int] = {}  # (unit, batch size) -> blocks observed
+        self.factor: dict[tuple, float] = {}  # (unit, (w, h), batch size) -> per-block share / alone
+        self.batches_seen: dict[tuple, int] = {}  # (unit, (w, h), batch size) -> blocks observed
 
     # -- what the workers tell ----------------------------------------------------------------
     def calibrate(self, unit: str, size: list[int], block_ms: float, memory: dict | None) -> None:
@@ -49,38 +49,47 @@ class CapacityModel:
         if memory:
             self.memory[unit] = memory
 
-    def calibrate_batch(self, unit: str, batch: int, factor: float) -> None:
-        self.factor.setdefault((unit, batch), factor)
+    def calibrate_batch(self, unit: str, size: list[int], batch: int, factor: float) -> None:
+        self.factor.setdefault((unit, (size[0], size[1]), batch), factor)
 
-    def batch_factor(self, unit: str, batch: int) -> float:
-        """Per-block cost in a batch of `batch` against alone: measured; else, for a size not run
-        yet, the pair's factor compounded per doubling (worth trying: the first batch of that
-        size measures it); 1.0 when not even a pair was timed (assumed to save nothing)."""
-        if batch <= 1:
-            return 1.0
-        if (unit, batch) in self.factor:
-            return self.factor[(unit, batch)]
-        pair = self.factor.get((unit, 2))
-        return 1.0 if pair is None else pair ** math.log2(batch)
+    def _factor_known(self, unit: str, size: tuple[int, int], batch: int) -> tuple[float, bool]:
+        """(factor, measured at this very size). Measured at this size; else a pair's factor
+        compounded per doubling; else the nearest size's (by pixels) for this batch size; else
+        1.0 (assumed to save nothing)."""
+        if (unit, size, batch) in self.factor:
+            return self.factor[(unit, size, batch)], True
+        if (unit, size, 2) in self.factor:
+            return self.factor[(unit, size, 2)] ** math.log2(batch), False
+        known = [(s, f) for (u, s, b), f in self.factor.items() if u == unit and b == batch]
+        if not known:
+            return 1.0, False
+        px = size[0] * size[1]
+        return min(known, key=lambda item: abs(math.log(item[0][0] * item[0][1] / px)))[1], False
 
-    def on_trial(self, unit: str, batch: int) -> bool:
-        """Whether batches of this size are still being tried: a one-off timing at READY is a
-        prior, and where it says "about no gain" (on a CPU a pair's gain is a few percent,
-        inside the noise of one timing) the first few real batches run anyway and their
-        measured shares decide after. A prior that says clearly dearer is believed."""
-        seen = self.batches_seen.get((unit, batch), 0)
-        close = self.batch_factor(unit, batch) < TRIAL_MARGIN * self.batch_factor(unit, batch - 1)
-        return close and seen < TRIALS * batch
+    def batch_factor(self, unit: str, size: tuple[int, int], batch: int) -> float:
+        """Per-block cost of a block in a batch of `batch` against alone."""
+        return 1.0 if batch <= 1 else self._factor_known(unit, size, batch)[0]
+
+    def on_trial(self, unit: str, size: tuple[int, int], batch: int) -> bool:
+        """Whether batches of this size are still being tried. A factor timed once at READY is a
+        prior: where it says "about no gain" (on a CPU a pair's gain is a few percent, inside the
+        noise of one timing), or where it was timed at another frame size (the gain depends on
+        it: small matrices gain most), the first few real batches run anyway and their measured
+        shares decide after. A factor timed clearly dearer at this very size is believed."""
+        if self.batches_seen.get((unit, size, batch), 0) >= TRIALS * batch:
+            return False
+        f, here = self._factor_known(unit, size, batch)
+        return not here or f < TRIAL_MARGIN * self.batch_factor(unit, size, batch - 1)
 
     def observe(self, unit: str, size: tuple[int, int], block_ms: float, batch: int = 1) -> float | None:
         """A block's measured time (its share of a batch of `batch`); returns what the model had
         predicted for it. Alone, it updates the unit's cost; in a batch, the batch factor."""
         alone = self.block_ms(unit, size)
-        predicted = None if alone is None else alone * self.batch_factor(unit, batch)
+        predicted = None if alone is None else alone * self.batch_factor(unit, size, batch)
         if batch > 1:
-            self.batches_seen[(unit, batch)] = self.batches_seen.get((unit, batch), 0) + 1
+            key = (unit, size, batch)
+            self.batches_seen[key] = self.batches_seen.get(key, 0) + 1
             if alone:
-                key = (unit, batch)
                 old = self.factor.get(key)
                 f = block_ms / alone
                 self.factor[key] = f if old is None else (1 - EWMA) * old + EWMA * f

@@ -359,13 +359,13 @@ class Scheduler:
             cost = info["dit_cost"]
             self.capacity.calibrate(ev.worker, cost["size"], cost["block_ms"], info["dit_memory"])
             for b, ms in info.get("dit_batch_ms", {}).items():
-                self.capacity.calibrate_batch(ev.worker, int(b), ms / cost["block_ms"])
+                self.capacity.calibrate_batch(ev.worker, cost["size"], int(b), ms / cost["block_ms"])
         if "vae_cost" in info and info.get("vae_rank") == 0:
             unit = self._group_unit(next(i for i, g in enumerate(self.topology.vae_groups) if ev.worker in g))
             cost = info["vae_cost"]
             self.capacity.calibrate(unit, cost["size"], cost["block_ms"], info["vae_memory"])
             for b, ms in info.get("vae_batch_ms", {}).items():
-                self.capacity.calibrate_batch(unit, int(b), ms / cost["block_ms"])
+                self.capacity.calibrate_batch(unit, cost["size"], int(b), ms / cost["block_ms"])
 
     @staticmethod
     def _group_unit(group: int) -> str:
@@ -541,7 +541,8 @@ class Scheduler:
         still ahead of it). cands: (session, ticket); returns the batch in the same form."""
         cands = sorted(cands, key=lambda c: (self.deadline(c[0], c[1].block.index), c[0].created))
         head = cands[0]
-        base = self.capacity.block_ms(unit, (head[0].width, head[0].height))
+        size = (head[0].width, head[0].height)
+        base = self.capacity.block_ms(unit, size)
         cap = min(self.cfg.pipeline.max_batch, slots)
         batch = [head]
         if base is None or cap < 2:
@@ -550,7 +551,7 @@ class Scheduler:
         start = max(self.now, self.free_at.get(unit, 0.0))  # after the batch already queued there
 
         def finish(n: int) -> float:
-            return start + self._batch_ms(unit, base, n) / 1000
+            return start + self._batch_ms(unit, size, base, n) / 1000
 
         for c in cands[1:]:
             if len(batch) >= cap:
@@ -558,24 +559,25 @@ class Scheduler:
             if key(*c) != key(*head):
                 continue
             n = len(batch) + 1
-            cheaper = self.capacity.batch_factor(unit, n) < self.capacity.batch_factor(unit, n - 1)
-            if not cheaper and not self.capacity.on_trial(unit, n):
+            cheaper = self.capacity.batch_factor(unit, size, n) < self.capacity.batch_factor(unit, size, n - 1)
+            if not cheaper and not self.capacity.on_trial(unit, size, n):
                 break  # measured no cheaper per block: not worth the wait
             if finish(n) > due >= finish(n - 1):
                 break  # would make the head late
             batch.append(c)
         return batch
 
-    def _batch_ms(self, unit: str, base: float, n: int) -> float:
-        return base * n * self.capacity.batch_factor(unit, n)
+    def _batch_ms(self, unit: str, size: tuple[int, int], base: float, n: int) -> float:
+        return base * n * self.capacity.batch_factor(unit, size, n)
 
     def _new_batch(self, unit: str, batch: list) -> int:
         bid = self._next_batch
         self._next_batch += 1
         self.batches[bid] = (unit, len(batch))
-        sess = batch[0][0]
-        base = self.capacity.block_ms(unit, (sess.width, sess.height)) or 0.0
-        self.free_at[unit] = max(self.now, self.free_at.get(unit, 0.0)) + self._batch_ms(unit, base, len(batch)) / 1000
+        size = (batch[0][0].width, batch[0][0].height)
+        base = self.capacity.block_ms(unit, size) or 0.0
+        busy_s = self._batch_ms(unit, size, base, len(batch)) / 1000
+        self.free_at[unit] = max(self.now, self.free_at.get(unit, 0.0)) + busy_s
         return bid
 
     def _send_generates(self, dit: str, batch: list) -> None:
