@@ -47,6 +47,7 @@ class World:
         self.rejected: dict[str, s.Reject] = {}
         self.sent: list[tuple[str, m.Message]] = []
         self.drop = lambda worker, msg: False  # a message lost on its way
+        self.unreachable = lambda worker, msg: False  # a message the socket refused (peer gone)
         self.acks: list[s.Event] = []
         self.acking = True  # the consumer takes every fragment at once
         self.slow: set[str] = set()  # workers that answer last
@@ -64,7 +65,9 @@ class World:
     def _take(self, a: s.Action) -> None:
         if isinstance(a, s.Send):
             self.sent.append((a.worker, a.msg))
-            if isinstance(a.msg, m.CloseSession):
+            if self.unreachable(a.worker, a.msg):  # the driver posts the failure for the next step
+                self.acks.append(s.SendFailed(a.worker, a.msg))
+            elif isinstance(a.msg, m.CloseSession):
                 self.closed.add((a.worker, a.msg.session))
             elif isinstance(a.msg, m.GenerateBatch | m.DecodeBatch) and not self.drop(a.worker, a.msg):
                 self.todo.append((a.worker, a.msg))
@@ -281,6 +284,42 @@ def test_a_lost_message_fails_its_session_once_the_worker_proves_idle(nth):
     w.step(s.WorkerIdle("dit0", since=lost_at + 5), s.WorkerIdle("vae0.0", since=lost_at + 5), dt=6)
     w.run()
     assert w.ended["s"].state == "failed" and "lost" in w.ended["s"].error
+    w.assert_clean()
+
+
+@pytest.mark.parametrize(
+    "layout, worker, kind",
+    [
+        (TWO_PIPELINES, "dit0", m.GenerateBatch),
+        (TWO_PIPELINES, "vae0.0", m.DecodeBatch),
+        (ONE_PIPELINE_K2, "vae0.1", m.DecodeBatch),
+    ],
+)
+def test_a_send_the_socket_refuses_fails_its_session_at_once(layout, worker, kind):
+    """The worker is not connected: the block's session fails in the same breath. A DiT batch's
+    slots come back at once; a decode's once the group is gone (a shard that did get it may be
+    writing). Another pipeline's session plays on."""
+    w = World(layout=layout)
+    refused = []
+
+    def unreachable(to, msg):
+        if to == worker and isinstance(msg, kind) and not refused:
+            refused.append(msg)
+            return True
+        return False
+
+    w.unreachable = unreachable
+    w.submit("victim")
+    if layout == TWO_PIPELINES:
+        w.submit("neighbour")
+    w.run()
+    assert w.ended["victim"].state == "failed" and "could not reach" in w.ended["victim"].error
+    if kind is m.DecodeBatch:
+        assert w.sched.latent_pool.used == 1 and w.sched.frame_pool.used == 1  # until the group is gone
+        w.kill(set(w.groups[0]))
+        w.run()
+    if layout == TWO_PIPELINES:
+        assert w.ended["neighbour"].state == "done"
     w.assert_clean()
 
 

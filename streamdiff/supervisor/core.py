@@ -181,13 +181,16 @@ class Supervisor:
                 pass
 
     # -- control plane --------------------------------------------------------------------------
-    def _send(self, worker: str, msg: m.Message) -> None:
-        # Through a synchronous shadow of the ROUTER socket: a failed send raises here and now
-        # (an asyncio send would park the error in a future nobody awaits).
+    def _send(self, worker: str, msg: m.Message) -> bool:
+        """Through a synchronous shadow of the ROUTER socket: a failed send raises here and now
+        (an asyncio send would park the error in a future nobody awaits). False when it failed:
+        the worker is not connected (dead or restarting); the caller decides what that costs."""
         try:
             self._send_sock.send_multipart([worker.encode(), msg.encode()], flags=zmq.NOBLOCK)
-        except zmq.ZMQError as exc:  # not connected (dead or restarting): the pool handles it
+            return True
+        except zmq.ZMQError as exc:
             log.warning("could not send %s to %s: %s", msg.type, worker, exc)
+            return False
 
     async def _recv_loop(self) -> None:
         handlers = {

@@ -92,7 +92,8 @@ class Driver:
     # -- actions out ----------------------------------------------------------------------------
     def _do(self, a: s.Action) -> None:
         if isinstance(a, s.Send):
-            self.send(a.worker, a.msg)
+            if not self.send(a.worker, a.msg):
+                self.post(s.SendFailed(a.worker, a.msg))
         elif isinstance(a, s.Emit):
             self.handles[a.session].on_data(a.data, a.block)
         elif isinstance(a, s.Encode):

@@ -112,6 +112,14 @@ class WorkersLost:
 
 
 @dataclass(frozen=True)
+class SendFailed:
+    """A message could not be handed to the worker's socket (it is not connected)."""
+
+    worker: str
+    msg: m.Message
+
+
+@dataclass(frozen=True)
 class EncoderOpened:
     session: str
     init: bytes | None = None
@@ -139,6 +147,7 @@ Event = (
     | WorkerReady
     | WorkerIdle
     | WorkersLost
+    | SendFailed
     | EncoderOpened
     | Encoded
     | StopAdmitting
@@ -317,6 +326,7 @@ class Scheduler:
             WorkerReady: self._worker_ready,
             WorkerIdle: self._worker_idle,
             WorkersLost: self._workers_lost,
+            SendFailed: self._send_failed,
             EncoderOpened: self._encoder_opened,
             Encoded: self._encoded,
             StopAdmitting: self._stop_admitting,
@@ -814,6 +824,27 @@ class Scheduler:
             t.reported.add(sess.vae_workers.index(msg.worker))
             t.skipped = True
             self._vae_answered(sess, t)
+
+    def _send_failed(self, ev: SendFailed) -> None:
+        """A block message never left: its sessions fail now. A DiT batch's slots come back at
+        once (nobody got it); a decode's only once the group is gone, since the shards that did
+        get it may be writing."""
+        msg = ev.msg
+        if isinstance(msg, m.OpenSession | m.CloseSession):
+            sess = self.sessions.get(msg.session)
+            if sess is not None and isinstance(msg, m.OpenSession):
+                self._end(sess, FAILED, f"could not reach {ev.worker}")
+            return
+        if not isinstance(msg, m.GenerateBatch | m.DecodeBatch):
+            return
+        for item in msg.blocks:
+            state = T_DIT if isinstance(msg, m.GenerateBatch) else T_VAE
+            sess, t = self._ticket(item.session, item.block, state)
+            if t is None:
+                continue
+            self._end(sess, FAILED, f"could not reach {ev.worker}")
+            if state == T_DIT:
+                self._worker_gone(sess, t)
 
     def _workers_lost(self, ev: WorkersLost) -> None:
         """The pool killed these workers and saw them exit: their slots are free again."""
