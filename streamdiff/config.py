@@ -78,6 +78,7 @@ class TopologyConfig:
 class PipelineConfig:
     max_blocks_in_flight: int = 3  # per session: blocks generated but not yet delivered
     startup_buffer_s: float = 0.5  # a player starts this long after its first fragment: deadlines count from there
+    live_lead_s: float = 1.0  # a live session is generated at most this far ahead of its player's clock
     latent_slots: int = 8
     frame_slots: int = 6
     ready_timeout_s: float = 600.0  # workers must report READY within this
@@ -117,6 +118,9 @@ class LimitsConfig:
     max_fps: int = 60
     max_frames: int = 2000  # total frames per request
     max_scenes: int = 16
+    live_default_s: float = 60.0  # a live video's cap when the request gives no 'seconds'
+    live_max_s: float = 240.0  # the longest cap a live video may ask for
+    max_pending_scenes: int = 2  # steered scenes waiting for their first block; more get 429
     max_prompt_chars: int = 2000
     max_jobs: int = 1000  # jobs kept for GET /v1/videos (oldest finished removed first)
     keep_completed_bytes: int = 2 * 1024**3  # finished videos kept in memory, oldest removed first
@@ -299,6 +303,7 @@ def validate(cfg: Config) -> None:
         "collective_timeout_s",
         "restart_backoff_reset_s",
         "startup_buffer_s",
+        "live_lead_s",
     ):
         _check(getattr(p, k) > 0, f"pipeline.{k}", "must be > 0", getattr(p, k))
     _check(
@@ -351,6 +356,14 @@ def validate(cfg: Config) -> None:
     )
     _check(lim.max_frames >= 1, "limits.max_frames", "must be >= 1", lim.max_frames)
     _check(lim.max_scenes >= 1, "limits.max_scenes", "must be >= 1", lim.max_scenes)
+    _check(lim.live_max_s > 0, "limits.live_max_s", "must be > 0", lim.live_max_s)
+    _check(
+        0 < lim.live_default_s <= lim.live_max_s,
+        "limits.live_default_s",
+        "must be > 0 and <= live_max_s",
+        lim.live_default_s,
+    )
+    _check(lim.max_pending_scenes >= 1, "limits.max_pending_scenes", "must be >= 1", lim.max_pending_scenes)
     _check(lim.max_prompt_chars >= 1, "limits.max_prompt_chars", "must be >= 1", lim.max_prompt_chars)
     _check(lim.max_jobs >= 1, "limits.max_jobs", "must be >= 1", lim.max_jobs)
     _check(

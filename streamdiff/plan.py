@@ -71,3 +71,32 @@ def shot_latent_frames(scenes: list[Scene], temporal_factor: int = 4) -> int:
         current = n if start else current + n
         longest = max(longest, current)
     return longest
+
+
+def replan_from(
+    scenes: list[Scene],
+    blocks: list[Block],
+    at: int,
+    new: Scene | None,
+    frames_per_block: int,
+    temporal_factor: int = 4,
+) -> tuple[list[Scene], list[Block]]:
+    """Steering a running video: blocks before `at` stay as they are (they may be generated
+    already); the scene playing at block `at` ends there, and `new` (if any) starts there and
+    runs for `new.frames`. Without `new` the video ends at block `at` (a stop). Scenes that had
+    not started by then are dropped. Returns the new scenes and blocks."""
+    if not 0 < at <= len(blocks):
+        raise ValueError(f"block {at} of {len(blocks)}")
+    end = blocks[at - 1].start_frame + blocks[at - 1].emit  # the frame where block `at` starts
+    kept, start = [], 0
+    for sc in scenes:
+        if start >= end:
+            break
+        kept.append(Scene(sc.prompt, min(sc.frames, end - start), sc.transition, sc.seed))
+        start += sc.frames
+    if new is not None:
+        kept.append(new)
+    replanned = plan_blocks(kept, frames_per_block, temporal_factor)
+    if replanned[:at] != blocks[:at]:  # a scene cut at a block boundary keeps its blocks
+        raise AssertionError(f"replanning changed blocks before {at}")
+    return kept, replanned

@@ -5,6 +5,7 @@ life, a slow stage, deadlines and batching."""
 
 from __future__ import annotations
 
+import json
 from collections import deque
 from dataclasses import replace
 
@@ -17,7 +18,7 @@ from streamdiff.supervisor import scheduler as s
 from streamdiff.supervisor.capacity import TRIALS
 from streamdiff.supervisor.topology import Topology
 
-FACTS = {"spatial_factor": 8, "size_multiple": 16}
+FACTS = {"spatial_factor": 8, "size_multiple": 16, "frames_per_block": 3, "temporal_factor": 4}
 TWO_PIPELINES = (["dit0", "dit1"], [["vae0.0"], ["vae1.0"]])
 ONE_PIPELINE_K2 = (["dit0"], [["vae0.0", "vae0.1"]])
 
@@ -46,6 +47,7 @@ class World:
         self.ended: dict[str, s.End] = {}
         self.rejected: dict[str, s.Reject] = {}
         self.sent: list[tuple[str, m.Message]] = []
+        self.encoded: list = []  # every Encode asked for
         self.drop = lambda worker, msg: False  # a message lost on its way
         self.unreachable = lambda worker, msg: False  # a message the socket refused (peer gone)
         self.acks: list[s.Event] = []
@@ -73,6 +75,8 @@ class World:
                 self.todo.append((a.worker, a.msg))
         elif isinstance(a, s.OpenEncoder | s.Encode):
             self.todo.append(("encoder", a))
+            if isinstance(a, s.Encode):
+                self.encoded.append(("encoder", a))
         elif isinstance(a, s.Emit):
             assert a.session not in self.ended, "bytes after the end"
             self.emitted.setdefault(a.session, []).append(a)
@@ -512,4 +516,85 @@ def test_a_vae_group_decodes_batches_only_where_its_measured_cost_falls(factor):
     pairs = sum(len(b) == 2 for b in batches["vae0.0"])
     assert pairs > TRIALS + 1 if factor < 1 else pairs == 0  # a clearly dearer timing is believed
     assert all(w.ended[n].state == "done" and w.fragments(n) == list(range(11)) for n in "ab")
+    w.assert_clean()
+
+
+# -- steering, stop and pacing --------------------------------------------------------------------
+def landing(actions: list) -> s.Steered:
+    return next(a for a in actions if isinstance(a, s.Steered))
+
+
+def test_a_steer_lands_on_the_first_block_not_started_and_the_video_keeps_its_length():
+    w = World(layout=(["dit0"], [["vae0.0"]]))
+    sess = w.submit("s", seconds=6)
+    total = sess.frames
+    for _ in range(6):
+        w.advance()
+    issued = sess.issued
+    landed = landing(w.step(s.Steer("s", Scene("a red ball", 1, "continue"))))
+    assert landed.refused is None and landed.scene == 1
+    assert landed.start_frame == sess.blocks[issued].start_frame  # the first block the DiT had not started
+    again = landing(w.step(s.Steer("s", Scene("a blue square", 1, "cut", seed=5))))
+    assert again.scene == 2 and again.start_frame == sess.blocks[issued + 1].start_frame  # after the pending one
+    third = landing(w.step(s.Steer("s", Scene("too soon", 1))))
+    assert third.refused[0] == 429  # two scene changes are already waiting for their first block
+    w.run()
+    assert w.ended["s"].state == "done" and sum(a.block.emit for a in w.emitted["s"][1:]) == total
+    gens = {b.block: b for _, msg in w.sent if isinstance(msg, m.GenerateBatch) for b in msg.blocks}
+    assert gens[issued].prompt == "a red ball" and not gens[issued].cut
+    assert gens[issued + 1].prompt == "a blue square" and gens[issued + 1].cut and gens[issued + 1].seed == 5
+    assert [sc.prompt for sc in landed.scenes] == ["p", "a red ball"]
+    w.assert_clean()
+
+
+def test_the_stream_marks_each_steered_scene_where_it_lands():
+    w = World(layout=(["dit0"], [["vae0.0"]]))
+    w.submit("s", seconds=6)
+    for _ in range(5):
+        w.advance()
+    landed = landing(w.step(s.Steer("s", Scene("new", 1, "continue"))))
+    w.run()
+    marked = {a.block.start_frame for a in w.emitted["s"][1:] if a.block.first_of_scene}
+    assert marked == {0, landed.start_frame}
+    emsg = [json.loads(a.events[0][2]) for _, a in w.encoded if a.events]
+    assert [(e["scene"], e["start_frame"], e["transition"]) for e in emsg] == [
+        (0, 0, "cut"),
+        (1, landed.start_frame, "continue"),
+    ]
+
+
+def test_stop_ends_the_video_at_the_next_block_boundary():
+    w = World(layout=(["dit0"], [["vae0.0"]]))
+    sess = w.submit("s", seconds=20)
+    for _ in range(6):
+        w.advance()
+    issued = sess.issued
+    landed = landing(w.step(s.Stop("s")))
+    assert (
+        landed.refused is None
+        and landed.start_frame == sess.blocks[issued - 1].start_frame + sess.blocks[issued - 1].emit
+    )
+    w.run()
+    assert w.ended["s"].state == "done"
+    assert w.fragments("s") == list(range(issued))  # every block already started, and no other
+    assert landing(w.step(s.Steer("s", Scene("late", 1)))).refused[0] == 409
+    w.assert_clean()
+
+
+def test_a_live_session_is_paced_to_its_player_and_wakes_the_scheduler_when_a_block_is_due():
+    w = World(layout=(["dit0"], [["vae0.0"]]), cfg=config(pipeline={"live_lead_s": 1.0}))
+    live = w.session("live", seconds=60)
+    live.live = True
+    w.submit_together(live)
+    w.run()  # everything it may make now, with its player's clock running from the first fragment
+    ahead = live.blocks[live.issued].start_frame / live.fps - (w.now - live.fragment_times[0] - 0.5)
+    assert live.issued < len(live.blocks) and ahead > 1.0  # its next block is more than the lead ahead
+    wake = [a for a in w.step() if isinstance(a, s.WakeAt)]
+    assert wake and abs(wake[0].at - (w.sched.deadline(live, live.issued) - 1.0)) < 1e-9
+    before = live.issued
+    w.step(dt=wake[0].at - w.now + 0.001)  # the player's clock reaches it
+    assert live.issued == before + 1
+    w.step(s.Stop("live"))
+    w.run()
+    assert w.ended["live"].state == "done"
     w.assert_clean()

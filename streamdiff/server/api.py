@@ -27,6 +27,7 @@ KNOWN_FIELDS = {
     "fps",
     "seed",
     "stream",
+    "live",
     "scenes",
     "input_reference",
     "negative_prompt",
@@ -34,6 +35,7 @@ KNOWN_FIELDS = {
     "user",
 }
 SCENE_FIELDS = {"prompt", "seconds", "num_frames", "transition", "seed"}
+STEER_FIELDS = {"prompt", "transition", "seed"}
 MAX_SEED = 2**63 - 1
 
 
@@ -68,6 +70,7 @@ class VideoRequest:
     fps: int
     seed: int
     stream: bool
+    live: bool = False  # open-ended: its length is a cap; steered and stopped while it plays
 
     @property
     def frames(self) -> int:
@@ -213,8 +216,12 @@ def parse_video_request(data, cfg: Config, facts: dict) -> VideoRequest:
 
     seed = _integer(data["seed"], "seed", 0, MAX_SEED) if data.get("seed") is not None else random.randrange(2**31)
     stream = _bool(data["stream"], "stream") if data.get("stream") is not None else False
+    live = _bool(data["live"], "live") if data.get("live") is not None else False
 
-    total = _length(data, fps, "", lim.max_frames)
+    max_frames = round(lim.live_max_s * fps) if live else lim.max_frames
+    total = _length(data, fps, "", max_frames)
+    if live and total is None:
+        total = round(lim.live_default_s * fps)  # a live video's length is its cap
     scenes_raw = data.get("scenes")
     if isinstance(scenes_raw, str):  # multipart forms carry it as JSON text
         try:
@@ -231,8 +238,8 @@ def parse_video_request(data, cfg: Config, facts: dict) -> VideoRequest:
             raise bad("give either 'prompt' or 'scenes', not both", "prompt")
         scenes = _parse_scenes(scenes_raw, total, fps, cfg)
     frames = sum(s.frames for s in scenes)
-    if frames > lim.max_frames:
-        raise bad(f"the request asks for {frames} frames; the limit is {lim.max_frames}", "scenes", "too_long")
+    if frames > max_frames:
+        raise bad(f"the request asks for {frames} frames; the limit is {max_frames}", "scenes", "too_long")
     longest = shot_latent_frames(scenes, facts["temporal_factor"])
     max_shot = facts.get("max_shot_latent_frames", 1024)
     if longest > max_shot:
@@ -242,7 +249,25 @@ def parse_video_request(data, cfg: Config, facts: dict) -> VideoRequest:
             "scenes",
             "too_long",
         )
-    return VideoRequest(model or cfg.model_name, scenes, width, height, fps, seed, stream)
+    return VideoRequest(model or cfg.model_name, scenes, width, height, fps, seed, stream, live)
+
+
+def parse_steer(data, cfg: Config) -> Scene:
+    """Validate a POST /v1/videos/{id}/scenes body: the scene that takes over (its length is
+    whatever is left of the video)."""
+    if not isinstance(data, dict):
+        raise bad("the request body must be a JSON object", None, "invalid_body")
+    unknown = sorted(set(data) - STEER_FIELDS)
+    if unknown:
+        raise bad(f"Unrecognized request argument supplied: {', '.join(unknown)}", unknown[0], "unknown_parameter")
+    if "prompt" not in data:
+        raise bad("Missing required parameter: 'prompt'", "prompt", "missing_required_parameter")
+    prompt = _prompt(data["prompt"], "prompt", cfg.limits.max_prompt_chars)
+    transition = data.get("transition", "continue")
+    if transition not in ("cut", "continue"):
+        raise bad(f"'transition' must be 'cut' or 'continue', got {transition!r}", "transition")
+    seed = _integer(data["seed"], "seed", 0, MAX_SEED) if data.get("seed") is not None else None
+    return Scene(prompt, 1, transition, seed)
 
 
 def _parse_scenes(raw, total: int | None, fps: int, cfg: Config) -> list[Scene]:

@@ -17,7 +17,7 @@ from aiohttp import web
 from ..config import Config
 from ..supervisor.core import RUNNING, Supervisor
 from ..supervisor.engine import QueueFull
-from .api import APIError, bad, parse_video_request
+from .api import APIError, bad, parse_steer, parse_video_request
 from .jobs import Job, JobExpired, JobStore
 from .store import VideoStore, node_of
 
@@ -295,6 +295,48 @@ async def retrieve_video(request: web.Request) -> web.Response:
     return web.json_response(stored)
 
 
+def _steerable(request: web.Request) -> Job:
+    """The running job an id names (404 unknown, 421 another node's, 409 finished)."""
+    job = request.app[JOBS].get(request.match_info["video_id"])
+    if job is None:
+        raise _elsewhere(request)
+    if job.finished or job.handle is None:
+        raise APIError(409, f"video '{job.id}' has {job.state}: it cannot be steered", "video_id", "video_finished")
+    return job
+
+
+def _landed(job: Job, landed) -> None:
+    if landed.refused is not None:
+        status, message = landed.refused
+        code = "too_many_pending_scenes" if status == 429 else "video_finished"
+        raise APIError(status, message, None, code, "invalid_request_error" if status != 429 else "rate_limit_error")
+    job.set_scenes(landed.scenes)
+
+
+async def steer_video(request: web.Request) -> web.Response:
+    """POST /v1/videos/{id}/scenes: a new scene from the first block not yet started; the answer
+    names the exact frame where it lands (the stream carries an emsg there)."""
+    job = _steerable(request)
+    scene = parse_steer(await read_request_data(request), request.app[CONFIG])
+    landed = job.handle.steer(scene)
+    _landed(job, landed)
+    log.info("job %s: scene %d (%s) from frame %d", job.id, landed.scene, scene.transition, landed.start_frame)
+    fps = job.request.fps
+    return web.json_response(
+        {"scene": landed.scene, "start_frame": landed.start_frame, "start_seconds": landed.start_frame / fps}
+    )
+
+
+async def stop_video(request: web.Request) -> web.Response:
+    """POST /v1/videos/{id}/stop: end cleanly at the next block boundary (the stream's last
+    fragment is sent and the job completes); DELETE still cancels at once."""
+    job = _steerable(request)
+    landed = job.handle.stop()
+    _landed(job, landed)
+    log.info("job %s: stopping at frame %d", job.id, landed.start_frame)
+    return web.json_response(job.video_object())
+
+
 async def list_videos(request: web.Request) -> web.Response:
     q = request.query
     order = q.get("order", "desc")
@@ -511,6 +553,8 @@ def make_app(sup: Supervisor, cfg: Config, api_keys: list[bytes]) -> web.Applica
         r.add_get(f"{prefix}/videos/{{video_id}}", retrieve_video)
         r.add_delete(f"{prefix}/videos/{{video_id}}", delete_video)
         r.add_get(f"{prefix}/videos/{{video_id}}/content", video_content)
+        r.add_post(f"{prefix}/videos/{{video_id}}/scenes", steer_video)
+        r.add_post(f"{prefix}/videos/{{video_id}}/stop", stop_video)
         r.add_get(f"{prefix}/models", list_models)
         r.add_get(f"{prefix}/models/{{model}}", retrieve_model)
     r.add_post("/admin/drain", admin_drain)

@@ -62,9 +62,16 @@ class Job:
         self.t_started: float | None = None  # admitted: the engine started its session
         self.t_first_fragment: float | None = None
         self.t_finished: float | None = None
+        self.scenes: list = []  # the request's, and then as steering changes them
         self.scene_starts: list[int] = []
-        start = 0
-        for sc in request.scenes:
+        self.set_scenes(request.scenes)
+
+    def set_scenes(self, scenes: list) -> None:
+        """The video's scenes now (a steer appends one and shortens the one it cuts into; a
+        stop shortens the last)."""
+        self.scenes = list(scenes)
+        self.scene_starts, start = [], 0
+        for sc in self.scenes:
             self.scene_starts.append(start)
             start += sc.frames
 
@@ -166,7 +173,7 @@ class Job:
     # -- the OpenAI video object --------------------------------------------------------------
     def video_object(self) -> dict:
         r = self.request
-        total = r.frames
+        total = sum(sc.frames for sc in self.scenes)
         progress = 100 if self.state == DONE else int(100 * self.frames_done / total) if total else 0
         obj = {
             "id": self.id,
@@ -177,7 +184,7 @@ class Job:
             "created_at": self.created_at,
             "completed_at": self.completed_at,
             "expires_at": self.expires_at,
-            "prompt": r.prompt,
+            "prompt": self.scenes[0].prompt if len(self.scenes) == 1 else " | ".join(s.prompt for s in self.scenes),
             "seconds": f"{total / r.fps:g}",
             "size": f"{r.width}x{r.height}",
             "error": self.error,
@@ -196,8 +203,9 @@ class Job:
                     "transition": s.transition,
                     "seed": s.seed,
                 }
-                for i, s in enumerate(r.scenes)
+                for i, s in enumerate(self.scenes)
             ],
+            "live": r.live,
         }
         if self.placement is not None:
             obj["workers"] = self.placement

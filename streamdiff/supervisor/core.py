@@ -231,9 +231,8 @@ class Supervisor:
         what happens. Raises QueueFull (429) when it cannot be admitted or queued."""
         blocks = plan_blocks(request.scenes, self.facts["frames_per_block"], self.facts["temporal_factor"])
         r = request
-        return self.driver.submit(
-            Session(session_id, r.scenes, blocks, r.width, r.height, r.fps, r.seed, created=time.monotonic())
-        )
+        sess = Session(session_id, r.scenes, blocks, r.width, r.height, r.fps, r.seed, time.monotonic(), live=r.live)
+        return self.driver.submit(sess)
 
     @property
     def metrics(self):

@@ -49,6 +49,7 @@ class Driver:
         self._pending: list[s.Event] = []
         self._flush_scheduled = False
         self._tasks: set[asyncio.Task] = set()
+        self._timer: asyncio.TimerHandle | None = None  # the next WakeAt
 
     # -- events in ----------------------------------------------------------------------------
     def post(self, event: s.Event) -> None:
@@ -89,6 +90,16 @@ class Driver:
     def cancel(self, session: str, reason: str = "cancelled") -> bool:
         return any(isinstance(a, s.End) and a.session == session for a in self.step(s.Cancel(session, reason)))
 
+    def steer(self, session: str, scene) -> s.Steered:
+        return self._landing(session, self.step(s.Steer(session, scene)))
+
+    def stop(self, session: str) -> s.Steered:
+        return self._landing(session, self.step(s.Stop(session)))
+
+    @staticmethod
+    def _landing(session: str, actions: list[s.Action]) -> s.Steered:
+        return next(a for a in actions if isinstance(a, s.Steered) and a.session == session)
+
     # -- actions out ----------------------------------------------------------------------------
     def _do(self, a: s.Action) -> None:
         if isinstance(a, s.Send):
@@ -111,6 +122,18 @@ class Driver:
                 handle.on_end(a.state, a.error, a.code)
         elif isinstance(a, s.Reject):
             self.handles.pop(a.session, None)
+        elif isinstance(a, s.WakeAt):
+            self._wake_at(a.at)
+
+    def _wake_at(self, at: float) -> None:
+        """One timer: the earliest wake asked for that has not passed (a step asks again)."""
+        loop = asyncio.get_running_loop()
+        t = self._timer
+        if t is not None and not t.cancelled() and loop.time() <= t.when() <= at:
+            return
+        if t is not None:
+            t.cancel()
+        self._timer = loop.call_at(at, self.step)
 
     def _spawn(self, coro) -> None:
         task = asyncio.ensure_future(coro)
@@ -164,6 +187,8 @@ class Driver:
         enc.thread.shutdown(wait=False)
 
     def close(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
         for enc in self.encoders.values():
             enc.thread.shutdown(wait=False, cancel_futures=True)
         self.encoders.clear()

@@ -79,3 +79,12 @@ class SessionHandle:
 
     def cancel(self, reason: str = "cancelled") -> bool:
         return self._engine.cancel(self.id, reason)
+
+    def steer(self, scene):
+        """A new scene from the first block the DiT has not started: where it lands (a
+        `Steered`: scene index, start frame, the scenes now; or `refused` with a status)."""
+        return self._engine.steer(self.id, scene)
+
+    def stop(self):
+        """End at the next block boundary: the video completes there (a `Steered`)."""
+        return self._engine.stop(self.id)

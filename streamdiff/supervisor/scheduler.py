@@ -49,7 +49,7 @@ from ..config import Config
 from ..ipc import messages as m
 from ..ipc.shm import SlotPool
 from ..metrics import Metrics
-from ..plan import Block, Scene
+from ..plan import Block, Scene, replan_from
 from .capacity import CapacityModel, Demand
 from .engine import CANCELLED, DONE, FAILED, QUEUED, RUNNING
 from .topology import Topology
@@ -140,6 +140,21 @@ class StopAdmitting:
     reason: str
 
 
+@dataclass(frozen=True)
+class Steer:
+    """A new scene for a running session, from the first block the DiT has not started."""
+
+    session: str
+    scene: Scene  # its frames are ignored: it runs to the end (a live session's cap)
+
+
+@dataclass(frozen=True)
+class Stop:
+    """End the session cleanly at the next block boundary."""
+
+    session: str
+
+
 Event = (
     Submit
     | Cancel
@@ -151,6 +166,8 @@ Event = (
     | EncoderOpened
     | Encoded
     | StopAdmitting
+    | Steer
+    | Stop
     | m.LatentDone
     | m.FramesDone
     | m.Failed
@@ -216,7 +233,26 @@ class Reject:
     retry_after_s: float
 
 
-Action = Send | OpenEncoder | Encode | CloseEncoder | Start | Emit | End | Reject
+@dataclass(frozen=True)
+class Steered:
+    """Where a Steer (scene set) or a Stop (scene None) landed; or why not (`refused`: an HTTP
+    status and a message)."""
+
+    session: str
+    scene: int | None = None  # the new scene's index
+    start_frame: int = 0  # where the new scene, or the stop, lands
+    scenes: list[Scene] = field(default_factory=list)  # the session's scenes now
+    refused: tuple[int, str] | None = None
+
+
+@dataclass(frozen=True)
+class WakeAt:
+    """Step again at this time (a paced live session's next block becomes due)."""
+
+    at: float
+
+
+Action = Send | OpenEncoder | Encode | CloseEncoder | Start | Emit | End | Reject | Steered | WakeAt
 
 
 @dataclass
@@ -257,6 +293,8 @@ class Session:
     stall_s: float = 0.0  # playback delay accumulated so far (a player rebuffers, then continues)
     stalls: int = 0
     demand: Demand | None = None  # what it asked of its units when it was placed
+    live: bool = False  # open-ended: paced to its player, ends at its cap or a stop
+    steered_at: list[int] = field(default_factory=list)  # the blocks where steered scenes start
 
     def __post_init__(self) -> None:
         if not self.tickets:
@@ -315,6 +353,13 @@ class Scheduler:
             self._apply(ev)
         self._check_deadlines()
         self._dispatch()
+        waits = [
+            t
+            for sess in self.running
+            if sess.live and sess.issued < len(sess.blocks) and (t := self._paced_until(sess)) > self.now
+        ]
+        if waits:
+            self._out.append(WakeAt(min(waits)))
         out, self._out = self._out, []
         return out
 
@@ -330,6 +375,8 @@ class Scheduler:
             EncoderOpened: self._encoder_opened,
             Encoded: self._encoded,
             StopAdmitting: self._stop_admitting,
+            Steer: self._steer,
+            Stop: self._stop,
             m.LatentDone: self._latent_done,
             m.FramesDone: self._frames_done,
             m.Failed: self._failed,
@@ -527,7 +574,16 @@ class Scheduler:
 
     def _issuable(self, sess: Session) -> bool:
         limit = self.cfg.pipeline.max_blocks_in_flight
-        return sess.issued < len(sess.blocks) and sess.issued - sess.acked < limit
+        if not (sess.issued < len(sess.blocks) and sess.issued - sess.acked < limit):
+            return False
+        return self._paced_until(sess) <= self.now
+
+    def _paced_until(self, sess: Session) -> float:
+        """When a live session's next block may start: at most `live_lead_s` ahead of its
+        player's clock (a steer must show soon, not after all that was generated ahead)."""
+        if not sess.live or not sess.fragment_times:
+            return 0.0
+        return self.deadline(sess, sess.issued) - self.cfg.pipeline.live_lead_s
 
     def _depth(self, unit: str) -> int:
         return sum(u == unit for u, _ in self.batches.values())
@@ -876,6 +932,50 @@ class Scheduler:
             if late is not None:
                 where = sess.dit if late.state == T_DIT else f"VAE group {sess.group}"
                 self._end(sess, FAILED, f"block {late.block.index} got no answer from {where} in {limit:.0f}s")
+
+    # -- steering -----------------------------------------------------------------------------
+    def _steer(self, ev: Steer) -> None:
+        sess = self.sessions.get(ev.session)
+        if sess is None or not sess.active:
+            self._out.append(Steered(ev.session, refused=(409, "the video has finished")))
+            return
+        pending = sum(b >= sess.issued for b in sess.steered_at)
+        if pending >= self.cfg.limits.max_pending_scenes:
+            limit = self.cfg.limits.max_pending_scenes
+            why = f"{pending} scene changes are waiting for their first block; the limit is {limit}"
+            self._out.append(Steered(ev.session, refused=(429, why)))
+            return
+        at = max(sess.issued, 1, *(b + 1 for b in sess.steered_at))  # after any steer still pending
+        total = sum(sc.frames for sc in sess.scenes)
+        start = sess.blocks[at].start_frame if at < len(sess.blocks) else total
+        if start >= total:
+            self._out.append(Steered(ev.session, refused=(409, "no block of the video is left to steer")))
+            return
+        new = Scene(ev.scene.prompt, total - start, ev.scene.transition, ev.scene.seed)
+        self._replan(sess, at, new)
+        sess.steered_at.append(at)
+        self._out.append(Steered(sess.id, len(sess.scenes) - 1, start, list(sess.scenes)))
+
+    def _stop(self, ev: Stop) -> None:
+        sess = self.sessions.get(ev.session)
+        if sess is None or not sess.active:
+            self._out.append(Steered(ev.session, refused=(409, "the video has finished")))
+            return
+        at = max(sess.issued, 1)
+        if at < len(sess.blocks):
+            self._replan(sess, at, None)
+        end = sess.blocks[-1].start_frame + sess.blocks[-1].emit
+        self._out.append(Steered(sess.id, None, end, list(sess.scenes)))
+        if sess.state == RUNNING and sess.emitted == len(sess.tickets):
+            self._end(sess, DONE, None)
+
+    def _replan(self, sess: Session, at: int, new: Scene | None) -> None:
+        """Blocks from `at` on (none of them started) follow the new plan."""
+        f = self.facts
+        fpb, tf = f["frames_per_block"], f["temporal_factor"]
+        sess.scenes, sess.blocks = replan_from(sess.scenes, sess.blocks, at, new, fpb, tf)
+        blocks = sess.blocks
+        sess.tickets = sess.tickets[:at] + [Ticket(b) for b in blocks[at:]]
 
     # -- ending -------------------------------------------------------------------------------
     def _cancel(self, ev: Cancel) -> None:
