@@ -4,9 +4,12 @@ an emsg), stopped at a block boundary, and refused clearly where steering makes 
 
 from __future__ import annotations
 
+import asyncio
+import json
 import threading
 import time
 
+import aiohttp
 import httpx
 import pytest
 
@@ -124,3 +127,63 @@ def test_steering_refusals(daemon):
     httpx.post(f"{url}/v1/videos/{reader.video_id}/stop", timeout=10)
     reader.join(60)
     assert reader.error is None
+
+
+def test_the_realtime_websocket_flow(daemon):
+    """vLLM-Omni's realtime events with aiohttp's client: session.start, video.start, the init
+    segment and fragments as binary messages, a prompt update acknowledged with where it lands
+    (and marked there in the stream), ping/pong, session.stop, session.done."""
+    asyncio.run(_websocket_flow(daemon.url))
+
+
+async def _websocket_flow(url: str) -> None:
+    async with aiohttp.ClientSession() as s, s.ws_connect(url.replace("http://", "ws://") + "/v1/realtime/video") as ws:
+        await ws.send_json({"type": "session.start", "prompt": "a red ball", "format": "m4s", "size": "128x64"})
+        start = await ws.receive_json(timeout=30)
+        assert start["type"] == "video.start" and start["format"] == "m4s" and start["config"]["live"] is True
+        data, binaries, events = bytearray(), 0, []
+        while True:
+            msg = await ws.receive(timeout=60)
+            if msg.type == aiohttp.WSMsgType.BINARY:
+                data += msg.data
+                binaries += 1
+                if binaries == 3:  # the init segment and two fragments in
+                    await ws.send_json(
+                        {"type": "session.prompt_update", "prompt": "a blue square", "transition": "cut"}
+                    )
+                    await ws.send_json({"type": "session.prompt_update", "prompt": ""})  # refused; the session goes on
+                    await ws.send_json({"type": "session.ping"})
+                if binaries == 6:
+                    await ws.send_json({"type": "session.stop"})
+                continue
+            assert msg.type == aiohttp.WSMsgType.TEXT, msg
+            events.append(json.loads(msg.data))
+            if events[-1]["type"] == "session.done":
+                break
+        assert (await ws.receive(timeout=10)).type in (aiohttp.WSMsgType.CLOSE, aiohttp.WSMsgType.CLOSED)
+    kinds = [e["type"] for e in events]
+    assert kinds == ["session.prompt_updated", "error", "session.pong", "session.done"], events
+    updated, refused, _, done = events
+    assert updated["request_id"] == start["request_id"] and updated["scene"] == 1 and updated["start_frame"] > 0
+    assert refused["param"] == "prompt"
+    assert done["stopped"] is True and done["chunks"] == binaries - 1
+    video = httpx.get(f"{url}/v1/videos/{start['request_id']}", timeout=10).json()
+    assert video["status"] == "completed" and decode(bytes(data))["frames"] == video["num_frames"]
+    marks = [e["message"]["start_frame"] for f in fragments(bytes(data)) for e in f["emsg"]]
+    assert marks == [0, updated["start_frame"]]
+
+
+def test_a_websocket_that_does_not_start_properly_gets_an_error(daemon):
+    async def run() -> list:
+        got = []
+        async with aiohttp.ClientSession() as s:
+            for first in ({"type": "session.prompt_update", "prompt": "x"}, {"type": "session.start", "size": "7x7"}):
+                async with s.ws_connect(daemon.url.replace("http://", "ws://") + "/v1/realtime/video") as ws:
+                    await ws.send_json(first)
+                    got.append(await ws.receive_json(timeout=30))
+                    assert (await ws.receive(timeout=10)).type in (aiohttp.WSMsgType.CLOSE, aiohttp.WSMsgType.CLOSED)
+        return got
+
+    first, bad_size = asyncio.run(run())
+    assert first["type"] == "error" and first["param"] == "type"
+    assert bad_size["type"] == "error" and bad_size["param"] == "size"

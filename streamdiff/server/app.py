@@ -8,26 +8,22 @@ import asyncio
 import hmac
 import json
 import logging
-import math
 from email.utils import formatdate
 from pathlib import Path
 
 from aiohttp import web
 
 from ..config import Config
-from ..supervisor.core import RUNNING, Supervisor
-from ..supervisor.engine import QueueFull
-from .api import APIError, bad, parse_steer, parse_video_request
+from ..supervisor.core import Supervisor
+from .api import APIError, bad, parse_steer
+from .control import apply_landing, start_job
 from .jobs import Job, JobExpired, JobStore
+from .keys import API_KEYS, CONFIG, JOBS, STORE, SUPERVISOR
+from .realtime import realtime_video
 from .store import VideoStore, node_of
 
 log = logging.getLogger("streamdiff.http")
 
-SUPERVISOR = web.AppKey("supervisor", Supervisor)
-JOBS = web.AppKey("jobs", JobStore)
-CONFIG = web.AppKey("config", Config)
-API_KEYS = web.AppKey("api_keys", list)
-STORE = web.AppKey("store", object)  # VideoStore | None
 STATIC = Path(__file__).with_name("static")
 
 
@@ -143,47 +139,9 @@ async def read_request_data(request: web.Request) -> dict:
 # ----------------------------------------------------------------------------- handlers
 
 
-def _supervisor_ready(sup: Supervisor) -> None:
-    if sup.state != RUNNING:
-        raise APIError(
-            503,
-            "the server is shutting down" if sup.state != "starting" else "the server is starting",
-            None,
-            "unavailable",
-            "server_error",
-            {"Retry-After": "5"},
-        )
-
-
 async def create_video(request: web.Request) -> web.StreamResponse:
-    sup, cfg, jobs = request.app[SUPERVISOR], request.app[CONFIG], request.app[JOBS]
-    _supervisor_ready(sup)
-    data = await read_request_data(request)
-    req = parse_video_request(data, cfg, sup.facts)
-    job = Job(req, live_consumer=req.stream, node=cfg.node)
-    try:
-        job.follow_session(sup.submit(req, job.id))
-    except QueueFull as exc:
-        raise APIError(
-            429,
-            f"the server is busy ({exc}); retry later",
-            None,
-            "rate_limit_exceeded",
-            "rate_limit_error",
-            {"Retry-After": str(max(1, math.ceil(exc.retry_after_s)))},
-        ) from None
-    jobs.add(job)
-    log.info(
-        "job %s: %d frames %dx%d@%d, %d scene(s), stream=%s",
-        job.id,
-        req.frames,
-        req.width,
-        req.height,
-        req.fps,
-        len(req.scenes),
-        req.stream,
-    )
-    if not req.stream:
+    job = start_job(request.app, await read_request_data(request))
+    if not job.request.stream:
         return web.json_response(job.video_object(), headers={"openai-poll-after-ms": "1000"})
     return await stream_job(request, job, live=True)
 
@@ -305,21 +263,13 @@ def _steerable(request: web.Request) -> Job:
     return job
 
 
-def _landed(job: Job, landed) -> None:
-    if landed.refused is not None:
-        status, message = landed.refused
-        code = "too_many_pending_scenes" if status == 429 else "video_finished"
-        raise APIError(status, message, None, code, "invalid_request_error" if status != 429 else "rate_limit_error")
-    job.set_scenes(landed.scenes)
-
-
 async def steer_video(request: web.Request) -> web.Response:
     """POST /v1/videos/{id}/scenes: a new scene from the first block not yet started; the answer
     names the exact frame where it lands (the stream carries an emsg there)."""
     job = _steerable(request)
     scene = parse_steer(await read_request_data(request), request.app[CONFIG])
     landed = job.handle.steer(scene)
-    _landed(job, landed)
+    apply_landing(job, landed)
     log.info("job %s: scene %d (%s) from frame %d", job.id, landed.scene, scene.transition, landed.start_frame)
     fps = job.request.fps
     return web.json_response(
@@ -332,7 +282,8 @@ async def stop_video(request: web.Request) -> web.Response:
     fragment is sent and the job completes); DELETE still cancels at once."""
     job = _steerable(request)
     landed = job.handle.stop()
-    _landed(job, landed)
+    apply_landing(job, landed)
+    job.stopped = True
     log.info("job %s: stopping at frame %d", job.id, landed.start_frame)
     return web.json_response(job.video_object())
 
@@ -555,6 +506,7 @@ def make_app(sup: Supervisor, cfg: Config, api_keys: list[bytes]) -> web.Applica
         r.add_get(f"{prefix}/videos/{{video_id}}/content", video_content)
         r.add_post(f"{prefix}/videos/{{video_id}}/scenes", steer_video)
         r.add_post(f"{prefix}/videos/{{video_id}}/stop", stop_video)
+        r.add_get(f"{prefix}/realtime/video", realtime_video)
         r.add_get(f"{prefix}/models", list_models)
         r.add_get(f"{prefix}/models/{{model}}", retrieve_model)
     r.add_post("/admin/drain", admin_drain)

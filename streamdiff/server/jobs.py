@@ -53,6 +53,7 @@ class Job:
         self.handle: SessionHandle | None = None  # the engine session it follows
         self.placement: dict | None = None  # the workers the session runs on
         self.expired = False
+        self.stopped = False  # a client asked it to end early (it completes there)
         self.keep_s: float | None = None  # set by the store: how long the finished video is kept
         self.on_finished: Callable[[Job], None] = lambda job: None
         self.live_consumer = live_consumer

@@ -1,0 +1,74 @@
+"""Starting and steering jobs, the same for POST /v1/videos and the realtime WebSocket
+(supervisor process). Every refusal is an APIError: the HTTP layer answers it in OpenAI's error
+envelope, the WebSocket as an `error` event."""
+
+from __future__ import annotations
+
+import logging
+import math
+
+from aiohttp import web
+
+from ..supervisor.core import RUNNING
+from ..supervisor.engine import QueueFull
+from .api import APIError, parse_video_request
+from .jobs import Job
+from .keys import CONFIG, JOBS, SUPERVISOR
+
+log = logging.getLogger("streamdiff.http")
+
+
+def supervisor_ready(app: web.Application) -> None:
+    sup = app[SUPERVISOR]
+    if sup.state != RUNNING:
+        raise APIError(
+            503,
+            "the server is shutting down" if sup.state != "starting" else "the server is starting",
+            None,
+            "unavailable",
+            "server_error",
+            {"Retry-After": "5"},
+        )
+
+
+def start_job(app: web.Application, data: dict) -> Job:
+    """Validate a request body, hand it to the engine, keep its job: the job, or APIError (400,
+    404 unknown model, 429 with Retry-After, 503)."""
+    sup, cfg, jobs = app[SUPERVISOR], app[CONFIG], app[JOBS]
+    supervisor_ready(app)
+    req = parse_video_request(data, cfg, sup.facts)
+    job = Job(req, live_consumer=req.stream, node=cfg.node)
+    try:
+        job.follow_session(sup.submit(req, job.id))
+    except QueueFull as exc:
+        raise APIError(
+            429,
+            f"the server is busy ({exc}); retry later",
+            None,
+            "rate_limit_exceeded",
+            "rate_limit_error",
+            {"Retry-After": str(max(1, math.ceil(exc.retry_after_s)))},
+        ) from None
+    jobs.add(job)
+    log.info(
+        "job %s: %d frames %dx%d@%d, %d scene(s), stream=%s%s",
+        job.id,
+        req.frames,
+        req.width,
+        req.height,
+        req.fps,
+        len(req.scenes),
+        req.stream,
+        ", live" if req.live else "",
+    )
+    return job
+
+
+def apply_landing(job: Job, landed) -> None:
+    """A steer's or stop's answer from the engine: the job's scenes follow it, or APIError."""
+    if landed.refused is not None:
+        status, message = landed.refused
+        if status == 429:
+            raise APIError(429, message, None, "too_many_pending_scenes", "rate_limit_error")
+        raise APIError(status, message, None, "video_finished")
+    job.set_scenes(landed.scenes)

@@ -1,0 +1,196 @@
+"""`GET /v1/realtime/video`: a live video over a WebSocket, steered while it plays (supervisor
+process; aiohttp's own WebSocket support).
+
+The events are vLLM-Omni's realtime video protocol, so a client written for it needs no change:
+
+    client  {"type": "session.start", ...}        the body of POST /v1/videos (without a length
+                                                  it is live: it runs until stopped or its cap)
+            {"type": "session.prompt_update", "prompt": ..., "transition"?: "continue"|"cut",
+             "seed"?: ...}                        steer: a new scene from the next block
+            {"type": "session.interaction", "interaction": {"event_id"?, "event": {"prompt"}}}
+                                                  the same, in vLLM-Omni's newer form
+            {"type": "session.stop"}              end cleanly at the next block boundary
+            {"type": "session.ping"}
+    server  {"type": "video.start", "request_id", "format": "m4s", "config": {...}}
+            binary messages: the init segment, then one fMP4 fragment (with its emsg) each
+            {"type": "session.prompt_updated" | "session.interaction.queued", "request_id",
+             "scene", "start_frame", "start_seconds"[, "event_id"]}   where a steer lands
+            {"type": "session.done", "request_id", "chunks", "stopped"}
+            {"type": "session.pong"}
+            {"type": "error", "message", "code"}
+
+A bad message gets an `error` event and the session goes on; a session that cannot start or
+fails gets `error` and the socket closes. Closing the socket cancels the video.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+
+from aiohttp import WSMsgType, web
+
+from .api import APIError, bad, parse_steer
+from .control import apply_landing, start_job
+from .jobs import Job, JobExpired
+from .keys import CONFIG
+
+log = logging.getLogger("streamdiff.realtime")
+
+START_TIMEOUT_S = 30.0  # the first message must be session.start within this
+IGNORED = ("type", "format", "extra_params")  # vLLM-Omni fields with nothing to say here
+
+
+class _Socket:
+    """One WebSocket's sends, one at a time (the fragment sender and the control replies share it)."""
+
+    def __init__(self, ws: web.WebSocketResponse) -> None:
+        self.ws = ws
+        self._lock = asyncio.Lock()
+
+    async def json(self, event: dict) -> None:
+        async with self._lock:
+            if not self.ws.closed:
+                await self.ws.send_str(json.dumps(event))
+
+    async def bytes(self, data: bytes) -> None:
+        async with self._lock:
+            await self.ws.send_bytes(data)
+
+    async def error(self, err: APIError) -> None:
+        await self.json({"type": "error", "message": err.message, "code": err.code, "param": err.param})
+
+
+async def realtime_video(request: web.Request) -> web.WebSocketResponse:
+    ws = web.WebSocketResponse(heartbeat=30.0)
+    await ws.prepare(request)
+    sock = _Socket(ws)
+    job: Job | None = None
+    try:
+        job = await _start(request, ws, sock)
+        if job is None:
+            return ws
+        sender = asyncio.create_task(_send_video(sock, job))
+        receiver = asyncio.create_task(_controls(request, ws, sock, job))
+        done, _ = await asyncio.wait({sender, receiver}, return_when=asyncio.FIRST_COMPLETED)
+        if receiver in done:  # the client went away: its video goes too
+            if not job.finished:
+                job.cancel("websocket closed")
+            sender.cancel()
+        else:
+            receiver.cancel()
+        await asyncio.gather(sender, receiver, return_exceptions=True)
+    finally:
+        if job is not None and not job.finished:
+            job.cancel("websocket closed")
+        await ws.close()
+    return ws
+
+
+async def _start(request: web.Request, ws: web.WebSocketResponse, sock: _Socket) -> Job | None:
+    try:
+        msg = await ws.receive(timeout=START_TIMEOUT_S)
+    except TimeoutError:
+        await sock.error(bad(f"no session.start within {START_TIMEOUT_S:g}s", "type", "start_timeout"))
+        return None
+    if msg.type != WSMsgType.TEXT:
+        return None
+    try:
+        event = _event(msg.data)
+        if event.get("type") != "session.start":
+            raise bad(f"the first message must be session.start, not {event.get('type')!r}", "type")
+        if event.get("format", "m4s") != "m4s":
+            raise bad(f"'format' must be 'm4s' (fragmented MP4), got {event['format']!r}", "format")
+        body = {k: v for k, v in event.items() if k not in IGNORED}
+        live = body.get("seconds") is None and body.get("num_frames") is None and body.get("live") is None
+        job = start_job(request.app, {**body, "stream": True, **({"live": True} if live else {})})
+    except APIError as err:
+        await sock.error(err)
+        return None
+    r = job.request
+    config = {"width": r.width, "height": r.height, "fps": r.fps, "num_frames": r.frames, "live": r.live}
+    await sock.json({"type": "video.start", "request_id": job.id, "format": "m4s", "config": config})
+    return job
+
+
+def _event(text: str) -> dict:
+    try:
+        event = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise bad(f"a control message must be a JSON object: {exc}", None, "invalid_json") from None
+    if not isinstance(event, dict):
+        raise bad("a control message must be a JSON object", None, "invalid_body")
+    return event
+
+
+async def _send_video(sock: _Socket, job: Job) -> None:
+    """The init segment and each fragment as one binary message, then session.done (or error)."""
+    sent = 0
+    try:
+        async for chunk, is_fragment in job.follow():
+            await sock.bytes(chunk)
+            if is_fragment:
+                sent += 1
+                job.ack()  # this socket is the video's consumer: a slow client slows only its own
+    except JobExpired:
+        pass
+    except ConnectionResetError:
+        if not job.finished:
+            job.cancel("websocket closed")
+        return
+    if job.state == "done":
+        await sock.json({"type": "session.done", "request_id": job.id, "chunks": sent, "stopped": job.stopped})
+    else:
+        err = job.error or {"code": "generation_failed", "message": job.state}
+        await sock.json({"type": "error", "message": err["message"], "code": err["code"], "param": None})
+
+
+async def _controls(request: web.Request, ws: web.WebSocketResponse, sock: _Socket, job: Job) -> None:
+    """The client's messages until it closes the socket."""
+    cfg = request.app[CONFIG]
+    async for msg in ws:
+        if msg.type != WSMsgType.TEXT:
+            if msg.type == WSMsgType.BINARY:
+                await sock.error(bad("binary messages are not accepted here", None, "invalid_body"))
+            continue
+        try:
+            event = _event(msg.data)
+            kind = event.get("type")
+            if kind == "session.ping":
+                await sock.json({"type": "session.pong"})
+            elif kind == "session.stop":
+                if not job.finished:
+                    apply_landing(job, job.handle.stop())
+                    job.stopped = True
+            elif kind in ("session.prompt_update", "session.interaction"):
+                await _steer(sock, job, kind, event, cfg)
+            else:
+                raise bad(f"unknown event type {kind!r}", "type", "unknown_event")
+        except APIError as err:
+            await sock.error(err)
+
+
+async def _steer(sock: _Socket, job: Job, kind: str, event: dict, cfg) -> None:
+    if kind == "session.interaction":
+        inter = event.get("interaction")
+        if not isinstance(inter, dict) or not isinstance(inter.get("event"), dict):
+            raise bad("'interaction.event' must be an object", "interaction")
+        body, event_id = {"prompt": inter["event"].get("prompt")}, inter.get("event_id")
+    else:
+        body, event_id = {k: v for k, v in event.items() if k != "type"}, None
+    scene = parse_steer(body, cfg)
+    if job.finished:
+        raise APIError(409, f"video '{job.id}' has {job.state}: it cannot be steered", None, "video_finished")
+    landed = job.handle.steer(scene)
+    apply_landing(job, landed)
+    reply = {
+        "type": "session.prompt_updated" if kind == "session.prompt_update" else "session.interaction.queued",
+        "request_id": job.id,
+        "scene": landed.scene,
+        "start_frame": landed.start_frame,
+        "start_seconds": landed.start_frame / job.request.fps,
+    }
+    if event_id is not None:
+        reply["event_id"] = event_id
+    await sock.json(reply)
