@@ -68,3 +68,46 @@ def test_page_plays_a_two_scene_stream_while_it_is_generated(daemon, tmp_path):
     assert state["frames"] == 96 and state["scenes"] == 2
     assert state["sceneChanges"] >= 2 and "city street" in state["sceneText"]
     assert state["firstFrameMs"] is not None and state["firstFrameMs"] < 30_000
+
+
+@pytest.mark.timeout(300)
+def test_page_steers_a_live_video_while_it_plays_and_stops_it(daemon, tmp_path):
+    """A live video from the form, steered mid-play from the page: the scene indicator changes to
+    the new prompt when playback reaches the acknowledged frame, no media error, currentTime keeps
+    advancing; the stop button ends it cleanly (the stream completes)."""
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=FLAGS)
+        page = browser.new_page()
+        console = []
+        page.on("console", lambda m: console.append(m.text))
+        page.goto(daemon.url + "/")
+        page.wait_for_function("document.getElementById('model').textContent.includes('fps')")
+        page.fill("#prompt", "a red ball")
+        page.fill("#seconds", "60")
+        page.check("#live")
+        page.fill("#size", "128x64")
+        page.click("#start")
+        page.wait_for_function("window.player.firstAdvanceAt !== null", timeout=120_000)
+        page.fill("#steer-prompt", "a blue square on a white background")
+        page.select_option("#steer-transition", "cut")
+        page.click("#steer")
+        page.wait_for_function("window.player.steers.length === 1", timeout=30_000)
+        landed = page.evaluate("window.player.steers[0]")
+        page.wait_for_function("document.getElementById('scene').textContent.includes('blue square')", timeout=60_000)
+        at_change = page.evaluate("document.getElementById('video').currentTime")
+        page.wait_for_timeout(1500)
+        later = page.evaluate("document.getElementById('video').currentTime")
+        page.click("#stop")
+        page.wait_for_function("window.player.state === 'complete'", timeout=60_000)
+        state = page.evaluate("""() => ({mediaErrors: window.player.mediaErrors, frames: window.player.frames,
+            mediaError: document.getElementById('video').error, videoId: window.player.videoId})""")
+        page.screenshot(path=str(tmp_path / "live.png"))
+        browser.close()
+    assert at_change >= landed["start_seconds"] - 0.1  # the indicator moved when playback got there
+    assert later > at_change  # and playback went on
+    assert state["mediaError"] is None and state["mediaErrors"] == [], (state, console)
+    video = httpx.get(f"{daemon.url}/v1/videos/{state['videoId']}", timeout=10).json()
+    assert video["status"] == "completed" and video["live"] is True and state["frames"] == video["num_frames"]
+    assert [s["start_frame"] for s in video["scenes"]] == [0, landed["start_frame"]]
