@@ -19,6 +19,7 @@ class Scene:
     frames: int  # output frames of this scene
     transition: str = "cut"  # how this scene starts: cut (new shot) | continue (same shot, new prompt)
     seed: int | None = None
+    recache: bool = False  # continue: recompute the held frames' keys/values under the new prompt
 
 
 @dataclass(frozen=True)
@@ -92,7 +93,7 @@ def replan_from(
     for sc in scenes:
         if start >= end:
             break
-        kept.append(Scene(sc.prompt, min(sc.frames, end - start), sc.transition, sc.seed))
+        kept.append(Scene(sc.prompt, min(sc.frames, end - start), sc.transition, sc.seed, sc.recache))
         start += sc.frames
     if new is not None:
         kept.append(new)

@@ -54,7 +54,7 @@ def test_a_live_stream_steered_twice_and_stopped(daemon):
     reader.start()
     wait_until(lambda: reader.fragment_count() >= 2, 60)
     vid = reader.video_id
-    first = httpx.post(f"{url}/v1/videos/{vid}/scenes", json={"prompt": "a blue square"}, timeout=10)
+    first = httpx.post(f"{url}/v1/videos/{vid}/scenes", json={"prompt": "a blue square", "recache": True}, timeout=10)
     assert first.status_code == 200, first.text
     wait_until(lambda: reader.fragment_count() >= 4, 60)
     second = httpx.post(f"{url}/v1/videos/{vid}/scenes", json={"prompt": "green", "transition": "cut"}, timeout=10)
@@ -79,7 +79,7 @@ def test_a_live_stream_steered_twice_and_stopped(daemon):
     assert video["status"] == "completed" and video["live"] is True and video["num_frames"] == frames
     assert [(s["prompt"], s["start_frame"], s["transition"]) for s in video["scenes"]] == [
         ("a red ball", 0, "cut"),
-        ("a blue square", a["start_frame"], "continue"),
+        ("a blue square", a["start_frame"], "continue"),  # re-cached
         ("green", b["start_frame"], "cut"),
     ]
 
@@ -119,6 +119,7 @@ def test_steering_refusals(daemon):
         ({"prompt": "x", "transition": "fade"}, "transition"),
         ({"prompt": "x", "recache": "yes", "color": 1}, "color"),
         ({"prompt": "x", "seed": -1}, "seed"),
+        ({"prompt": "x", "transition": "cut", "recache": True}, "recache"),
     ):
         r = httpx.post(steer, json=body, timeout=10)
         assert r.status_code == 400 and r.json()["error"]["param"] == param, (body, r.text)

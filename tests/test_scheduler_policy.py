@@ -531,7 +531,7 @@ def test_a_steer_lands_on_the_first_block_not_started_and_the_video_keeps_its_le
     for _ in range(6):
         w.advance()
     issued = sess.issued
-    landed = landing(w.step(s.Steer("s", Scene("a red ball", 1, "continue"))))
+    landed = landing(w.step(s.Steer("s", Scene("a red ball", 1, "continue", recache=True))))
     assert landed.refused is None and landed.scene == 1
     assert landed.start_frame == sess.blocks[issued].start_frame  # the first block the DiT had not started
     again = landing(w.step(s.Steer("s", Scene("a blue square", 1, "cut", seed=5))))
@@ -541,8 +541,9 @@ def test_a_steer_lands_on_the_first_block_not_started_and_the_video_keeps_its_le
     w.run()
     assert w.ended["s"].state == "done" and sum(a.block.emit for a in w.emitted["s"][1:]) == total
     gens = {b.block: b for _, msg in w.sent if isinstance(msg, m.GenerateBatch) for b in msg.blocks}
-    assert gens[issued].prompt == "a red ball" and not gens[issued].cut
+    assert gens[issued].prompt == "a red ball" and not gens[issued].cut and gens[issued].recache
     assert gens[issued + 1].prompt == "a blue square" and gens[issued + 1].cut and gens[issued + 1].seed == 5
+    assert not gens[issued + 1].recache
     assert [sc.prompt for sc in landed.scenes] == ["p", "a red ball"]
     w.assert_clean()
 

@@ -47,6 +47,7 @@ class GenerateBlock(Message, tag="gen"):
     prompt: str | None = None
     cut: bool = False
     seed: int | None = None
+    recache: bool = False  # with a continuing prompt: recompute the window's keys/values under it
 
 
 class GenerateBatch(Message, tag="genb"):

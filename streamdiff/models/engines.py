@@ -65,16 +65,22 @@ class DiTEngine:
         self._prompts.move_to_end(prompt)
         return emb
 
-    def set_scene(self, sess: DiTSession, prompt: str, cut: bool, seed: int | None = None) -> None:
+    def set_scene(
+        self, sess: DiTSession, prompt: str, cut: bool, seed: int | None = None, recache: bool = False
+    ) -> None:
         """Start a scene. `cut`: a new shot (fresh KV cache, positions from 0, first-block steps).
-        Otherwise `continue`: keep the visual history, swap the prompt (cross-attention cache)."""
+        Otherwise `continue`: keep the visual history, swap the prompt (cross-attention cache);
+        with `recache`, also recompute the held frames' keys/values under the new prompt."""
         if cut:
             s = self.preset.sampler
             sess.state = self.model.new_state(*sess.latent_hw, s.window_frames, s.sink_frames)
             sess.shot_blocks = 0
         if seed is not None:
             sess.generator.manual_seed(seed)
-        if cut or prompt != sess.prompt:
+        if recache and not cut:
+            self.model.recache(sess.state, self.encode_prompt(prompt), self.preset.sampler.context_t)
+            sess.prompt = prompt
+        elif cut or prompt != sess.prompt:
             self.model.set_prompt(sess.state, self.encode_prompt(prompt))
             sess.prompt = prompt
 

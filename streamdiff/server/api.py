@@ -34,8 +34,8 @@ KNOWN_FIELDS = {
     "num_inference_steps",
     "user",
 }
-SCENE_FIELDS = {"prompt", "seconds", "num_frames", "transition", "seed"}
-STEER_FIELDS = {"prompt", "transition", "seed"}
+SCENE_FIELDS = {"prompt", "seconds", "num_frames", "transition", "seed", "recache"}
+STEER_FIELDS = {"prompt", "transition", "seed", "recache"}
 MAX_SEED = 2**63 - 1
 
 
@@ -267,7 +267,7 @@ def parse_steer(data, cfg: Config) -> Scene:
     if transition not in ("cut", "continue"):
         raise bad(f"'transition' must be 'cut' or 'continue', got {transition!r}", "transition")
     seed = _integer(data["seed"], "seed", 0, MAX_SEED) if data.get("seed") is not None else None
-    return Scene(prompt, 1, transition, seed)
+    return Scene(prompt, 1, transition, seed, _recache(data, transition))
 
 
 def _parse_scenes(raw, total: int | None, fps: int, cfg: Config) -> list[Scene]:
@@ -293,8 +293,9 @@ def _parse_scenes(raw, total: int | None, fps: int, cfg: Config) -> list[Scene]:
         if i == 0 and transition == "continue":
             transition = "cut"  # the first scene always starts a shot
         seed = _integer(sc["seed"], p + "seed", 0, MAX_SEED) if sc.get("seed") is not None else None
+        recache = _recache(sc, transition, p)
         lengths.append(_length(sc, fps, p, lim.max_frames))
-        parsed.append((prompt, transition, seed))
+        parsed.append((prompt, transition, seed, recache))
     missing = [i for i, n in enumerate(lengths) if n is None]
     if missing:
         if total is None:
@@ -311,4 +312,11 @@ def _parse_scenes(raw, total: int | None, fps: int, cfg: Config) -> list[Scene]:
             lengths[i] = share + (1 if k < extra else 0)
     elif total is not None and sum(lengths) != total:
         raise bad(f"the scenes add up to {sum(lengths)} frames but the request asks for {total}", "scenes")
-    return [Scene(p, n, t, s) for (p, t, s), n in zip(parsed, lengths)]
+    return [Scene(p, n, t, s, r) for (p, t, s, r), n in zip(parsed, lengths)]
+
+
+def _recache(obj: dict, transition: str, prefix: str = "") -> bool:
+    recache = _bool(obj["recache"], prefix + "recache") if obj.get("recache") is not None else False
+    if recache and transition != "continue":
+        raise bad(f"'{prefix}recache' applies to a 'continue' transition (a cut starts afresh)", prefix + "recache")
+    return recache

@@ -203,6 +203,7 @@ class Job:
                     "start_seconds": self.scene_starts[i] / r.fps,
                     "transition": s.transition,
                     "seed": s.seed,
+                    "recache": s.recache,
                 }
                 for i, s in enumerate(self.scenes)
             ],

@@ -665,6 +665,7 @@ class Scheduler:
                     prompt=scene.prompt if first else None,
                     cut=b.shot_start and first,
                     seed=scene.seed if first else None,
+                    recache=first and scene.recache and not b.shot_start,
                 )
             )
         self._out.append(Send(dit, m.GenerateBatch(msgs)))
@@ -951,7 +952,7 @@ class Scheduler:
         if start >= total:
             self._out.append(Steered(ev.session, refused=(409, "no block of the video is left to steer")))
             return
-        new = Scene(ev.scene.prompt, total - start, ev.scene.transition, ev.scene.seed)
+        new = Scene(ev.scene.prompt, total - start, ev.scene.transition, ev.scene.seed, ev.scene.recache)
         self._replan(sess, at, new)
         sess.steered_at.append(at)
         self._out.append(Steered(sess.id, len(sess.scenes) - 1, start, list(sess.scenes)))

@@ -84,6 +84,12 @@ class KVCache:
         shape = (batch, cfg.num_heads, window_frames * tokens_per_frame, cfg.head_dim)
         self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.num_layers)]
         self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.num_layers)]
+        # The clean latents behind the held frames, their RoPE positions and the block each was
+        # committed with: what a re-cache recomputes the keys/values from (float32, small).
+        self.latents: torch.Tensor | None = None  # (batch, C, window, h, w), allocated on first commit
+        self.positions: list[int] = []
+        self.blocks: list[int] = []
+        self._next_block = 0
 
     def make_room(self, new_frames: int) -> None:
         """Evict the oldest non-sink frames so that `new_frames` more fit in the window."""
@@ -100,7 +106,38 @@ class KVCache:
         for buf in (*self.k, *self.v):
             # Shift the kept tail down over the evicted frames (clone: the ranges overlap).
             buf[:, :, lo : hi - excess * t] = buf[:, :, lo + excess * t : hi].clone()
+        if self.latents is not None:
+            lat = self.latents
+            lat[:, :, self.sink : self.frames - excess] = lat[:, :, self.sink + excess : self.frames].clone()
+        del self.positions[self.sink : self.sink + excess], self.blocks[self.sink : self.sink + excess]
         self.frames -= excess
+
+    def keep_latents(self, x: torch.Tensor, first_position: int) -> None:
+        """Remember a committed block's clean latents (x: (batch, C, f, h, w)) after the frames
+        held; call before `frames` counts them."""
+        f = x.shape[2]
+        if self.latents is None:
+            self.latents = torch.zeros(
+                (x.shape[0], x.shape[1], self.window, *x.shape[3:]), device=x.device, dtype=torch.float32
+            )
+        self.latents[:, :, self.frames : self.frames + f] = x.float()
+        self.positions += range(first_position, first_position + f)
+        self.blocks += [self._next_block] * f
+        self._next_block += 1
+
+    def runs(self) -> list[tuple[int, int]]:
+        """The held frames as (first index, end index) runs to recompute together: one committed
+        block each, split where eviction left a gap in its positions."""
+        out, i = [], 0
+        while i < self.frames:
+            j = i + 1
+            while (
+                j < self.frames and self.blocks[j] == self.blocks[i] and self.positions[j] == self.positions[j - 1] + 1
+            ):
+                j += 1
+            out.append((i, j))
+            i = j
+        return out
 
 
 class DiTState:
@@ -329,6 +366,26 @@ class WanDiT(nn.Module):
         ctx = self.text_embedding(context.to(device=w.device, dtype=w.dtype))
         state.cross = [blk.cross_attn.project_context(ctx) for blk in self.blocks]
 
+    @torch.no_grad()
+    def recache(self, state: DiTState, context: torch.Tensor, context_t: float = 0.0) -> None:
+        """Switch the prompt and recompute the keys/values of every frame held in the window
+        under it (LongLive's re-cache), so the new scene is not dragged along by the old prompt:
+        the held clean latents are passed again, block by block in order at their own positions
+        and timestep `context_t`, each attending to the frames recomputed before it."""
+        self.set_prompt(state, context)
+        kv = state.kv
+        if kv.frames == 0:
+            return
+        latents, positions, runs = kv.latents[:, :, : kv.frames].clone(), list(kv.positions), kv.runs()
+        next_frame = state.next_frame
+        kv.frames, kv.positions, kv.blocks = 0, [], []
+        b = latents.shape[0]
+        for i, j in runs:
+            state.next_frame = positions[i]
+            t = torch.full((b, j - i), context_t, device=latents.device)
+            self._forward(latents[:, :, i:j], t, [state], commit=True)
+        state.next_frame = next_frame
+
     def cast(self, dtype: torch.dtype) -> WanDiT:
         """Cast to `dtype`, keeping the small precision-sensitive parts (time MLP, modulation
         tables, affine LayerNorm) in float32 as the reference implementations do."""
@@ -396,7 +453,8 @@ class WanDiT(nn.Module):
         out = self.head(tokens, emb, fp)  # (B, L, pt*ph*pw*C_out)
 
         if commit:
-            for st in states:
+            for i, st in enumerate(states):
+                st.kv.keep_latents(x if len(states) == 1 else x[i : i + 1], st.next_frame)
                 st.kv.frames += fp
                 st.next_frame += fp
         out = out.view(b, fp, hp, wp, pt, ph, pw, cfg.out_channels)
