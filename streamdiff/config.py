@@ -119,7 +119,7 @@ class LimitsConfig:
     max_frames: int = 2000  # total frames per request
     max_scenes: int = 16
     live_default_s: float = 60.0  # a live video's cap when the request gives no 'seconds'
-    live_max_s: float = 240.0  # the longest cap a live video may ask for
+    live_max_s: float = 3600.0  # the longest cap a live video may ask for
     max_pending_scenes: int = 2  # steered scenes waiting for their first block; more get 429
     max_prompt_chars: int = 2000
     max_jobs: int = 1000  # jobs kept for GET /v1/videos (oldest finished removed first)

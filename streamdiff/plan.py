@@ -63,17 +63,6 @@ def plan_blocks(scenes: list[Scene], frames_per_block: int, temporal_factor: int
     return blocks
 
 
-def shot_latent_frames(scenes: list[Scene], temporal_factor: int = 4) -> int:
-    """The longest shot in latent frames (RoPE positions are absolute within a shot)."""
-    longest = current = 0
-    for si, scene in enumerate(scenes):
-        start = si == 0 or scene.transition == "cut"
-        n = latent_frames_for(scene.frames, start, temporal_factor)
-        current = n if start else current + n
-        longest = max(longest, current)
-    return longest
-
-
 def replan_from(
     scenes: list[Scene],
     blocks: list[Block],

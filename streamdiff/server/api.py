@@ -14,7 +14,7 @@ import re
 from dataclasses import dataclass
 
 from ..config import Config
-from ..plan import Scene, shot_latent_frames
+from ..plan import Scene
 
 KNOWN_FIELDS = {
     "prompt",
@@ -240,15 +240,6 @@ def parse_video_request(data, cfg: Config, facts: dict) -> VideoRequest:
     frames = sum(s.frames for s in scenes)
     if frames > max_frames:
         raise bad(f"the request asks for {frames} frames; the limit is {max_frames}", "scenes", "too_long")
-    longest = shot_latent_frames(scenes, facts["temporal_factor"])
-    max_shot = facts.get("max_shot_latent_frames", 1024)
-    if longest > max_shot:
-        raise bad(
-            f"one shot would need {longest} latent frames; the model's positions stop at {max_shot}: "
-            "split it with a 'cut'",
-            "scenes",
-            "too_long",
-        )
     return VideoRequest(model or cfg.model_name, scenes, width, height, fps, seed, stream, live)
 
 

@@ -148,13 +148,7 @@ class Supervisor:
             for key in ("frames_per_block", "spatial_factor", "temporal_factor", "latent_channels"):
                 if key in info and info[key] != self.facts[key]:
                     raise RuntimeError(f"worker {w.spec.name} reports {key}={info[key]}, expected {self.facts[key]}")
-            self.facts.update(
-                {
-                    k: v
-                    for k, v in info.items()
-                    if k in ("model", "max_shot_latent_frames", "size_multiple", "embedded_weights")
-                }
-            )
+            self.facts.update({k: v for k, v in info.items() if k in ("model", "size_multiple", "embedded_weights")})
 
     def _probe_encoder(self) -> None:
         from ..media.encoder import HW_ENCODERS, hardware_available

@@ -101,7 +101,6 @@ class DiTStage:
             "size_multiple": p.vae.spatial_factor * p.dit.patch_size[1],
             "latent_channels": p.dit.in_channels,
             "default_size": list(p.default_size),
-            "max_shot_latent_frames": p.dit.rope_max_positions,
             "embedded_weights": p.embedded,
             **self.calibration,
         }

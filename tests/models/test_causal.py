@@ -233,3 +233,20 @@ def test_recache_keeps_the_window_and_its_sinks(dit_pair, window, sink):
     k_before = [k.clone() for k in fresh.kv.k]
     ours.recache(fresh, a)
     assert max((k1 - k0).abs().max().item() for k0, k1 in zip(k_before, fresh.kv.k, strict=True)) <= 1e-5
+
+
+def test_frame_positions_run_past_the_rope_table():
+    """The frame axis is computed at any position: below Wan's 1024-entry table it equals the
+    table, and a live shot's frames go on past it with the same formula."""
+    from streamdiff.models.wan.dit import DiTConfig, Rope
+
+    cfg = DiTConfig(dim=96, num_heads=1)
+    rope = Rope(cfg, torch.device("cpu"))
+    pairs = cfg.rope_split()[0]
+    inv = 1.0 / torch.pow(cfg.rope_theta, torch.arange(0, 2 * pairs, 2, dtype=torch.float64) / (2 * pairs))
+    for start in (0, 1019, 5000):
+        cos, sin = rope.tables(start, 4, 2, 3)
+        ang = torch.outer(torch.arange(start, start + 4, dtype=torch.float64), inv)
+        frame_cos = cos.view(4, 2, 3, -1)[:, 0, 0, :pairs]
+        assert torch.equal(frame_cos, torch.cos(ang).float())
+        assert torch.equal(sin.view(4, 2, 3, -1)[:, 1, 2, :pairs], torch.sin(ang).float())

@@ -35,7 +35,7 @@ class DiTConfig:
     text_len: int = 512  # context is zero-padded to this many tokens, no mask
     patch_size: tuple[int, int, int] = (1, 2, 2)  # (t, h, w)
     eps: float = 1e-6
-    rope_max_positions: int = 1024  # per axis; frame index is absolute within a shot
+    rope_max_positions: int = 1024  # height and width table rows; frames are computed at any position
     rope_theta: float = 10000.0
 
     @property
@@ -180,30 +180,33 @@ class LayerNorm(nn.LayerNorm):
 
 
 class Rope:
-    """3-axis rotary tables (t, h, w), cos/sin per complex pair, float32."""
+    """3-axis rotary tables (t, h, w), cos/sin per complex pair, float32.
+
+    Height and width come from tables of `rope_max_positions` rows, as in Wan. The frame axis is
+    computed for the frames asked for, the same formula at any position: a live shot runs past
+    Wan's 1024-entry table (its attention stays within the KV window and sinks, and RoPE scores
+    depend only on distances, LongLive-style), and below 1024 it equals the table exactly."""
 
     def __init__(self, cfg: DiTConfig, device: torch.device) -> None:
         pos = torch.arange(cfg.rope_max_positions, dtype=torch.float64)
-        cos, sin = [], []
+        cos, sin, self.inv = [], [], []
         for pairs in cfg.rope_split():
             d = 2 * pairs
             inv = 1.0 / torch.pow(cfg.rope_theta, torch.arange(0, d, 2, dtype=torch.float64) / d)
             ang = torch.outer(pos, inv)
             cos.append(torch.cos(ang).float().to(device))
             sin.append(torch.sin(ang).float().to(device))
+            self.inv.append(inv)
         self.cos, self.sin = cos, sin
-        self.max_positions = cfg.rope_max_positions
+        self.device = device
 
     def tables(self, start_frame: int, f: int, h: int, w: int) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin of shape (f*h*w, 1, pairs) for frames [start_frame, start_frame+f)."""
-        if start_frame + f > self.max_positions:
-            raise ValueError(
-                f"frame position {start_frame + f} exceeds the RoPE table "
-                f"({self.max_positions}); start a new shot (cut)"
-            )
+        ang = torch.outer(torch.arange(start_frame, start_frame + f, dtype=torch.float64), self.inv[0])
+        frame = (torch.cos(ang).float().to(self.device), torch.sin(ang).float().to(self.device))
         out = []
-        for tabs in (self.cos, self.sin):
-            ct = tabs[0][start_frame : start_frame + f].view(f, 1, 1, -1).expand(f, h, w, -1)
+        for tabs, tf in zip((self.cos, self.sin), frame, strict=True):
+            ct = tf.view(f, 1, 1, -1).expand(f, h, w, -1)
             ch = tabs[1][:h].view(1, h, 1, -1).expand(f, h, w, -1)
             cw = tabs[2][:w].view(1, 1, w, -1).expand(f, h, w, -1)
             out.append(torch.cat([ct, ch, cw], dim=-1).reshape(f * h * w, 1, -1))
