@@ -15,7 +15,8 @@ Routing, in HAProxy's own terms:
   node takes new sessions).
 - Timeouts suit long streams: a stream is one response that lasts minutes, but bytes flow at
   least once per block, so inactivity timeouts of minutes are safe; HAProxy passes the chunked
-  body through as it comes.
+  body through as it comes. Steering (`/v1/videos/{id}/scenes`, `/stop`) carries the id and goes
+  to its node; the realtime WebSocket is a new session and upgrades through `new`.
 """
 
 from __future__ import annotations
@@ -67,6 +68,8 @@ def render_haproxy(
         "    # A stream is one long response; these are inactivity limits (a block arrives every second or so).",
         "    timeout client 5m",
         "    timeout server 5m",
+        "    # A live video over the realtime WebSocket may run for its whole cap (an hour at most).",
+        "    timeout tunnel 1h",
         "",
         "frontend videos",
         f"    bind {bind}",
