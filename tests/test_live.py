@@ -188,3 +188,22 @@ def test_a_websocket_that_does_not_start_properly_gets_an_error(daemon):
     first, bad_size = asyncio.run(run())
     assert first["type"] == "error" and first["param"] == "type"
     assert bad_size["type"] == "error" and bad_size["param"] == "size"
+
+
+def test_a_running_storyboard_can_be_steered_and_keeps_its_length(daemon):
+    """Not only live videos: a storyboard still being made takes a steer the same way; the new
+    scene replaces what was left of it, and the video keeps its length."""
+    url = daemon.url
+    scenes = [{"prompt": "one", "seconds": 10}, {"prompt": "two", "seconds": 10, "transition": "cut"}]
+    reader = Reader(url, {"scenes": scenes, "size": "128x64", "seed": 5})
+    reader.start()
+    wait_until(lambda: reader.video_id is not None and reader.fragment_count() >= 1, 60)
+    r = httpx.post(f"{url}/v1/videos/{reader.video_id}/scenes", json={"prompt": "three"}, timeout=10)
+    assert r.status_code == 200, r.text
+    landed = r.json()
+    reader.join(120)
+    assert reader.error is None
+    video = httpx.get(f"{url}/v1/videos/{reader.video_id}", timeout=10).json()
+    assert video["num_frames"] == 320 and decode(bytes(reader.data))["frames"] == 320
+    assert video["scenes"][-1]["prompt"] == "three" and video["scenes"][-1]["start_frame"] == landed["start_frame"]
+    assert sum(s["num_frames"] for s in video["scenes"]) == 320

@@ -599,3 +599,20 @@ def test_a_live_session_is_paced_to_its_player_and_wakes_the_scheduler_when_a_bl
     w.run()
     assert w.ended["live"].state == "done"
     w.assert_clean()
+
+
+def test_a_fragment_inside_the_players_start_up_buffer_is_not_a_stall():
+    """Stalls are counted on the same clock as deadlines (first fragment + startup_buffer_s +
+    media time): a paced live fragment that arrives 0.3 s after its media time, inside the 0.5 s
+    buffer, is on time — were it counted late, the deadlines would slip and the live video drift
+    behind its player."""
+    w = World(layout=(["dit0"], [["vae0.0"]]))
+    sess = w.submit("s", seconds=20)
+    sess.fragment_times = [10.0]
+    b = sess.blocks[3]
+    w.sched.now = 10.0 + b.start_frame / sess.fps + 0.3
+    w.sched._observe_fragment(sess, b)
+    assert sess.stall_s == 0.0 and sess.stalls == 0
+    w.sched.now += 0.5  # now past the buffer too: a stall of 0.3 s
+    w.sched._observe_fragment(sess, sess.blocks[3])
+    assert sess.stalls == 1 and abs(sess.stall_s - 0.3) < 1e-9

@@ -808,13 +808,14 @@ class Scheduler:
             self._encode_next(sess)
 
     def _observe_fragment(self, sess: Session, b: Block) -> None:
-        """Time to first fragment, intervals, and stalls against real-time playback: playback
-        starts with the first fragment; a fragment that arrives after its first frame was due
-        is a stall, and the player's clock slips by the difference."""
+        """Time to first fragment, intervals, and stalls against real-time playback: the player
+        starts startup_buffer_s after the first fragment (the same clock as `deadline`); a
+        fragment that arrives after its first frame was due is a stall, and the player's clock
+        slips by the difference."""
         now, mt = self.now, self.metrics
         if sess.fragment_times:
             mt.fragment_interval_seconds.observe(now - sess.fragment_times[-1])
-            due = sess.fragment_times[0] + sess.stall_s + b.start_frame / sess.fps
+            due = self.deadline(sess, b.index)
             if now > due:
                 sess.stalls += 1
                 sess.stall_s += now - due
