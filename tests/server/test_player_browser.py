@@ -92,6 +92,7 @@ def test_page_steers_a_live_video_while_it_plays_and_stops_it(daemon, tmp_path):
         page.wait_for_function("window.player.firstAdvanceAt !== null", timeout=120_000)
         page.fill("#steer-prompt", "a blue square on a white background")
         page.select_option("#steer-transition", "cut")
+        page.check("#steer-recache")  # ignored with a cut: the page sends it only with continue
         page.click("#steer")
         page.wait_for_function("window.player.steers.length === 1", timeout=30_000)
         landed = page.evaluate("window.player.steers[0]")
