@@ -312,9 +312,6 @@ class Session:
     def emitted(self) -> int:
         return sum(t.state == T_EMITTED for t in self.tickets)
 
-    def count(self, state: str) -> int:
-        return sum(t.state == state for t in self.tickets)
-
 
 class Scheduler:
     def __init__(

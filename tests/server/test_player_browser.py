@@ -31,17 +31,23 @@ def daemon():
     d.stop()
 
 
+def open_player(p, url: str):
+    """Chromium on the player page, once it has read the model: (browser, page, console lines)."""
+    browser = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=FLAGS)
+    page = browser.new_page()
+    console: list[str] = []
+    page.on("console", lambda m: console.append(m.text))
+    page.goto(url + "/")
+    page.wait_for_function("document.getElementById('model').textContent.includes('fps')")
+    return browser, page, console
+
+
 @pytest.mark.timeout(300)
 def test_page_plays_a_two_scene_stream_while_it_is_generated(daemon, tmp_path):
     from playwright.sync_api import sync_playwright
 
     with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=FLAGS)
-        page = browser.new_page()
-        console = []
-        page.on("console", lambda m: console.append(m.text))
-        page.goto(daemon.url + "/")
-        page.wait_for_function("document.getElementById('model').textContent.includes('fps')")
+        browser, page, console = open_player(p, daemon.url)
         # Through the form, as a person would: a two-scene storyboard, the second a cut.
         page.click("#tab-story")
         page.locator(".scene button").nth(2).click()  # remove the third default scene
@@ -78,12 +84,7 @@ def test_page_steers_a_live_video_while_it_plays_and_stops_it(daemon, tmp_path):
     from playwright.sync_api import sync_playwright
 
     with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=FLAGS)
-        page = browser.new_page()
-        console = []
-        page.on("console", lambda m: console.append(m.text))
-        page.goto(daemon.url + "/")
-        page.wait_for_function("document.getElementById('model').textContent.includes('fps')")
+        browser, page, console = open_player(p, daemon.url)
         page.fill("#prompt", "a red ball")
         page.fill("#seconds", "60")
         page.check("#live")
