@@ -173,14 +173,16 @@ async def serve(cfg: Config, api_keys: list[bytes]) -> int:
     await stop.wait()
     log.info("shutting down: draining running streams (up to %.0fs)", cfg.server.drain_timeout_s)
     notifier.stopping("draining")
-    await sup.drain(cfg.server.drain_timeout_s)
-    sup.cancel_all()  # past the deadline: what still runs ends now, truncated
-    dog.cancel()
-    if agent is not None:
-        agent.close()
-    await runner.shutdown()
-    await runner.cleanup()
-    await sup.close()
+    try:
+        await sup.drain(cfg.server.drain_timeout_s)
+        sup.cancel_all()  # past the deadline: what still runs ends now, truncated
+    finally:  # whatever failed above, the workers stop and the rings go
+        dog.cancel()
+        if agent is not None:
+            agent.close()
+        await runner.shutdown()
+        await runner.cleanup()
+        await sup.close()
     log.info("stopped")
     return 0
 

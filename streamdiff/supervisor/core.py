@@ -321,7 +321,10 @@ class Supervisor:
         if self.state == STOPPED:
             return
         self.state = STOPPING
-        self.cancel_all()
+        try:
+            self.cancel_all()
+        except Exception:  # the workers must still stop and the rings go
+            log.exception("cancelling the sessions at shutdown failed")
         if self.pool is not None:
             await self.pool.shutdown()
         for t in self._tasks:

@@ -46,6 +46,8 @@ def cluster(tmp_path_factory):
     yield {"lb": lb, "nodes": nodes, "store": store, "proc": proc}
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=120) == 0
+    # Every node's rings are gone, the killed node's too (tools/cluster sweeps what it left).
+    assert [n for n in os.listdir("/dev/shm") if n.startswith(f"sd-cl{proc.pid}node")] == []
 
 
 def direct(cluster, node: str) -> str:
