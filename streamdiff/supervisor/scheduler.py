@@ -31,10 +31,14 @@ The policy:
   group's shards all get the same batch messages, so they always agree.
 - Admission from the capacity model (capacity.py); a session's window: at most
   `max_blocks_in_flight` blocks between "sent to the DiT" and "taken by its consumer".
+- Steering. A Steer or Stop replans the session's unstarted tickets (`plan.replan_from`): the
+  answer (`Steered`) names the frame where the new scene or the end lands. A live session's next
+  block waits until it is within `live_lead_s` of its player's clock; `WakeAt` asks the driver to
+  step again then.
 - No silent loss. A ticket sent to a worker leaves only by that worker's answer, by the worker
-  proving it never got it (idle since before it went out: a lost message), or by the worker's
-  death; a ticket unanswered after `block_timeout_s` fails its session at once (its slots come
-  back by one of the three).
+  proving it never got it (idle since before it went out: a lost message), by the socket refusing
+  the message (SendFailed), or by the worker's death; a ticket unanswered after
+  `block_timeout_s` fails its session at once (its slots come back by one of those).
 """
 
 from __future__ import annotations
