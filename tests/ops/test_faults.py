@@ -123,16 +123,18 @@ def test_sigterm_drains_running_streams(tmp_path):
     d = Daemon("--config", str(cfg))
     workers = d.children()
     out = {}
-    t = start_stream(d.url, {"prompt": "finish me", "num_frames": 97, "size": "128x64"}, out)
+    # Long enough to still run while the checks below are made (the drain ends with it, and the
+    # daemon stops listening then): 321 frames are ~3 s of work at 128x64 here.
+    t = start_stream(d.url, {"prompt": "finish me", "num_frames": 321, "size": "128x64"}, out)
     wait_until(lambda: out.get("bytes", 0) > 0)
     d.proc.send_signal(signal.SIGTERM)
     time.sleep(0.3)
+    assert httpx.get(d.url + "/health", timeout=10).status_code == 503
     r = httpx.post(d.url + "/v1/videos", json={"prompt": "too late", "num_frames": 5}, timeout=10)
     assert r.status_code == 503 and r.headers["retry-after"] and r.json()["error"]["code"] == "unavailable"
-    assert httpx.get(d.url + "/health", timeout=10).status_code == 503
     t.join(120)
     assert out.get("complete"), out.get("error")
-    check_video(out["data"], 97, 128, 64, 16)
+    check_video(out["data"], 321, 128, 64, 16)
     assert d.proc.wait(timeout=60) == 0
     assert d.segments() == []
     # Workers are joined before the supervisor exits; multiprocessing's resource tracker notices
