@@ -34,7 +34,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--vae-gpus", type=int, metavar="M", help="VAE shard workers, one per device (default 1)")
     p.add_argument("--vae-group-size", type=int, metavar="K", help="shards per VAE group (default: all VAE devices)")
     p.add_argument("--device", choices=("cpu", "cuda", "xpu"), help="device kind (default cpu)")
-    p.add_argument("--mode", choices=("disaggregated", "aggregated"), help="stage layout (default disaggregated)")
+    p.add_argument(
+        "--mode",
+        choices=("disaggregated", "aggregated", "hybrid"),
+        help="stage layout (default disaggregated; hybrid: the DiT's device also holds a VAE shard)",
+    )
     p.add_argument(
         "--model",
         metavar="PRESET|PATH",

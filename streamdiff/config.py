@@ -64,7 +64,7 @@ class SamplerConfig:
 
 @dataclass(frozen=True)
 class TopologyConfig:
-    mode: str = "disaggregated"  # disaggregated | aggregated
+    mode: str = "disaggregated"  # disaggregated | aggregated | hybrid
     device: str = "cpu"  # cpu | cuda | xpu
     dit_devices: int = 1  # DiT workers (one per device)
     vae_devices: int = 1  # VAE shard workers (one per device)
@@ -72,6 +72,8 @@ class TopologyConfig:
     threads_per_worker: int = 1  # CPU threads of each worker (on cpu: a "device" is a worker)
     pin_cpus: bool = True  # cpu: pin each worker to its own cores
     shard_front: bool = False  # VAE groups: also shard the low-resolution front (all-gather attention)
+    vae_band_weights: tuple[float, ...] = ()  # rows per shard of a group in these proportions (empty: placed)
+    rebalance: bool = True  # band weights follow the shards' measured times (new shots take them)
 
 
 @dataclass(frozen=True)
@@ -195,11 +197,12 @@ def _coerce(key: str, tp, value):
             raise ConfigError(f"{key}: expected a string, got {value!r}")
         return value
     if origin is tuple:
+        kinds, what = (int | float, "numbers") if tp.__args__[0] is float else (int, "integers")
         if not isinstance(value, list | tuple) or not all(
-            isinstance(v, int) and not isinstance(v, bool) for v in value
+            isinstance(v, kinds) and not isinstance(v, bool) for v in value
         ):
-            raise ConfigError(f"{key}: expected a list of integers, got {value!r}")
-        return tuple(value)
+            raise ConfigError(f"{key}: expected a list of {what}, got {value!r}")
+        return tuple(float(v) for v in value) if kinds is not int else tuple(value)
     return value
 
 
@@ -273,7 +276,18 @@ def validate(cfg: Config) -> None:
         m.dtype,
     )
     _check(0 < m.dit_vae_ratio <= 20, "model.dit_vae_ratio", "must be in (0, 20]", m.dit_vae_ratio)
-    _check(t.mode in ("disaggregated", "aggregated"), "topology.mode", "must be disaggregated or aggregated", t.mode)
+    _check(
+        t.mode in ("disaggregated", "aggregated", "hybrid"),
+        "topology.mode",
+        "must be disaggregated, aggregated or hybrid",
+        t.mode,
+    )
+    _check(
+        t.mode != "hybrid" or t.vae_devices > t.dit_devices,
+        "topology.vae_devices",
+        f"hybrid: the VAE group spans the DiT's devices and more (more than dit_devices = {t.dit_devices})",
+        t.vae_devices,
+    )
     _check(t.device in ("cpu", "cuda", "xpu"), "topology.device", "must be cpu, cuda or xpu", t.device)
     _check(1 <= t.dit_devices <= 64, "topology.dit_devices", "must be 1-64", t.dit_devices)
     _check(1 <= t.vae_devices <= 64, "topology.vae_devices", "must be 1-64", t.vae_devices)
@@ -283,6 +297,12 @@ def validate(cfg: Config) -> None:
         "topology.vae_group_size",
         f"must divide vae_devices ({t.vae_devices})",
         t.vae_group_size,
+    )
+    _check(
+        not t.vae_band_weights or (len(t.vae_band_weights) == group and all(0 < w < 1e6 for w in t.vae_band_weights)),
+        "topology.vae_band_weights",
+        f"must be empty or {group} positive numbers (one per shard of a group)",
+        list(t.vae_band_weights),
     )
     _check(1 <= t.threads_per_worker <= 256, "topology.threads_per_worker", "must be 1-256", t.threads_per_worker)
     _check(p.max_blocks_in_flight >= 1, "pipeline.max_blocks_in_flight", "must be >= 1", p.max_blocks_in_flight)

@@ -34,9 +34,11 @@ class World:
     carries out the oldest and steps the scheduler with its result. Workers answer a closed
     session's blocks `skipped`, as the real ones do; a dead worker's queue is gone."""
 
-    def __init__(self, layout=TWO_PIPELINES, latent_slots=8, frame_slots=6, cfg: Config | None = None) -> None:
+    def __init__(
+        self, layout=TWO_PIPELINES, latent_slots=8, frame_slots=6, cfg: Config | None = None, devices=None
+    ) -> None:
         dits, groups = layout
-        topo = Topology(workers=[], dit_workers=dits, vae_groups=groups)
+        topo = Topology(workers=[], dit_workers=dits, vae_groups=groups, devices=devices or {})
         self.ready = set(dits) | {w for g in groups for w in g}
         self.groups = groups
         self.sched = s.Scheduler(cfg or Config(), topo, latent_slots, frame_slots, self.ready.__contains__, FACTS)
@@ -616,3 +618,26 @@ def test_a_fragment_inside_the_players_start_up_buffer_is_not_a_stall():
     w.sched.now += 0.5  # now past the buffer too: a stall of 0.3 s
     w.sched._observe_fragment(sess, sess.blocks[3])
     assert sess.stalls == 1 and abs(sess.stall_s - 0.3) < 1e-9
+
+
+def test_a_hybrid_groups_decodes_carry_band_weights_sized_to_the_dits_slack():
+    """dit0 shares device 0 with shard vae0.0: from the READY timings on, every DecodeBatch
+    carries weights that give vae0.0 the smaller band; the same group on devices of its own
+    gets equal bands (no weights)."""
+    for devices, small in (
+        ({"dit0": 0, "vae0.0": 0, "vae0.1": 1}, True),
+        ({"dit0": 0, "vae0.0": 1, "vae0.1": 2}, False),
+    ):
+        w = World(ONE_PIPELINE_K2, devices=devices)
+        calibrated(w, {2: 1.0}, block_ms=100.0)
+        info = {"vae_rank": 0, "vae_cost": {"block_ms": 150.0, "size": [128, 64]}, "vae_memory": None}
+        w.step(s.WorkerReady("vae0.0", info))
+        w.submit("a")
+        w.run()
+        weights = [msg.weights for _, msg in w.sent if isinstance(msg, m.DecodeBatch)]
+        assert weights and len({tuple(x) for x in weights}) == 1
+        if small:
+            assert weights[0][0] < 0.4 < 0.6 < weights[0][1]
+        else:
+            assert weights[0] == []
+        w.assert_clean()

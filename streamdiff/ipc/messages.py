@@ -73,9 +73,12 @@ class DecodeBlock(Message, tag="dec"):
 class DecodeBatch(Message, tag="decb"):
     """VAE: these blocks, of different sessions, in one decode call where their sizes and cache
     phases agree (the supervisor chose them; every shard of the group gets the same batch, so
-    the shards agree by construction); one FramesDone each."""
+    the shards agree by construction); one FramesDone each. `weights`: the group's band weights
+    (kernels.split_rows) for the blocks that start a shot here; a shot keeps its bands to its
+    end, since its temporal cache holds their rows (empty: equal bands)."""
 
     blocks: list[DecodeBlock]
+    weights: list[float] = []
 
 
 class CloseSession(Message, tag="close"):
@@ -112,6 +115,7 @@ class LatentDone(Message, tag="latent"):
     compute_ms: float  # this block's share of its batch's time
     skipped: bool = False  # the session was cancelled: nothing was written
     batch: int = 1  # blocks computed together in that forward
+    busy_ms: float = 0.0  # of compute_ms, the stage's own work (on the CPU: its CPU time per thread)
 
 
 class FramesDone(Message, tag="frames"):
@@ -122,6 +126,8 @@ class FramesDone(Message, tag="frames"):
     compute_ms: float  # this block's share of its batch's time
     skipped: bool = False  # the group agreed the session was cancelled: nothing was written
     batch: int = 1  # blocks decoded together in that call
+    busy_ms: float = 0.0  # of compute_ms, this shard's own work (on the CPU: its CPU time per thread; not waits)
+    rows: int = 0  # the latent rows of this shard's band
 
 
 class Failed(Message, tag="failed"):

@@ -126,9 +126,11 @@ class VAEEngine:
     def frames_out(self, latent_frames: int, state: VAEState) -> int:
         return self.preset.vae.frames_out(latent_frames, first_block=state.latent_frames == 0)
 
-    def plan(self, latent_shape: tuple[int, ...], world: int = 1, batch: int = 1) -> DecodePlan:
-        """The decode plan of `batch` blocks of this global shape over `world` shards (the same
-        on every rank)."""
+    def plan(
+        self, latent_shape: tuple[int, ...], world: int = 1, batch: int = 1, weights: tuple[float, ...] | None = None
+    ) -> DecodePlan:
+        """The decode plan of `batch` blocks of this global shape over `world` shards, bands in
+        proportion to `weights` (the same on every rank)."""
         cfg = self.preset.vae
         return plan_block(
             latent_shape,
@@ -140,6 +142,7 @@ class VAEEngine:
             self.model.conv2.weight.element_size(),
             self.working_set_bytes,
             batch,
+            weights,
         )
 
     def decode_block(

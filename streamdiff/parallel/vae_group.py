@@ -19,6 +19,7 @@ frames. tools/bench_vae_shard.py measures both.
 
 from __future__ import annotations
 
+import time
 from datetime import timedelta
 
 import torch
@@ -59,6 +60,7 @@ class ExchangeHalo(Halo):
     def __init__(self, rank: int, bands: list[tuple[int, int]]) -> None:
         self.rank, self.world, self.bands = rank, len(bands), bands
         self.bytes_sent = 0  # halo traffic of this shard, for the benchmark
+        self.wait_s = 0.0  # time spent waiting for neighbours (a shard's busy time is the rest)
 
     def _scale(self, x: torch.Tensor) -> int:
         r0, r1 = self.bands[self.rank]
@@ -89,8 +91,10 @@ class ExchangeHalo(Halo):
 
     def complete(self, pending, dest: torch.Tensor) -> None:
         works, recv_up, recv_down = pending
+        t0 = time.perf_counter()
         for w in works:
             w.wait()
+        self.wait_s += time.perf_counter() - t0
         dest[..., :1, :] = recv_up if recv_up is not None else 0  # zero rows at the global edges
         dest[..., -1:, :] = recv_down if recv_down is not None else 0
 
@@ -103,7 +107,9 @@ class ExchangeHalo(Halo):
         buf.zero_()
         buf[..., : x.shape[-2], :] = x
         parts = [torch.empty_like(buf) for _ in range(self.world)]
+        t0 = time.perf_counter()
         dist.all_gather(parts, buf)
+        self.wait_s += time.perf_counter() - t0
         self.bytes_sent += buf.numel() * buf.element_size() * (self.world - 1)
         full = torch.cat([p[..., :n, :] for p, n in zip(parts, sizes)], dim=-2)
         return full.contiguous(memory_format=layout(full))

@@ -53,6 +53,7 @@ from ..config import Config
 from ..ipc import messages as m
 from ..ipc.shm import SlotPool
 from ..metrics import Metrics
+from ..placement.bands import Balance
 from ..plan import Block, Scene, replan_from
 from .capacity import CapacityModel, Demand
 from .engine import CANCELLED, DONE, FAILED, QUEUED, RUNNING
@@ -331,6 +332,10 @@ class Scheduler:
         self.facts = facts or {"spatial_factor": 8, "size_multiple": 16}
         self.capacity = CapacityModel(cfg.limits.target_utilization)
         self.topology = topology
+        t = cfg.topology
+        self.balance = Balance(
+            topology.vae_groups, topology.devices, topology.dit_workers, t.vae_band_weights, t.rebalance
+        )
         self.latent_pool = SlotPool(latent_slots)
         self.frame_pool = SlotPool(frame_slots)
         self.worker_ready = worker_ready
@@ -418,12 +423,19 @@ class Scheduler:
             self.capacity.calibrate(ev.worker, cost["size"], cost["block_ms"], info["dit_memory"])
             for b, ms in info.get("dit_batch_ms", {}).items():
                 self.capacity.calibrate_batch(ev.worker, cost["size"], int(b), ms / cost["block_ms"])
+            self.balance.seed_dit(ev.worker, cost.get("busy_ms", cost["block_ms"]), self._latent_hw(*cost["size"]))
         if "vae_cost" in info and info.get("vae_rank") == 0:
-            unit = self._group_unit(next(i for i, g in enumerate(self.topology.vae_groups) if ev.worker in g))
+            group = next(i for i, g in enumerate(self.topology.vae_groups) if ev.worker in g)
+            unit = self._group_unit(group)
             cost = info["vae_cost"]
             self.capacity.calibrate(unit, cost["size"], cost["block_ms"], info["vae_memory"])
+            self.balance.seed(group, cost["block_ms"], self._latent_hw(*cost["size"]))
             for b, ms in info.get("vae_batch_ms", {}).items():
                 self.capacity.calibrate_batch(unit, cost["size"], int(b), ms / cost["block_ms"])
+
+    def _latent_hw(self, width: int, height: int) -> tuple[int, int]:
+        sf = self.facts["spatial_factor"]
+        return height // sf, width // sf
 
     @staticmethod
     def _group_unit(group: int) -> str:
@@ -680,8 +692,10 @@ class Scheduler:
             t.state, t.sent_at, t.batch, t.reported, t.skipped = T_VAE, self.now, bid, set(), False
             item = m.DecodeBlock(sess.id, b.index, t.latent_slot, t.frame_slot, t.shape, b.frames_out, b.shot_start)
             msgs.append(item)
+        head = batch[0][0]
+        weights = list(self.balance.weights(group, self._latent_hw(head.width, head.height)))
         for w in self.topology.vae_groups[group]:
-            self._out.append(Send(w, m.DecodeBatch(msgs)))
+            self._out.append(Send(w, m.DecodeBatch(msgs, weights=weights)))
 
     def _encode_next(self, sess: Session) -> None:
         """Encode the session's next block once its frames are ready (one at a time, in order)."""
@@ -736,6 +750,7 @@ class Scheduler:
         predicted = self.capacity.observe(sess.dit, (sess.width, sess.height), msg.compute_ms, msg.batch)
         if predicted:
             self.metrics.block_cost_ratio.labels("dit").observe(msg.compute_ms / predicted)
+        self.balance.observe_dit(sess.dit, msg.busy_ms, self._latent_hw(sess.width, sess.height))
         t.state, t.shape = T_LATENT, list(msg.shape)
 
     def _frames_done(self, msg: m.FramesDone) -> None:
@@ -745,6 +760,9 @@ class Scheduler:
             return
         t.reported.add(msg.rank)
         t.skipped |= msg.skipped
+        if not msg.skipped:
+            shard = self.topology.vae_groups[sess.group][msg.rank]
+            self.balance.observe(shard, msg.busy_ms, msg.rows, self._latent_hw(sess.width, sess.height)[1])
         if not msg.skipped and msg.rank == 0:
             self.stage_ms["vae"] += msg.compute_ms
             self.metrics.stage_seconds.labels("vae").observe(msg.compute_ms / 1000)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 import socket
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ..config import Config, ConfigError, injected_faults, sampler_overrides
 from ..ipc.shm import RingSpec
@@ -18,6 +18,7 @@ class Topology:
     workers: list[WorkerSpec]
     dit_workers: list[str]  # names of the workers with the DiT stage
     vae_groups: list[list[str]]  # each group's shards in rank order
+    devices: dict[str, int] = field(default_factory=dict)  # worker -> device index (hybrid: two per device)
 
 
 def free_port() -> int:
@@ -52,6 +53,9 @@ def _cpus(index: int, threads: int, pin: bool) -> tuple[int, ...]:
 
 
 def build_topology(cfg: Config, control_addr: str, latent_ring: RingSpec, frame_ring: RingSpec) -> Topology:
+    """One process per device, except in hybrid mode, where each of the DiT's devices also runs a
+    VAE shard in a process of its own (the shard at normal priority, the DiT below it: on the CPU
+    the DiT takes the core while the shard waits at its halo exchanges)."""
     t, p = cfg.topology, cfg.pipeline
     spec = model_spec(cfg)
     try:
@@ -59,27 +63,20 @@ def build_topology(cfg: Config, control_addr: str, latent_ring: RingSpec, frame_
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
     group_size = t.vae_group_size or t.vae_devices
-    roles: dict[int, set[str]] = {}
     if t.mode == "disaggregated":
         dit_dev = list(range(t.dit_devices))
         vae_dev = list(range(t.dit_devices, t.dit_devices + t.vae_devices))
-        prefix = {i: "dit" for i in dit_dev} | {i: "vae" for i in vae_dev}
-    else:  # aggregated: the same devices run both stages, one process each
+    else:  # aggregated and hybrid: the VAE devices start with the DiT's
         dit_dev = list(range(t.dit_devices))
         vae_dev = list(range(t.vae_devices))
-        prefix = {i: "agg" for i in range(max(t.dit_devices, t.vae_devices))}
-    for i in dit_dev:
-        roles.setdefault(i, set()).add("dit")
-    for i in vae_dev:
-        roles.setdefault(i, set()).add("vae")
     groups = [vae_dev[g : g + group_size] for g in range(0, len(vae_dev), group_size)]
-    names = {}
-    for i in sorted(roles):
-        gi = next((k for k, g in enumerate(groups) if i in g), None)
-        if prefix[i] == "vae":
-            names[i] = f"vae{gi}.{groups[gi].index(i)}"
-        else:
-            names[i] = f"{prefix[i]}{i}"
+    procs: list[tuple[str, tuple[str, ...], int]] = []  # (name, roles, device)
+    if t.mode == "aggregated":  # the same devices run both stages, one process each
+        for i in sorted(set(dit_dev) | set(vae_dev)):
+            procs.append((f"agg{i}", tuple(r for r, d in (("dit", dit_dev), ("vae", vae_dev)) if i in d), i))
+    else:
+        procs += [(f"dit{i}", ("dit",), i) for i in dit_dev]
+        procs += [(f"vae{gi}.{r}", ("vae",), i) for gi, g in enumerate(groups) for r, i in enumerate(g)]
     group_specs = {}
     for gi, g in enumerate(groups):
         addr = f"tcp://127.0.0.1:{free_port()}" if len(g) > 1 else ""
@@ -87,8 +84,8 @@ def build_topology(cfg: Config, control_addr: str, latent_ring: RingSpec, frame_
             group_specs[i] = GroupSpec(f"vae{gi}", rank, len(g), addr, t.shard_front, p.collective_timeout_s)
     workers = [
         WorkerSpec(
-            name=names[i],
-            roles=tuple(r for r in ("dit", "vae") if r in roles[i]),
+            name=name,
+            roles=roles,
             device=_device(t.device, i),
             threads=t.threads_per_worker,
             cpus=_cpus(i, t.threads_per_worker, t.pin_cpus and t.device == "cpu"),
@@ -96,17 +93,20 @@ def build_topology(cfg: Config, control_addr: str, latent_ring: RingSpec, frame_
             control_addr=control_addr,
             latent_ring=latent_ring,
             frame_ring=frame_ring,
-            group=group_specs.get(i),
+            group=group_specs.get(i) if "vae" in roles else None,
             heartbeat_interval_s=p.heartbeat_interval_s,
             log_level=cfg.server.log_level,
             vae_working_set_bytes=p.vae_cpu_working_set_bytes,
             max_batch=p.max_batch,
             cpu_memory_budget_bytes=p.cpu_memory_budget_bytes,
             faults=faults,
+            low_priority=t.mode == "hybrid" and roles == ("dit",),
         )
-        for i in sorted(roles)
+        for name, roles, i in procs
     ]
-    return Topology(workers, [names[i] for i in dit_dev], [[names[i] for i in g] for g in groups])
+    dit_names = [next(n for n, r, d in procs if "dit" in r and d == i) for i in dit_dev]
+    group_names = [[next(n for n, r, d in procs if "vae" in r and d == i) for i in g] for g in groups]
+    return Topology(workers, dit_names, group_names, {name: i for name, _, i in procs})
 
 
 def with_new_group_addr(spec: WorkerSpec, addr: str) -> WorkerSpec:

@@ -56,11 +56,26 @@ def _setup_process(spec: WorkerSpec) -> None:
             os.sched_setaffinity(0, spec.cpus)
         except OSError:
             pass
+    if spec.low_priority:
+        _yield_cpu()
     logging.basicConfig(
         level=spec.log_level.upper(),
         stream=sys.stderr,
         format=f"%(asctime)s %(levelname)s [{spec.name}] %(name)s: %(message)s",
     )
+
+
+def _yield_cpu() -> None:
+    """Run below every normal process (hybrid DiT): SCHED_IDLE where the kernel has it (a waking
+    VAE shard on the same core preempts it at once), else the lowest nice. Threads made later
+    inherit it. Unprivileged processes may lower their own priority."""
+    try:
+        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+    except (AttributeError, OSError):
+        try:
+            os.nice(19)
+        except OSError:
+            pass
 
 
 class Worker:
@@ -173,7 +188,8 @@ class Worker:
                     stage.open(msg)
             elif isinstance(msg, m.GenerateBatch | m.DecodeBatch):
                 stage = self.stages["dit" if isinstance(msg, m.GenerateBatch) else "vae"]
-                replies, refusals = stage.run_batch(msg.blocks, self.closed)
+                extra = {"weights": tuple(msg.weights)} if isinstance(msg, m.DecodeBatch) and msg.weights else {}
+                replies, refusals = stage.run_batch(msg.blocks, self.closed, **extra)
                 for reply in replies:
                     self.send(reply)
                 for refused, exc in refusals:

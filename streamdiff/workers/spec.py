@@ -39,4 +39,5 @@ class WorkerSpec:
     cpu_memory_budget_bytes: int = 8 * 2**30  # cpu: what one worker's sessions may hold (caches)
     max_batch: int = 4  # blocks of different sessions in one DiT forward or VAE call, at most this many
     incarnation: int = 0  # 0 for the first start, +1 at each restart
+    low_priority: bool = False  # hybrid DiT: yields its device's CPU to the VAE shard beside it
     faults: tuple[Fault, ...] = ()  # deliberate faults (tests and drills only; see workers/faults.py)

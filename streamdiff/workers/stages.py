@@ -52,6 +52,26 @@ def _timed(device: str, fn) -> float:
     return 1000 * (time.perf_counter() - t0)
 
 
+class Stopwatch:
+    """Wall time and a stage's own work. On the CPU its own work is the process's CPU time per
+    thread: what it took of its cores, not the time another process (a hybrid VAE shard
+    beside a DiT) held them. Elsewhere the wall time, less what `waited` says was spent
+    waiting for neighbours."""
+
+    def __init__(self, device: str, threads: int) -> None:
+        self.cpu, self.threads = torch.device(device).type == "cpu", max(1, threads)
+        self.wall0 = self.cpu0 = 0.0
+
+    def start(self) -> None:
+        self.wall0, self.cpu0 = time.perf_counter(), time.process_time()
+
+    def stop(self, waited_s: float = 0.0) -> tuple[float, float]:
+        """(wall seconds, own seconds) since start."""
+        wall = time.perf_counter() - self.wall0
+        own = (time.process_time() - self.cpu0) / self.threads if self.cpu else wall - waited_s
+        return wall, max(0.0, own)
+
+
 def _sync(device: str) -> None:
     t = torch.device(device).type
     if t == "cuda":
@@ -80,12 +100,14 @@ class DiTStage:
         torch.set_num_threads(spec.threads)
         _select_device(spec.device)
         self.device = spec.device
+        self.clock = Stopwatch(spec.device, spec.threads)
         self.engine = DiTEngine(spec.model, spec.device)
         self.ring = Ring(spec.latent_ring)
         self.faults = faults
         self.sessions: dict = {}
         self.seeds: dict[str, int] = {}
         self.next_block: dict[str, int] = {}  # session -> the block index due next
+        self.weights: dict[str, tuple[float, ...] | None] = {}  # session -> its shot's band weights
         self.cpu_budget = spec.cpu_memory_budget_bytes
         self.max_batch = spec.max_batch
         self.calibration = self.calibrate()
@@ -112,7 +134,9 @@ class DiTStage:
         sess = self.engine.open_session(w, h, seed=0)
         self.engine.set_scene(sess, "calibration", cut=True)
         self.engine.generate_block(sess, p.sampler.frames_per_block)  # the first block has its own steps
+        self.clock.start()
         ms = _timed(self.device, lambda: self.engine.generate_block(sess, p.sampler.frames_per_block))
+        _, own_s = self.clock.stop()
         kv = sess.state.kv
         tokens = kv.k[0].shape[2]  # window * tokens per frame
         per_token = sum(t.numel() * t.element_size() for t in (*kv.k, *kv.v)) // tokens
@@ -129,7 +153,7 @@ class DiTStage:
             self.engine.generate_blocks(pair, fpb)  # cold: a new shape
             batch_ms["2"] = _timed(self.device, lambda: self.engine.generate_blocks(pair, fpb)) / 2
         return {
-            "dit_cost": {"block_ms": ms, "size": [w, h]},
+            "dit_cost": {"block_ms": ms, "busy_ms": 1000 * own_s, "size": [w, h]},
             "dit_batch_ms": batch_ms,
             "dit_memory": {
                 "kv_bytes_per_token": per_token,  # every layer's keys and values
@@ -180,7 +204,7 @@ class DiTStage:
                 refusals.append((msg, exc))
                 continue
             run.append((msg, sess))
-        t0 = time.perf_counter()
+        self.clock.start()
         for msg, sess in run:
             self.faults.hit("compute", self.seeds.get(msg.session))
             if msg.prompt is not None:
@@ -192,11 +216,15 @@ class DiTStage:
         for group in groups.values():
             outs = self.engine.generate_blocks([sess for _, sess in group], group[0][0].frames)
             latents.update({msg.session: out[0] for (msg, _), out in zip(group, outs, strict=True)})
-        ms = 1000 * (time.perf_counter() - t0) / max(1, len(run))  # each block's share
+        wall, own = self.clock.stop()
+        n = max(1, len(run))
+        ms, busy = 1000 * wall / n, 1000 * own / n  # each block's share
         for msg, _ in run:
             latent = latents[msg.session]  # (C, f, h, w) float32, CPU
             self.ring.array(msg.slot, latent.shape, np.float32)[...] = latent.numpy()
-            replies.append(m.LatentDone(msg.session, msg.block, msg.slot, list(latent.shape), ms, batch=len(run)))
+            replies.append(
+                m.LatentDone(msg.session, msg.block, msg.slot, list(latent.shape), ms, batch=len(run), busy_ms=busy)
+            )
         return replies, refusals
 
     def shutdown(self) -> None:
@@ -210,6 +238,7 @@ class VAEStage:
         torch.set_num_threads(spec.threads)
         _select_device(spec.device)
         self.device = spec.device
+        self.clock = Stopwatch(spec.device, spec.threads)
         self.engine = VAEEngine(spec.model, spec.device, spec.vae_working_set_bytes)
         self.latents = Ring(spec.latent_ring)
         self.frames = Ring(spec.frame_ring)
@@ -224,6 +253,7 @@ class VAEStage:
         self.sessions: dict = {}
         self.seeds: dict[str, int] = {}
         self.next_block: dict[str, int] = {}  # session -> the block index due next
+        self.weights: dict[str, tuple[float, ...] | None] = {}  # session -> its shot's band weights
         self.cpu_budget = spec.cpu_memory_budget_bytes
         self.max_batch = spec.max_batch
         self.calibration = self.calibrate()
@@ -289,8 +319,16 @@ class VAEStage:
         self.sessions.pop(session, None)
         self.seeds.pop(session, None)
         self.next_block.pop(session, None)
+        self.weights.pop(session, None)
 
-    def check(self, msg: m.DecodeBlock, state):
+    def _shot_weights(self, msg: m.DecodeBlock, state, weights: tuple[float, ...] | None):
+        """The band weights this block decodes under: a shot's first block takes the batch's,
+        later ones keep their shot's (its temporal cache holds the rows of those bands)."""
+        if msg.reset or state.latent_frames == 0:
+            return weights
+        return self.weights.get(msg.session)
+
+    def check(self, msg: m.DecodeBlock, state, weights: tuple[float, ...] | None = None):
         """The block's decode plan, or RequestError. Depends on the message and the session's
         cache position only, which every shard of the group shares: they all refuse together."""
         self.faults.hit("check", self.seeds.get(msg.session))
@@ -309,27 +347,30 @@ class VAEStage:
         if msg.frames_out * h * sf * w * sf * 3 > self.frames.spec.slot_bytes:
             raise RequestError(f"{msg.frames_out} frames of {w * sf}x{h * sf} do not fit a frame slot")
         try:
-            return self.engine.plan((c, f, h, w), self.world)
-        except ValueError as exc:  # e.g. fewer latent rows than shards
+            return self.engine.plan((c, f, h, w), self.world, 1, self._shot_weights(msg, state, weights))
+        except ValueError as exc:  # e.g. fewer latent rows than shards or bad weights
             raise RequestError(str(exc)) from None
 
     def _agree(self, verdicts: list[int]) -> list[int]:
         return group_max(verdicts, self.device) if self.world > 1 else verdicts
 
-    def run_batch(self, msgs: list[m.DecodeBlock], closed: set[str]) -> tuple[list, list]:
+    def run_batch(
+        self, msgs: list[m.DecodeBlock], closed: set[str], weights: tuple[float, ...] | None = None
+    ) -> tuple[list, list]:
         """The supervisor's batch (one block per session), decoded in one call per set of blocks
         whose size and cache phase agree. Every shard checks every block, then the group agrees
         on each with one all-reduce (a cancel wins over a refusal) before any collective, so all
         shards run the same decodes. Returns (replies, refusals): FramesDone per block decoded or
         skipped, (message, RequestError) per block this shard refused (its peers answer
-        skipped). Any other error propagates: the worker's own."""
+        skipped). Any other error propagates: the worker's own. `weights`: the group's band
+        weights for shots that start in this batch (None: equal bands)."""
         verdicts, refusals = [], {}
         for msg in msgs:
             state = self.sessions.get(msg.session)
             verdict = SKIP if msg.session in closed or state is None else RUN
             if verdict == RUN:
                 try:
-                    self.check(msg, state)
+                    self.check(msg, state, weights)
                 except RequestError as exc:
                     verdict, refusals[msg.block, msg.session] = REFUSE, exc
             verdicts.append(verdict)
@@ -343,25 +384,36 @@ class VAEStage:
                 replies.append(m.FramesDone(msg.session, msg.block, self.rank, msg.frame_slot, 0.0, skipped=True))
             else:
                 run.append(msg)
-        t0 = time.perf_counter()
+        self.clock.start()
         groups: dict[tuple, list] = {}
         for msg in run:
             self.faults.hit("compute", self.seeds.get(msg.session))
-            if msg.reset:  # a new shot: the temporal cache starts afresh
-                self.sessions[msg.session] = self.engine.open_session()
             state = self.sessions[msg.session]
+            shot = self._shot_weights(msg, state, weights)
+            if msg.reset:  # a new shot: the temporal cache starts afresh
+                state = self.sessions[msg.session] = self.engine.open_session()
+            self.weights[msg.session] = shot
             phase = tuple(None if c is None else tuple(c.shape) for c in state.cache)
-            groups.setdefault((tuple(msg.shape), msg.frames_out, phase), []).append(msg)
-        for group in groups.values():
-            self._decode(group)
-        ms = 1000 * (time.perf_counter() - t0) / max(1, len(run))  # each block's share
-        replies += [m.FramesDone(msg.session, msg.block, self.rank, msg.frame_slot, ms, batch=len(run)) for msg in run]
+            groups.setdefault((tuple(msg.shape), msg.frames_out, phase, shot), []).append(msg)
+        waited, rows = 0.0, 0
+        for (*_, shot), group in groups.items():
+            w, rows = self._decode(group, shot)
+            waited += w
+        wall, own = self.clock.stop(waited)
+        n = max(1, len(run))
+        ms, busy = 1000 * wall / n, 1000 * own / n  # each block's share
+        replies += [
+            m.FramesDone(msg.session, msg.block, self.rank, msg.frame_slot, ms, batch=len(run), busy_ms=busy, rows=rows)
+            for msg in run
+        ]
         return replies, refused
 
-    def _decode(self, msgs: list[m.DecodeBlock]) -> None:
+    def _decode(self, msgs: list[m.DecodeBlock], weights: tuple[float, ...] | None) -> tuple[float, int]:
+        """Decode blocks that share a shape, phase and bands in one call; returns the seconds
+        spent waiting for neighbours and this shard's band height."""
         c, f, h, w = msgs[0].shape
         sf = self.engine.preset.vae.spatial_factor
-        plan = self.engine.plan((c, f, h, w), self.world, len(msgs))
+        plan = self.engine.plan((c, f, h, w), self.world, len(msgs), weights)
         latents = torch.stack(
             [torch.from_numpy(self.latents.array(msg.latent_slot, msg.shape, np.float32)) for msg in msgs]
         )
@@ -373,6 +425,7 @@ class VAEStage:
         for msg, strip in zip(msgs, strips, strict=True):
             out = self.frames.array(msg.frame_slot, (msg.frames_out, h * sf, w * sf, 3), np.uint8)
             out[:, r0 * sf : r1 * sf] = strip.numpy()  # this shard's row strip, in place: no gather copy
+        return (halo.wait_s if halo else 0.0), r1 - r0
 
     def shutdown(self) -> None:
         self.latents.close()

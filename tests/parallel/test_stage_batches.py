@@ -46,7 +46,12 @@ def latent(name: str, block: int) -> np.ndarray:
     return torch.randn(16, 3, H // 8, W // 8, generator=g).numpy()
 
 
-def shard_main(rank, world, addr, latent_spec, frame_spec, out):
+# Weights the supervisor sends with each batch: only the shot's first batch sets the bands (2 + 6
+# rows of 8); the later ones must be ignored, since the temporal cache holds the first bands' rows.
+SHIFTING = [(1.0, 3.0), (3.0, 1.0), (1.0, 1.0)]
+
+
+def shard_main(rank, world, addr, latent_spec, frame_spec, out, weights=None):
     try:
         from streamdiff.workers.faults import Faults
         from streamdiff.workers.spec import GroupSpec, WorkerSpec
@@ -57,23 +62,24 @@ def shard_main(rank, world, addr, latent_spec, frame_spec, out):
         stage = VAEStage(spec, Faults((), spec.name, 0))
         for name in ("a", "b"):
             stage.open(m.OpenSession(name, W, H, 0))
-        for batch in batches():
-            replies, refusals = stage.run_batch(batch, closed=set())
+        for i, batch in enumerate(batches()):
+            replies, refusals = stage.run_batch(batch, closed=set(), weights=weights[i] if weights else None)
             out.put(
                 (
                     rank,
                     [(r.session, r.block, r.skipped, r.batch) for r in replies],
+                    [r.rows for r in replies if not r.skipped],
                     [(x.session, x.block) for x, _ in refusals],
                 )
             )
-        out.put((rank, "done", None))
+        out.put((rank, "done", None, None))
     except Exception:
-        out.put((rank, "error", traceback.format_exc()))
+        out.put((rank, "error", None, traceback.format_exc()))
 
 
-@pytest.mark.parametrize("world", [1, 2])
-def test_a_vae_stage_decodes_the_supervisors_batches_each_equal_to_its_session_alone(world):
-    instance = f"t{os.getpid()}b{world}"
+@pytest.mark.parametrize("world,weights", [(1, None), (2, None), (2, SHIFTING)], ids=["k1", "k2", "k2-weighted"])
+def test_a_vae_stage_decodes_the_supervisors_batches_each_equal_to_its_session_alone(world, weights):
+    instance = f"t{os.getpid()}b{world}{weights is not None}"
     latents = Ring.create(instance, "latent", 6, SLOT_LATENT)
     frames = Ring.create(instance, "frames", 6, SLOT_FRAMES)
     try:
@@ -84,7 +90,8 @@ def test_a_vae_stage_decodes_the_supervisors_batches_each_equal_to_its_session_a
         out = ctx.Queue()
         addr = f"tcp://127.0.0.1:{free_port()}"
         procs = [
-            ctx.Process(target=shard_main, args=(r, world, addr, latents.spec, frames.spec, out)) for r in range(world)
+            ctx.Process(target=shard_main, args=(r, world, addr, latents.spec, frames.spec, out, weights))
+            for r in range(world)
         ]
         for p in procs:
             p.start()
@@ -92,12 +99,14 @@ def test_a_vae_stage_decodes_the_supervisors_batches_each_equal_to_its_session_a
         done = set()
         try:
             while len(done) < world:
-                rank, a, b = out.get(timeout=240)
+                rank, a, rows, b = out.get(timeout=240)
                 assert a != "error", b
                 if a == "done":
                     done.add(rank)
                 else:
                     results[rank].append((a, b))
+                    want = (2 if rank == 0 else 6) if weights else 8 // world
+                    assert set(rows) == {want}, (rank, rows)  # the first batch's bands, to the shot's end
         except queue.Empty:
             raise AssertionError(f"the group hung: {results}") from None
         finally:

@@ -29,12 +29,21 @@ def make_decoder() -> WanVAEDecoder:
     return vae
 
 
-def plan_for(z, world, working_set_bytes=CPU_DECODE_WORKING_SET_BYTES):
-    return plan_block(z.shape, world, "cpu", CFG.base_dim, 8, 4, 4, working_set_bytes)
+def plan_for(z, world, working_set_bytes=CPU_DECODE_WORKING_SET_BYTES, weights=None):
+    return plan_block(z.shape, world, "cpu", CFG.base_dim, 8, 4, 4, working_set_bytes, 1, weights)
 
 
 def shard_main(
-    rank, world, addr, sessions, shard_front, out, die_at=None, working_set_bytes=None, batch_sessions=False
+    rank,
+    world,
+    addr,
+    sessions,
+    shard_front,
+    out,
+    die_at=None,
+    working_set_bytes=None,
+    batch_sessions=False,
+    weights=None,
 ):
     """Decode every session's blocks (interleaved in the given order) and send our strips."""
     try:
@@ -76,7 +85,7 @@ def shard_main(
             if die_at is not None and rank == die_at[0] and step == die_at[1]:
                 os._exit(9)
             z = sessions[name][i]
-            plan = plan_for(z, world, working_set_bytes or CPU_DECODE_WORKING_SET_BYTES)
+            plan = plan_for(z, world, working_set_bytes or CPU_DECODE_WORKING_SET_BYTES, weights)
             strip = vae.decode_rows(z, states[name], plan, rank, ExchangeHalo(rank, list(plan.bands)), shard_front)
             out.put((rank, name, i, strip.numpy()))
         out.put((rank, "done", None, batched[0]))
@@ -84,13 +93,23 @@ def shard_main(
         out.put((rank, "error", None, traceback.format_exc()))
 
 
-def run_group(world, sessions, shard_front=False, die_at=None, timeout_s=120, working_set_bytes=None, batch=False):
+def run_group(
+    world,
+    sessions,
+    shard_front=False,
+    die_at=None,
+    timeout_s=120,
+    working_set_bytes=None,
+    batch=False,
+    weights=None,
+):
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     addr = f"tcp://127.0.0.1:{free_port()}"
     procs = [
         ctx.Process(
-            target=shard_main, args=(r, world, addr, sessions, shard_front, out, die_at, working_set_bytes, batch)
+            target=shard_main,
+            args=(r, world, addr, sessions, shard_front, out, die_at, working_set_bytes, batch, weights),
         )
         for r in range(world)
     ]
@@ -124,11 +143,11 @@ def latents(n_blocks, h, w, seed, frames=(1, 3, 2, 1, 3, 2)):
     return [torch.randn(1, 16, frames[i % len(frames)], h, w, generator=g) for i in range(n_blocks)]
 
 
-def assert_matches_unsharded(world, sessions, strips):
+def assert_matches_unsharded(world, sessions, strips, weights=None):
     vae = make_decoder()
     for name, blocks in sessions.items():
         state = vae.new_state()
-        bands = split_rows(blocks[0].shape[-2], world)
+        bands = split_rows(blocks[0].shape[-2], world, weights)
         for i, z in enumerate(blocks):
             ref = vae.decode(z, state)
             got = torch.cat([strips[(r, name, i)] for r in range(world)], dim=-2)
@@ -148,6 +167,27 @@ def test_sharded_equals_unsharded_over_streamed_blocks(world, height):
     # separate isend/irecv pairs): one batch per 3x3 conv of the sharded part, on every rank.
     counts = {strips[(r, "p2p")] for r in range(world)}
     assert len(counts) == 1 and counts.pop() > 0
+
+
+@pytest.mark.parametrize(
+    "world,height,weights,shard_front",
+    [
+        (2, 7, (1.0, 3.0), False),  # a hybrid's small band beside the DiT: rows 2 + 5
+        (2, 9, (3.0, 1.0), True),
+        (3, 10, (0.2, 0.5, 0.3), False),  # unequal shards: rows 2 + 5 + 3
+        (3, 7, (1.0, 1.0, 4.0), True),
+    ],
+    ids=lambda v: str(v),
+)
+def test_weighted_bands_equal_the_unsharded_decoder(world, height, weights, shard_front):
+    """Bands sized by weight (placement.bands) decode exactly what one decoder does, whatever
+    rows each shard holds, with the front replicated or sharded."""
+    bands = split_rows(height, world, weights)
+    assert len({r1 - r0 for r0, r1 in bands}) > 1  # really unequal
+    sessions = {"a": latents(4, height, 5, seed=height + world)}
+    strips, errors = run_group(world, sessions, shard_front=shard_front, weights=weights)
+    assert not errors, errors
+    assert_matches_unsharded(world, sessions, strips, weights)
 
 
 def test_uneven_bands_decoded_in_chunks_agree():
