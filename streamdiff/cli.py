@@ -48,6 +48,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dit-checkpoint", metavar="FILE", help="Causal Forcing / Self-Forcing generator checkpoint")
     p.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"))
     p.add_argument("--threads-per-worker", type=int, metavar="T", help="CPU threads per worker (default 1)")
+    p.add_argument(
+        "--objective",
+        choices=("throughput", "latency", "streams"),
+        help="with no layout flags the layout is planned for this (default throughput)",
+    )
+    p.add_argument("--devices", type=int, metavar="N", help="plan over N devices (default: every one visible)")
     p.add_argument("--host", help="listen address (default 127.0.0.1)")
     p.add_argument("--port", type=int, help="listen port (default 8000)")
     p.add_argument("--instance", help="instance name for shared memory and runtime files")
@@ -61,6 +67,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def overrides_from_args(a: argparse.Namespace) -> dict[str, dict]:
     o: dict[str, dict] = {"server": {}, "model": {}, "topology": {}, "encoder": {}, "store": {}}
+    for flag, key in (("dit_gpus", "dit_devices"), ("vae_gpus", "vae_devices"), ("devices", "devices")):
+        v = getattr(a, flag)
+        if v is not None and not 1 <= v <= 64:
+            raise ConfigError(f"topology.{key} (--{flag.replace('_', '-')}): must be 1-64, got {v}")
     for flag, section, key in (
         ("host", "server", "host"),
         ("port", "server", "port"),
@@ -75,6 +85,8 @@ def overrides_from_args(a: argparse.Namespace) -> dict[str, dict]:
         ("device", "topology", "device"),
         ("mode", "topology", "mode"),
         ("threads_per_worker", "topology", "threads_per_worker"),
+        ("objective", "topology", "objective"),
+        ("devices", "topology", "devices"),
         ("dit_checkpoint", "model", "dit_checkpoint"),
         ("dtype", "model", "dtype"),
         ("encoder", "encoder", "kind"),
@@ -117,11 +129,25 @@ async def serve(cfg: Config, api_keys: list[bytes]) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
 
-    sup = Supervisor(cfg)
+    from .placement.auto import place
+
+    extender = asyncio.create_task(extend_start_timeout(notifier))
+    waiter = asyncio.create_task(stop.wait())
+    placing = loop.run_in_executor(None, place, cfg, log.info)
+    await asyncio.wait({placing, waiter}, return_when=asyncio.FIRST_COMPLETED)
+    if not placing.done():  # stopped while profiling: the profile's processes are daemonic
+        extender.cancel()
+        return 0
+    try:
+        cfg, placement = placing.result()
+    except Exception as exc:
+        extender.cancel()
+        log.error("cannot place the workers: %s", exc)
+        return 1
+    log.info("layout %s (%s)", placement.layout, describe(placement))
+    sup = Supervisor(cfg, placement)
     notifier.notify("STATUS=starting workers")
     start = asyncio.create_task(sup.start())
-    waiter = asyncio.create_task(stop.wait())
-    extender = asyncio.create_task(extend_start_timeout(notifier))
     await asyncio.wait({start, waiter}, return_when=asyncio.FIRST_COMPLETED)
     extender.cancel()
     if not start.done():  # stopped while starting
@@ -191,6 +217,18 @@ async def serve(cfg: Config, api_keys: list[bytes]) -> int:
     return 0
 
 
+def describe(placement) -> str:
+    if not placement.planned:
+        return "as configured"
+    p = placement.predicted
+    return (
+        f"planned for {placement.objective}: predicted {p['w1_fps']:.1f} frames/s for one stream, first fragment "
+        f"in {p['w1_ttff_s']:.2f}s; next best "
+        + ", ".join(f"{r['layout']} {r['w1_fps']:.1f}" for r in placement.runners_up)
+        + f"; profile {placement.profile}"
+    )
+
+
 async def agent_reply(sup, writer: asyncio.StreamWriter) -> None:
     """One HAProxy agent-check answer per connection: a line, then close (see Supervisor.agent_reply)."""
     try:
@@ -214,6 +252,11 @@ async def extend_start_timeout(notifier) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] in ("profile", "plan"):
+        from .placement.commands import main as placement_main
+
+        return placement_main(argv)
     args = parse_args(argv)
     try:
         cfg = load(args.config, overrides_from_args(args))

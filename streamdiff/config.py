@@ -36,6 +36,7 @@ class ServerConfig:
     log_level: str = "info"
     node_id: str = ""  # this daemon's name in a cluster, carried by every id it issues (default: the hostname)
     agent_port: int = 0  # HAProxy agent-check port (free capacity as a weight, drain, down); 0 = off
+    state_dir: str = ""  # cached profiles; default $STATE_DIRECTORY (systemd), else ~/.cache/streamdiff
 
 
 @dataclass(frozen=True)
@@ -64,10 +65,13 @@ class SamplerConfig:
 
 @dataclass(frozen=True)
 class TopologyConfig:
-    mode: str = "disaggregated"  # disaggregated | aggregated | hybrid
+    mode: str = "auto"  # auto (planned when no device counts are given, else disaggregated) | disaggregated |
+    # aggregated | hybrid
     device: str = "cpu"  # cpu | cuda | xpu
-    dit_devices: int = 1  # DiT workers (one per device)
-    vae_devices: int = 1  # VAE shard workers (one per device)
+    dit_devices: int = 0  # DiT workers (one per device); 0: planned (mode auto) or 1
+    vae_devices: int = 0  # VAE shard workers (one per device); 0: planned (mode auto) or 1
+    devices: int = 0  # auto: plan over this many devices (0: every one visible)
+    objective: str = "throughput"  # auto: throughput | latency | streams (see placement/planner.py)
     vae_group_size: int = 0  # shards per VAE group; 0 = all VAE devices in one group
     threads_per_worker: int = 1  # CPU threads of each worker (on cpu: a "device" is a worker)
     pin_cpus: bool = True  # cpu: pin each worker to its own cores
@@ -243,6 +247,25 @@ def load(path: str | Path | None, overrides: dict[str, dict] | None = None) -> C
     return build(merged)
 
 
+OBJECTIVES = ("throughput", "latency", "streams")
+
+
+def planned(t: TopologyConfig) -> bool:
+    """The layout is the planner's to choose: mode auto and no device counts given."""
+    return t.mode == "auto" and t.dit_devices == 0 and t.vae_devices == 0
+
+
+def explicit_layout(t: TopologyConfig) -> TopologyConfig:
+    """The layout as given, defaults filled in: auto with device counts means disaggregated
+    (`--dit-gpus 1 --vae-gpus 3` works as written), and a count not given is 1."""
+    return dataclasses.replace(
+        t,
+        mode="disaggregated" if t.mode == "auto" else t.mode,
+        dit_devices=t.dit_devices or 1,
+        vae_devices=t.vae_devices or 1,
+    )
+
+
 def _check(ok: bool, key: str, msg: str, value) -> None:
     if not ok:
         raise ConfigError(f"{key}: {msg}, got {value!r}")
@@ -277,11 +300,17 @@ def validate(cfg: Config) -> None:
     )
     _check(0 < m.dit_vae_ratio <= 20, "model.dit_vae_ratio", "must be in (0, 20]", m.dit_vae_ratio)
     _check(
-        t.mode in ("disaggregated", "aggregated", "hybrid"),
+        t.mode in ("auto", "disaggregated", "aggregated", "hybrid"),
         "topology.mode",
-        "must be disaggregated, aggregated or hybrid",
+        "must be auto, disaggregated, aggregated or hybrid",
         t.mode,
     )
+    _check(t.objective in OBJECTIVES, "topology.objective", f"must be {', '.join(OBJECTIVES)}", t.objective)
+    _check(0 <= t.devices <= 64, "topology.devices", "must be 0-64", t.devices)
+    _check(0 <= t.dit_devices <= 64, "topology.dit_devices", "must be 1-64 (0: planned or 1)", t.dit_devices)
+    _check(0 <= t.vae_devices <= 64, "topology.vae_devices", "must be 1-64 (0: planned or 1)", t.vae_devices)
+    if not planned(t):
+        t = explicit_layout(t)
     _check(
         t.mode != "hybrid" or t.vae_devices > t.dit_devices,
         "topology.vae_devices",
@@ -289,9 +318,7 @@ def validate(cfg: Config) -> None:
         t.vae_devices,
     )
     _check(t.device in ("cpu", "cuda", "xpu"), "topology.device", "must be cpu, cuda or xpu", t.device)
-    _check(1 <= t.dit_devices <= 64, "topology.dit_devices", "must be 1-64", t.dit_devices)
-    _check(1 <= t.vae_devices <= 64, "topology.vae_devices", "must be 1-64", t.vae_devices)
-    group = t.vae_group_size or t.vae_devices
+    group = t.vae_group_size or t.vae_devices or 1
     _check(
         group >= 1 and t.vae_devices % group == 0,
         "topology.vae_group_size",

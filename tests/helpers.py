@@ -28,6 +28,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+LAYOUT_FLAGS = {"--dit-gpus", "--vae-gpus", "--mode", "--devices", "--objective"}
+
+
 class Daemon:
     """streamdiffd in a subprocess on a free port with a unique instance name."""
 
@@ -43,6 +46,8 @@ class Daemon:
         self.instance = instance or "t" + secrets.token_hex(4)
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = tempfile.NamedTemporaryFile(prefix="streamdiffd-", suffix=".log", delete=False)
+        if not LAYOUT_FLAGS & set(args):  # the tests' default layout: one DiT and one VAE worker, not planned
+            args = ("--dit-gpus", "1", "--vae-gpus", "1", *args)
         cmd = [sys.executable, "-m", "streamdiff.cli", "--port", str(self.port), "--instance", self.instance, *args]
         self.proc = subprocess.Popen(
             cmd,

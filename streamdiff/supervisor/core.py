@@ -45,8 +45,9 @@ def runtime_base() -> str:
 
 
 class Supervisor:
-    def __init__(self, cfg: Config) -> None:
+    def __init__(self, cfg: Config, placement=None) -> None:
         self.cfg = cfg
+        self.placement = placement  # placement.auto.Placement: the layout and why
         self.state = STARTING
         self.facts = dict(PRESET_FACTS[cfg.model.preset])
         if cfg.sampler.frames_per_block:
@@ -290,6 +291,7 @@ class Supervisor:
             "workers": workers,
             "tasks_alive": alive,
             "pipeline": self.scheduler.snapshot() if self.scheduler else {},
+            "placement": self.placement.as_dict() if self.placement else None,
         }
 
     # -- stop -----------------------------------------------------------------------------------

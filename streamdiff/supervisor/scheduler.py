@@ -1051,6 +1051,7 @@ class Scheduler:
                 if t.state not in FINAL:
                     tickets[t.state] = tickets.get(t.state, 0) + 1
         return {
+            "vae_band_weights": {str(g): list(w) for g, w in self.balance.current.items()},
             "running": len(self.running),
             "queued": len(self.queue),
             "tracked": len(self.sessions),

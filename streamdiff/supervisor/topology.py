@@ -6,7 +6,7 @@ import os
 import socket
 from dataclasses import dataclass, field
 
-from ..config import Config, ConfigError, injected_faults, sampler_overrides
+from ..config import Config, ConfigError, explicit_layout, injected_faults, sampler_overrides
 from ..ipc.shm import RingSpec
 from ..models.spec import ModelSpec
 from ..workers import faults as injected
@@ -52,31 +52,44 @@ def _cpus(index: int, threads: int, pin: bool) -> tuple[int, ...]:
     return tuple(avail[(index * threads + k) % len(avail)] for k in range(threads))
 
 
-def build_topology(cfg: Config, control_addr: str, latent_ring: RingSpec, frame_ring: RingSpec) -> Topology:
-    """One process per device, except in hybrid mode, where each of the DiT's devices also runs a
-    VAE shard in a process of its own (the shard at normal priority, the DiT below it: on the CPU
-    the DiT takes the core while the shard waits at its halo exchanges)."""
-    t, p = cfg.topology, cfg.pipeline
-    spec = model_spec(cfg)
-    try:
-        faults = injected.parse(injected_faults())
-    except ValueError as exc:
-        raise ConfigError(str(exc)) from None
-    group_size = t.vae_group_size or t.vae_devices
-    if t.mode == "disaggregated":
-        dit_dev = list(range(t.dit_devices))
-        vae_dev = list(range(t.dit_devices, t.dit_devices + t.vae_devices))
+def layout_processes(
+    mode: str, dit_devices: int, vae_devices: int, group_size: int
+) -> tuple[list[tuple[str, tuple[str, ...], int]], list[str], list[list[str]], list[list[int]]]:
+    """Who runs where, as plain names: (processes as (name, roles, device), the DiT workers, the
+    VAE groups' shards in rank order, the VAE groups' devices). One process per device, except
+    in hybrid mode, where each of the DiT's devices also runs a VAE shard in a process of its own.
+    The daemon and the simulator (placement/sim.py) both build on this."""
+    group_size = group_size or vae_devices
+    if mode == "disaggregated":
+        dit_dev = list(range(dit_devices))
+        vae_dev = list(range(dit_devices, dit_devices + vae_devices))
     else:  # aggregated and hybrid: the VAE devices start with the DiT's
-        dit_dev = list(range(t.dit_devices))
-        vae_dev = list(range(t.vae_devices))
+        dit_dev = list(range(dit_devices))
+        vae_dev = list(range(vae_devices))
     groups = [vae_dev[g : g + group_size] for g in range(0, len(vae_dev), group_size)]
-    procs: list[tuple[str, tuple[str, ...], int]] = []  # (name, roles, device)
-    if t.mode == "aggregated":  # the same devices run both stages, one process each
+    procs: list[tuple[str, tuple[str, ...], int]] = []
+    if mode == "aggregated":  # the same devices run both stages, one process each
         for i in sorted(set(dit_dev) | set(vae_dev)):
             procs.append((f"agg{i}", tuple(r for r, d in (("dit", dit_dev), ("vae", vae_dev)) if i in d), i))
     else:
         procs += [(f"dit{i}", ("dit",), i) for i in dit_dev]
         procs += [(f"vae{gi}.{r}", ("vae",), i) for gi, g in enumerate(groups) for r, i in enumerate(g)]
+    dit_names = [next(n for n, r, d in procs if "dit" in r and d == i) for i in dit_dev]
+    group_names = [[next(n for n, r, d in procs if "vae" in r and d == i) for i in g] for g in groups]
+    return procs, dit_names, group_names, groups
+
+
+def build_topology(cfg: Config, control_addr: str, latent_ring: RingSpec, frame_ring: RingSpec) -> Topology:
+    """The worker specs of cfg's layout (`layout_processes`); in hybrid mode the DiT runs below
+    the VAE shard beside it in priority: on the CPU it takes the core while the shard waits at
+    its halo exchanges."""
+    t, p = explicit_layout(cfg.topology), cfg.pipeline
+    spec = model_spec(cfg)
+    try:
+        faults = injected.parse(injected_faults())
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    procs, dit_names, group_names, groups = layout_processes(t.mode, t.dit_devices, t.vae_devices, t.vae_group_size)
     group_specs = {}
     for gi, g in enumerate(groups):
         addr = f"tcp://127.0.0.1:{free_port()}" if len(g) > 1 else ""
@@ -104,8 +117,6 @@ def build_topology(cfg: Config, control_addr: str, latent_ring: RingSpec, frame_
         )
         for name, roles, i in procs
     ]
-    dit_names = [next(n for n, r, d in procs if "dit" in r and d == i) for i in dit_dev]
-    group_names = [[next(n for n, r, d in procs if "vae" in r and d == i) for i in g] for g in groups]
     return Topology(workers, dit_names, group_names, {name: i for name, _, i in procs})
 
 

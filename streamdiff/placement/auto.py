@@ -1,0 +1,95 @@
+"""Where the daemon's workers go: the layout given, or, when none is (`streamdiffd` with no
+layout flags), the planner's best for the objective on every device visible, from a profile
+cached in the state directory or measured now (once per device kind, model and size)."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..config import Config, explicit_layout, planned
+from ..models.spec import PRESET_FACTS
+from .planner import plan
+from .profile import Profile, cache_path, device_count, load_cached, measure
+from .sim import Layout
+
+
+@dataclass
+class Placement:
+    layout: str
+    flags: list[str]
+    planned: bool
+    objective: str | None = None
+    predicted: dict | None = None  # the simulator's figures for the chosen layout
+    profile: str | None = None  # the profile it planned from
+    runners_up: list[dict] = field(default_factory=list)
+
+    def as_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def state_dir(cfg: Config) -> Path:
+    if cfg.server.state_dir:
+        return Path(cfg.server.state_dir).expanduser()
+    if os.environ.get("STATE_DIRECTORY"):  # systemd's StateDirectory=
+        return Path(os.environ["STATE_DIRECTORY"].split(":")[0])
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "streamdiff"
+
+
+def layout_of(cfg: Config) -> Layout:
+    t = explicit_layout(cfg.topology)
+    return Layout(t.mode, t.dit_devices, t.vae_devices, t.vae_group_size, t.threads_per_worker, t.vae_band_weights)
+
+
+def facts_of(cfg: Config) -> dict:
+    facts = dict(PRESET_FACTS[cfg.model.preset])
+    if cfg.sampler.frames_per_block:
+        facts["frames_per_block"] = cfg.sampler.frames_per_block
+    return facts
+
+
+def profile_for(cfg: Config, size: tuple[int, int], log, rounds: int = 1) -> tuple[Profile, Path]:
+    """The cached profile for this device kind, model and size, or a new one (then cached)."""
+    path = cache_path(str(state_dir(cfg)), cfg, size)
+    prof = load_cached(path, cfg, size)
+    if prof is not None:
+        return prof, path
+    log(f"no fresh profile at {path}: measuring the stages on this machine (once)")
+    prof = measure(cfg, [size], rounds=rounds, log=log)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(prof.to_json())
+        tmp.replace(path)
+    except OSError as exc:
+        log(f"cannot cache the profile at {path}: {exc}")
+    return prof, path
+
+
+def place(cfg: Config, log=print) -> tuple[Config, Placement]:
+    """cfg with its layout resolved, and what was placed and why."""
+    t = cfg.topology
+    if not planned(t):
+        resolved = dataclasses.replace(cfg, topology=explicit_layout(t))
+        lay = layout_of(resolved)
+        return resolved, Placement(lay.name, lay.flags(), planned=False)
+    facts = facts_of(cfg)
+    size = tuple(facts["default_size"])
+    n = t.devices or device_count(t.device)
+    prof, path = profile_for(cfg, size, log)
+    p = plan(cfg, prof, n, t.objective, facts, size)
+    best, pred = p.best
+    chosen = dataclasses.replace(
+        t,
+        mode=best.mode,
+        dit_devices=best.dit,
+        vae_devices=best.vae,
+        vae_group_size=best.group,
+        threads_per_worker=best.threads,
+    )
+    runners_up = p.as_dict(top=4)["ranked"][1:]
+    placement = Placement(best.name, best.flags(), True, t.objective, pred.as_dict(), str(path), runners_up)
+    return dataclasses.replace(cfg, topology=chosen), placement

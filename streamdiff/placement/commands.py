@@ -1,0 +1,148 @@
+"""`streamdiffd profile` and `streamdiffd plan`: the profiler and the planner from the shell.
+
+streamdiffd profile                        # measure this machine; cached where the daemon looks
+streamdiffd profile --sizes 256x144,128x64 --rounds 3 --out docs/profile-cpu.json
+streamdiffd plan --devices 8 --profile docs/profile-b70.json --objective streams
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from ..config import OBJECTIVES, ConfigError, load
+
+
+def _size(text: str) -> tuple[int, int]:
+    try:
+        w, h = (int(x) for x in text.lower().split("x"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size like 256x144") from None
+    if w < 16 or h < 16 or w % 16 or h % 16:
+        raise argparse.ArgumentTypeError(f"{text!r}: width and height must be multiples of 16, at least 16")
+    return w, h
+
+
+def _sizes(text: str) -> list[tuple[int, int]]:
+    return [_size(x) for x in text.split(",") if x]
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", help="TOML config file (the model and device it names)")
+    p.add_argument("--device", choices=("cpu", "cuda", "xpu"))
+    p.add_argument("--model", metavar="PRESET|PATH", help="as for streamdiffd")
+
+
+def _config(a: argparse.Namespace):
+    from ..cli import overrides_from_args
+
+    ns = argparse.Namespace(**{k: None for k in vars(_daemon_defaults())})
+    ns.device, ns.model = a.device, a.model
+    return load(a.config, overrides_from_args(ns))
+
+
+def _daemon_defaults() -> argparse.Namespace:
+    from ..cli import parse_args
+
+    return parse_args([])
+
+
+def profile_main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="streamdiffd profile", description="Measure the stages on this machine.")
+    _common(p)
+    p.add_argument("--sizes", type=_sizes, help="frame sizes, comma-separated (default: the model's size)")
+    p.add_argument("--rounds", type=int, default=3, help="measurement rounds; each figure is their median")
+    p.add_argument("--out", help="write the profile here (default: the state directory, where the daemon looks)")
+    a = p.parse_args(argv)
+    if a.rounds < 1:
+        p.error(f"--rounds: {a.rounds} must be at least 1")
+    from .auto import facts_of, state_dir
+    from .profile import cache_path, measure
+
+    cfg = _config(a)
+    default = tuple(facts_of(cfg)["default_size"])
+    sizes = a.sizes or [default]
+    prof = measure(cfg, sizes, rounds=a.rounds, log=lambda s: print(s, file=sys.stderr))
+    out = Path(a.out) if a.out else cache_path(str(state_dir(cfg)), cfg, sizes[0])
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(prof.to_json())
+    print(summary(prof))
+    print(f"wrote {out}")
+    return 0
+
+
+def summary(prof) -> str:
+    lines = [f"{prof.device_name} ({prof.device}, {prof.devices} devices), model {prof.preset}"]
+    for size, fig in prof.sizes.items():
+        for t, d in fig["dit"].items():
+            v = fig["vae"][t]
+            lines.append(
+                f"  {size} {t} thread(s): DiT {d['block_ms']:.0f} ms/block (first {d['first_ms']:.0f}), "
+                f"VAE {v['block_ms']:.0f} ms/block, DiT/VAE {d['block_ms'] / v['block_ms']:.2f}"
+            )
+        for k, splits in fig.get("vae_group", {}).items():
+            eq = splits["equal"]
+            base = fig["vae"]["1"]["block_ms"]
+            lines.append(
+                f"  {size} VAE group of {k}: {eq[0]['block_ms']:.0f} ms/block ({base / eq[0]['block_ms']:.2f}x), "
+                f"shards' own work {[round(x['own_ms']) for x in eq]} ms, waits {[round(x['wait_ms']) for x in eq]} ms"
+            )
+        lines.append(f"  {size} encoder: {fig['encode']['block_ms']:.0f} ms/block")
+    return "\n".join(lines)
+
+
+def plan_main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="streamdiffd plan", description="Rank the layouts of N devices from a profile.")
+    _common(p)
+    p.add_argument("--profile", help="a profile (streamdiffd profile); default: this machine's cached one")
+    p.add_argument("--devices", type=int, help="devices to plan for (default: the profile's)")
+    p.add_argument("--objective", choices=(*OBJECTIVES, "all"), default="all")
+    p.add_argument("--size", type=_size, help="frame size (default: the model's, or the profile's first)")
+    p.add_argument("--w2-size", type=_size, help="frame size of the concurrent streams (default: --size)")
+    p.add_argument("--top", type=int, default=10)
+    p.add_argument("--json", action="store_true")
+    a = p.parse_args(argv)
+    from .auto import facts_of, state_dir
+    from .planner import plan
+    from .profile import Profile, cache_path
+
+    cfg = _config(a)
+    facts = facts_of(cfg)
+    path = Path(a.profile) if a.profile else cache_path(str(state_dir(cfg)), cfg, tuple(facts["default_size"]))
+    try:
+        prof = Profile.from_json(path.read_text())
+    except (OSError, ValueError) as exc:
+        print(f"streamdiffd plan: cannot read the profile {path}: {exc}", file=sys.stderr)
+        return 2
+    if prof.preset != cfg.model.preset:  # plan for the profile's model (its facts; no weights needed)
+        from ..models.spec import PRESET_FACTS
+
+        facts = {**PRESET_FACTS[prof.preset], "frames_per_block": facts["frames_per_block"]}
+    size = a.size or (tuple(facts["default_size"]) if "x".join(map(str, facts["default_size"])) in prof.sizes else None)
+    size = size or _size(next(iter(prof.sizes)))
+    if f"{size[0]}x{size[1]}" not in prof.sizes:
+        print(f"streamdiffd plan: the profile has no figures at {size[0]}x{size[1]}", file=sys.stderr)
+        return 2
+    devices = a.devices or prof.devices
+    if devices < 1:
+        p.error(f"--devices: {devices} must be at least 1")
+    out = {}
+    for obj in OBJECTIVES if a.objective == "all" else (a.objective,):
+        ranked = plan(cfg, prof, devices, obj, facts, size, a.w2_size)
+        out[obj] = ranked
+        if not a.json:
+            print(f"\n{obj} ({devices} devices, {size[0]}x{size[1]}, {prof.device_name}):")
+            print(ranked.table(a.top))
+    if a.json:
+        print(json.dumps({k: v.as_dict(a.top) for k, v in out.items()}, indent=1))
+    return 0
+
+
+def main(argv: list[str]) -> int:
+    try:
+        return {"profile": profile_main, "plan": plan_main}[argv[0]](argv[1:])
+    except ConfigError as exc:
+        print(f"streamdiffd {argv[0]}: configuration error: {exc}", file=sys.stderr)
+        return 2

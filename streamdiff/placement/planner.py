@@ -1,0 +1,114 @@
+"""The planner: every layout the devices allow, each run through the simulator (sim.py) on the
+profile, ranked for an objective.
+
+- throughput: frames/s of one stream (tools/bench's W1), then time to first fragment;
+- latency: time to first fragment of that stream, then frames/s;
+- streams: concurrent streams that all play without a stall (W2's goodput), then frames/s.
+
+Layouts use every device given: disaggregated d + v = n (VAE groups of any size dividing v),
+aggregated (the DiT on d of the n devices, VAE groups over all n), and on the CPU hybrid (the
+DiT on d cores that also hold shards, VAE groups over all n) and 2 threads per worker on n / 2
+workers. Hybrid is not offered on accelerators: there two processes time-slice a device, and
+the simulator models only the CPU's strict priority of a shard over the DiT beside it. The DiT
+group (Ulysses) is not built, so it is not offered either.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..config import OBJECTIVES, Config
+from .profile import Profile
+from .sim import Layout, Prediction, simulate
+
+
+def _divisors(n: int) -> list[int]:
+    return [g for g in range(1, n + 1) if n % g == 0]
+
+
+def candidates(devices: int, kind: str, threads: tuple[int, ...] = (1, 2)) -> list[Layout]:
+    out: list[Layout] = []
+    for t in threads if kind == "cpu" else (1,):
+        n = devices // t
+        if n < 1:
+            continue
+        for d in range(1, n):
+            v = n - d
+            out += [Layout("disaggregated", d, v, g, t) for g in _divisors(v)]
+        for d in range(1, n + 1):
+            out += [Layout("aggregated", d, n, g, t) for g in _divisors(n)]
+        if kind == "cpu":  # the simulator models a shard's priority over the DiT on a core, not a GPU's time slicing
+            for d in range(1, n):
+                out += [Layout("hybrid", d, n, g, t) for g in _divisors(n) if g > 1]
+    return [x for x in out if _valid(x)]
+
+
+def _valid(x: Layout) -> bool:
+    if x.mode == "hybrid":  # every DiT device must hold a shard of a group with other devices in it
+        return x.vae > x.dit and x.group_size > 1
+    return True
+
+
+def _key(objective: str, p: Prediction):
+    if objective == "throughput":
+        return (-p.w1_fps, p.w1_ttff_s)
+    if objective == "latency":
+        return (p.w1_ttff_s, -p.w1_fps)
+    return (-(p.goodput or 0), -p.w1_fps)
+
+
+@dataclass
+class Plan:
+    objective: str
+    devices: int
+    ranked: list[tuple[Layout, Prediction]]
+
+    @property
+    def best(self) -> tuple[Layout, Prediction]:
+        return self.ranked[0]
+
+    def table(self, top: int = 10) -> str:
+        rows = [
+            f"{'rank':>4}  {'layout':<20} {'W1 fps':>7} {'steady':>7} {'TTFF s':>7} {'streams':>7}  flags",
+        ]
+        for i, (lay, p) in enumerate(self.ranked[:top], 1):
+            good = "-" if p.goodput is None else str(p.goodput)
+            rows.append(
+                f"{i:>4}  {lay.name:<20} {p.w1_fps:7.2f} {p.w1_steady_fps:7.2f} {p.w1_ttff_s:7.2f} {good:>7}  "
+                + " ".join(lay.flags())
+            )
+        return "\n".join(rows)
+
+    def as_dict(self, top: int = 10) -> dict:
+        return {
+            "objective": self.objective,
+            "devices": self.devices,
+            "ranked": [{"layout": lay.name, "flags": lay.flags(), **p.as_dict()} for lay, p in self.ranked[:top]],
+        }
+
+
+def plan(
+    cfg: Config,
+    profile: Profile,
+    devices: int,
+    objective: str,
+    facts: dict,
+    size: tuple[int, int],
+    w2_size: tuple[int, int] | None = None,
+    threads: tuple[int, ...] = (1, 2),
+) -> Plan:
+    """Rank every layout of `devices` devices for `objective`. W2's goodput (at w2_size, default
+    `size`) is simulated for every layout under `streams`, and for the leaders otherwise."""
+    if objective not in OBJECTIVES:
+        raise ValueError(f"objective {objective!r}: one of {', '.join(OBJECTIVES)}")
+    if devices < 2:  # one device: both stages on it
+        only = Layout("aggregated", 1, 1)
+        return Plan(objective, devices, [(only, simulate(cfg, profile, only, facts, size))])
+    have = {int(t) for t in profile.size(*size)["dit"]}
+    layouts = candidates(devices, profile.device, tuple(t for t in threads if t in have))
+    w2 = w2_size or size
+    preds = [(x, simulate(cfg, profile, x, facts, size, w2 if objective == "streams" else None)) for x in layouts]
+    preds.sort(key=lambda lp: _key(objective, lp[1]))
+    if objective != "streams":
+        preds = [(x, simulate(cfg, profile, x, facts, size, w2)) if i < 5 else (x, p) for i, (x, p) in enumerate(preds)]
+    return Plan(objective, devices, preds)

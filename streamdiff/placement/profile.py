@@ -1,0 +1,368 @@
+"""The profiler: what each stage costs on these devices (`streamdiffd profile`, and at start when
+the planner has no fresh profile for this device kind, model and size).
+
+Every figure is measured by the engines the workers run, in processes pinned as the workers
+are (a CPU "device" is a core per thread), one measurement at a time so none competes:
+
+- DiT: a shot's first block (prompt encoding, the first block's steps) and steady blocks, alone
+  and per block in batches of 2 and 4 sessions;
+- VAE: the same, whole height (k = 1);
+- VAE groups of k = 2 .. min(devices, 4) shards over the real collective (gloo, nccl, xccl): the
+  group's time per block, each shard's own work and its waits for neighbours, with equal bands
+  and, for k = 2, with a 1:3 split, so a shard's cost is known as front + rows x per-row cost;
+- on the CPU, the DiT and VAE at 2 threads (the aggregated layouts give a worker two cores);
+- the encoder (libx264) per block.
+
+The DiT group (Ulysses sequence parallelism) is not built yet, so no all-to-all cost is
+measured: the profile says so (`dit_group: null`) and the planner does not offer it.
+The result is plain JSON (`Profile.to_json`); `docs/profile-cpu.json` is this project's CPU.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import os
+import platform
+import statistics
+import time
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+
+VERSION = 1
+FRESH_S = 30 * 86400  # a cached profile older than this is measured again
+STEADY_BLOCKS = 6  # steady blocks timed per measurement (after a shot's first): the DiT's window fills
+GROUP_SIZES_MAX = 4
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def device_count(kind: str) -> int:
+    """Devices this daemon may use: cores it may run on (CPU), or visible accelerators."""
+    if kind == "cpu":
+        return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    import torch
+
+    mod = getattr(torch, kind)
+    return mod.device_count() if mod.is_available() else 0
+
+
+def device_name(kind: str) -> str:
+    if kind == "cpu":
+        return cpu_model()
+    import torch
+
+    return getattr(torch, kind).get_device_name(0)
+
+
+@dataclass
+class Profile:
+    """Measured costs, in ms, per frame size "WxH"."""
+
+    device: str  # cpu | cuda | xpu
+    device_name: str
+    devices: int
+    preset: str
+    model: dict  # what else identifies the model (dtype, tiny's dit_vae_ratio, the weights' path)
+    sizes: dict = field(default_factory=dict)
+    created: float = 0.0
+    version: int = VERSION
+    dit_group: dict | None = None  # Ulysses all-to-all costs; None: not built
+
+    def to_json(self) -> str:
+        return json.dumps(self.__dict__, indent=1, sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> Profile:
+        data = json.loads(text)
+        if not isinstance(data, dict) or data.get("version") != VERSION:
+            raise ValueError(f"not a version-{VERSION} streamdiff profile")
+        fields = {k: data[k] for k in cls.__dataclass_fields__ if k in data}
+        missing = {"device", "devices", "preset", "sizes"} - set(fields)
+        if missing:
+            raise ValueError(f"a profile without {', '.join(sorted(missing))}")
+        fields.setdefault("device_name", "")
+        fields.setdefault("model", {})
+        return cls(**fields)
+
+    def size(self, width: int, height: int) -> dict:
+        key = f"{width}x{height}"
+        if key not in self.sizes:
+            raise KeyError(f"the profile has no figures at {key} (it has {', '.join(self.sizes) or 'none'})")
+        return self.sizes[key]
+
+
+def model_key(cfg) -> dict:
+    m = cfg.model
+    key = {"dtype": m.dtype, "path": m.path, "dit_checkpoint": m.dit_checkpoint}
+    if m.preset == "tiny":
+        key["dit_vae_ratio"] = m.dit_vae_ratio
+    return key
+
+
+def cache_path(state_dir: str, cfg, size: tuple[int, int]) -> Path:
+    t = cfg.topology
+    name = f"profile-{t.device}-{cfg.model.preset}-{size[0]}x{size[1]}.json"
+    return Path(state_dir) / name
+
+
+def load_cached(path: Path, cfg, size: tuple[int, int], now: float | None = None) -> Profile | None:
+    """The cached profile if it is fresh and measured for this device, model and size."""
+    try:
+        prof = Profile.from_json(path.read_text())
+    except (OSError, ValueError):
+        return None
+    now = time.time() if now is None else now
+    ok = (
+        prof.device == cfg.topology.device
+        and prof.preset == cfg.model.preset
+        and prof.model == model_key(cfg)
+        and prof.device_name == device_name(cfg.topology.device)
+        and prof.devices == device_count(cfg.topology.device)
+        and f"{size[0]}x{size[1]}" in prof.sizes
+        and now - prof.created < FRESH_S
+    )
+    return prof if ok else None
+
+
+# ----------------------------------------------------------------------------- measuring
+
+
+def _pin(device: str, cpus: tuple[int, ...], threads: int) -> None:
+    for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+        os.environ[var] = str(threads)
+    if cpus and hasattr(os, "sched_setaffinity"):
+        os.sched_setaffinity(0, cpus)
+    import torch
+
+    torch.set_num_threads(threads)
+
+
+def _median(xs: list[float]) -> float:
+    return statistics.median(xs) if xs else 0.0
+
+
+def _dit_child(spec, device, cpus, threads, sizes, batches, out) -> None:
+    try:
+        _pin(device, cpus, threads)
+        from ..models.engines import DiTEngine
+        from ..workers.stages import Stopwatch, _sync
+
+        eng = DiTEngine(spec, device)
+        fpb = eng.frames_per_block
+        clock = Stopwatch(device, threads)
+        res = {}
+        for w, h in sizes:
+
+            def timed(fn):
+                _sync(device)
+                clock.start()
+                fn()
+                _sync(device)
+                wall, own = clock.stop()
+                return 1000 * wall, 1000 * own
+
+            warm = eng.open_session(w, h, seed=99)  # the first forward at a size is cold
+            eng.set_scene(warm, "warm up", cut=True)
+            eng.generate_block(warm, fpb)
+            sess = eng.open_session(w, h, seed=0)
+            first, _ = timed(lambda s=sess: (eng.set_scene(s, "profile", cut=True), eng.generate_block(s, fpb)))
+            steady = [timed(lambda s=sess: eng.generate_block(s, fpb)) for _ in range(STEADY_BLOCKS)]
+            batch_ms = {}
+            for b in batches:
+                group = [eng.open_session(w, h, seed=10 + i) for i in range(b)]
+                for s in group:
+                    eng.set_scene(s, "profile", cut=True)
+                    eng.generate_block(s, fpb)
+                eng.generate_blocks(group, fpb)  # cold: a new batch shape
+                runs = [timed(lambda g=group: eng.generate_blocks(g, fpb))[0] / b for _ in range(2)]
+                batch_ms[str(b)] = _median(runs)
+            res[f"{w}x{h}"] = {
+                "first_ms": first,
+                "block_ms": _median([x[0] for x in steady]),
+                "own_ms": _median([x[1] for x in steady]),
+                "batch_ms": batch_ms,
+            }
+        out.put(("ok", res))
+    except Exception:
+        out.put(("error", traceback.format_exc()))
+
+
+def _vae_child(spec, device, cpus, threads, rank, world, addr, sizes, splits, batches, working_set, out) -> None:
+    try:
+        _pin(device, cpus, threads)
+        import torch
+
+        from ..models.engines import VAEEngine
+        from ..parallel.vae_group import ExchangeHalo, init_group
+        from ..workers.stages import Stopwatch, _sync
+
+        if world > 1:
+            init_group(addr, rank, world, device, 120.0)
+        eng = VAEEngine(spec, device, working_set)
+        p = eng.preset
+        fpb, sf = p.sampler.frames_per_block, p.vae.spatial_factor
+        clock = Stopwatch(device, threads)
+        g = torch.Generator().manual_seed(0)
+        res = {}
+        for w, h in sizes:
+            per_split = {}
+            for weights in splits:
+
+                def decode(states, weights=weights, w=w, h=h):
+                    z = torch.randn(len(states), p.dit.in_channels, fpb, h // sf, w // sf, generator=g)
+                    plan = eng.plan(tuple(z.shape[1:]), world, len(states), weights)
+                    halo = ExchangeHalo(rank, list(plan.bands)) if world > 1 else None
+                    _sync(device)
+                    clock.start()
+                    eng.decode_blocks(states, z, plan, rank, halo, False)
+                    _sync(device)
+                    wait = halo.wait_s if halo else 0.0
+                    wall, own = clock.stop(wait)
+                    r0, r1 = plan.bands[rank]
+                    return 1000 * wall, 1000 * own, 1000 * wait, r1 - r0
+
+                decode([eng.open_session()])  # cold
+                state = eng.open_session()
+                first = decode([state])
+                steady = [decode([state]) for _ in range(STEADY_BLOCKS)]
+                entry = {
+                    "first_ms": first[0],
+                    "block_ms": _median([x[0] for x in steady]),
+                    "own_ms": _median([x[1] for x in steady]),
+                    "wait_ms": _median([x[2] for x in steady]),
+                    "rows": steady[0][3],
+                }
+                if weights is None and batches:
+                    entry["batch_ms"] = {}
+                    for b in batches:
+                        states = [eng.open_session() for _ in range(b)]
+                        decode(states)  # each a shot's first block
+                        decode(states)  # cold: a new shape
+                        entry["batch_ms"][str(b)] = _median([decode(states)[0] / b for _ in range(2)])
+                per_split["equal" if weights is None else ":".join(f"{x:g}" for x in weights)] = entry
+            res[f"{w}x{h}"] = per_split
+        out.put(("ok", {"rank": rank, "sizes": res}))
+    except Exception:
+        out.put(("error", traceback.format_exc()))
+    finally:
+        if world > 1:
+            import torch.distributed as dist
+
+            if dist.is_initialized():
+                dist.destroy_process_group()
+
+
+def _run(targets: list[tuple], timeout_s: float) -> list:
+    """Start one process per (fn, args), wait for each one's result; raise on any error."""
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=fn, args=(*args, out), daemon=True) for fn, args in targets]
+    for p in procs:
+        p.start()
+    results = []
+    try:
+        for _ in procs:
+            status, value = out.get(timeout=timeout_s)
+            if status != "ok":
+                raise RuntimeError(f"profiling failed:\n{value}")
+            results.append(value)
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+    return results
+
+
+def _cpus(device: int, threads: int, n: int) -> tuple[int, ...]:
+    if not hasattr(os, "sched_getaffinity"):
+        return ()
+    avail = sorted(os.sched_getaffinity(0))
+    return tuple(avail[(device * threads + k) % len(avail)] for k in range(threads))[:n]
+
+
+def _encode_ms(width: int, height: int, fps: int, blocks: int = 1 + STEADY_BLOCKS) -> dict:
+    import numpy as np
+
+    from ..media.encoder import PyAVEncoder
+
+    enc = PyAVEncoder(width, height, fps)
+    rng = np.random.default_rng(0)
+    times = []
+    for i in range(blocks):
+        frames = rng.integers(0, 256, (12, height, width, 3), dtype=np.uint8)
+        t0 = time.perf_counter()
+        enc.encode(frames, idr_first=i == 0)
+        times.append(1000 * (time.perf_counter() - t0))
+    enc.close()
+    return {"first_ms": times[0], "block_ms": _median(times[1:])}
+
+
+def merge(rounds: list):
+    """Figures measured in several rounds -> their medians (band rows and the like as measured)."""
+    first = rounds[0]
+    if isinstance(first, dict):
+        return {k: merge([r[k] for r in rounds]) for k in first}
+    if isinstance(first, list):
+        return [merge([r[i] for r in rounds]) for i in range(len(first))]
+    if isinstance(first, float):
+        return _median(rounds)
+    return first
+
+
+def measure(cfg, sizes: list[tuple[int, int]], rounds: int = 1, log=print, timeout_s: float = 900.0) -> Profile:
+    """Measure every figure the planner and the simulator use on the devices of
+    `cfg.topology.device`; with several rounds, each figure is the median of its rounds (the
+    rounds interleave, so a machine whose speed drifts is sampled across the drift)."""
+    kind = cfg.topology.device
+    n = device_count(kind)
+    if n < 1:
+        raise RuntimeError(f"no {kind} device visible")
+    prof = Profile(kind, device_name(kind), n, cfg.model.preset, model_key(cfg), created=time.time())
+    t0 = time.perf_counter()
+    results = []
+    for r in range(rounds):
+        results.append(_measure_once(cfg, kind, n, sizes, timeout_s))
+        log(f"profile: round {r + 1} of {rounds} done after {time.perf_counter() - t0:.0f}s")
+    prof.sizes = merge(results)
+    return prof
+
+
+def _measure_once(cfg, kind: str, n: int, sizes: list[tuple[int, int]], timeout_s: float) -> dict:
+    from ..supervisor.topology import free_port, model_spec
+
+    spec = model_spec(cfg)
+    ws = cfg.pipeline.vae_cpu_working_set_bytes
+    dev = (lambda i: "cpu") if kind == "cpu" else (lambda i: f"{kind}:{i}")
+    threads = [1, 2] if kind == "cpu" and n >= 2 else [1]
+    res: dict[str, dict] = {f"{w}x{h}": {"dit": {}, "vae": {}, "vae_group": {}} for w, h in sizes}
+    for t in threads:
+        cpus = _cpus(0, t, n) if kind == "cpu" else ()
+        (dit,) = _run([(_dit_child, (spec, dev(0), cpus, t, sizes, (2, 4)))], timeout_s)
+        (vae,) = _run([(_vae_child, (spec, dev(0), cpus, t, 0, 1, "", sizes, [None], (2,), ws))], timeout_s)
+        for key in res:
+            res[key]["dit"][str(t)] = dit[key]
+            res[key]["vae"][str(t)] = vae["sizes"][key]["equal"]
+    for k in range(2, min(n, GROUP_SIZES_MAX) + 1):
+        addr = f"tcp://127.0.0.1:{free_port()}"
+        splits = [None, (1.0, 3.0)] if k == 2 else [None]
+        targets = [
+            (_vae_child, (spec, dev(r), _cpus(r, 1, n) if kind == "cpu" else (), 1, r, k, addr, sizes, splits, (), ws))
+            for r in range(k)
+        ]
+        shards = [s["sizes"] for s in sorted(_run(targets, timeout_s), key=lambda s: s["rank"])]
+        for key in res:
+            res[key]["vae_group"][str(k)] = {split: [s[key][split] for s in shards] for split in shards[0][key]}
+    for w, h in sizes:
+        res[f"{w}x{h}"]["encode"] = _encode_ms(w, h, 16)
+    return res

@@ -1,0 +1,494 @@
+"""A discrete-event model of the pipeline: what a layout would do with a workload, from a profile.
+
+The policy is not modelled but run: the daemon's own `Scheduler` (admission, EDF, batching,
+band weights, pacing) takes the simulated events and its actions are carried out on simulated
+processes whose service times come from the profile (profile.py):
+
+- every worker is a process with one FIFO of batches, as the real ones are; an aggregated
+  worker's DiT and VAE batches queue in the same FIFO;
+- a VAE group's batch starts when it heads the queue of every shard (they run in lockstep) and
+  takes the slowest shard's own time for its band (front + rows x per-row cost, fitted to the
+  profile's equal and 1:3 splits) plus the group's measured exchange overhead;
+- in a hybrid layout the DiT shares its device with a shard at lower priority: while the
+  group decodes, the DiT runs at the rate the shard leaves free (processor sharing);
+- each session's encoder is a thread of its own (libx264's measured time per block); the
+  client takes every fragment at once.
+
+`simulate` returns the figures `tools/bench` measures: W1 frames/s (from the request to the last
+fragment), steady frames/s, time to first fragment, and W2 goodput (concurrent streams that
+all play without a stall).
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections import deque
+from dataclasses import dataclass, field, replace
+
+from ..config import Config
+from ..ipc import messages as m
+from ..models.wan.kernels import split_rows
+from ..plan import Scene, plan_blocks
+from ..supervisor import scheduler as s
+from ..supervisor.topology import Topology, layout_processes
+from .profile import Profile
+
+HOP_S = 0.001  # a message's way through ZeroMQ and back, and the ring copies around it
+SPATIAL = 8
+
+
+@dataclass(frozen=True)
+class Layout:
+    mode: str  # disaggregated | aggregated | hybrid
+    dit: int  # DiT devices (workers)
+    vae: int  # VAE devices (shards)
+    group: int = 0  # shards per VAE group (0: all)
+    threads: int = 1  # per worker (CPU)
+    weights: tuple[float, ...] = ()
+
+    @property
+    def group_size(self) -> int:
+        return self.group or self.vae
+
+    @property
+    def devices(self) -> int:
+        """Devices it occupies (on the CPU a device is a core: threads count)."""
+        n = self.dit + self.vae if self.mode == "disaggregated" else max(self.dit, self.vae)
+        return n * self.threads
+
+    @property
+    def name(self) -> str:
+        k = self.group_size
+        if self.mode == "disaggregated":
+            base = f"disagg-{self.dit}+{self.vae}" + (f"/k{k}" if k != self.vae else "")
+        elif self.mode == "hybrid":
+            base = f"hybrid-{self.dit}+{self.vae}" + (f"/k{k}" if k != self.vae else "")
+        elif self.dit == 1 and self.vae == 1:
+            base = "agg-1"
+        elif self.dit == self.vae and k == 1:
+            base = f"agg-{self.dit}rep"
+        elif self.dit == 1 and k == self.vae:
+            base = f"agg-seq-k{self.vae}"
+        else:
+            base = f"agg-{self.dit}+{self.vae}/k{k}"
+        return base + (f"x{self.threads}t" if self.threads > 1 else "")
+
+    def flags(self) -> list[str]:
+        out = ["--mode", self.mode, "--dit-gpus", str(self.dit), "--vae-gpus", str(self.vae)]
+        if self.group and self.group != self.vae:
+            out += ["--vae-group-size", str(self.group)]
+        if self.threads > 1:
+            out += ["--threads-per-worker", str(self.threads)]
+        return out
+
+    def topology(self) -> Topology:
+        procs, dits, groups, _ = layout_processes(self.mode, self.dit, self.vae, self.group_size)
+        return Topology([], dits, groups, {name: dev for name, _, dev in procs})
+
+
+@dataclass
+class Costs:
+    """Service times of one frame size, in seconds, from a profile."""
+
+    profile: Profile
+    size: tuple[int, int]
+    threads: int
+
+    def __post_init__(self) -> None:
+        fig = self.profile.size(*self.size)
+        t = str(self.threads) if str(self.threads) in fig["dit"] else "1"
+        self.dit, self.vae1, self.enc = fig["dit"][t], fig["vae"][t], fig["encode"]
+        self.groups = fig.get("vae_group", {})
+        self.rows = self.size[1] // SPATIAL
+        self._fit()
+
+    def _fit(self) -> None:
+        """own(rows) = front + rows * per_row, least squares over the profile's bands."""
+        pts = [(self.rows, self.vae1["own_ms"])]
+        for splits in self.groups.values():
+            for shards in splits.values():
+                pts += [(x["rows"], x["own_ms"]) for x in shards]
+        n = len(pts)
+        mx, my = sum(p[0] for p in pts) / n, sum(p[1] for p in pts) / n
+        var = sum((p[0] - mx) ** 2 for p in pts)
+        b = sum((p[0] - mx) * (p[1] - my) for p in pts) / var if var > 0 else my / max(mx, 1)
+        b = max(b, 1e-3)
+        self.per_row_ms, self.front_ms = b, max(0.0, my - b * mx)
+
+    @staticmethod
+    def _batch(fig: dict, n: int, block_ms: float) -> float:
+        """Per-block ms in a batch of n (the nearest batch size measured)."""
+        if n <= 1 or not fig.get("batch_ms"):
+            return block_ms
+        sizes = sorted(int(k) for k in fig["batch_ms"])
+        near = min(sizes, key=lambda k: (abs(k - n), k))
+        return fig["batch_ms"][str(near)]
+
+    def dit_s(self, n: int, shot_starts: int) -> float:
+        d = self.dit
+        per = self._batch(d, n, d["block_ms"])
+        return (per * n + shot_starts * max(0.0, d["first_ms"] - d["block_ms"])) / 1000
+
+    def dit_own_ms(self) -> float:
+        return self.dit["own_ms"]
+
+    def _overhead_ms(self, k: int) -> float:
+        g = self.groups.get(str(k), {}).get("equal")
+        if g:
+            return max(0.0, g[0]["block_ms"] - max(x["own_ms"] for x in g))
+        two = self.groups.get("2", {}).get("equal")  # not measured at this k: as at 2
+        return max(0.0, two[0]["block_ms"] - max(x["own_ms"] for x in two)) if two else 0.0
+
+    def vae(self, k: int, rows: list[int], n: int, first: bool) -> tuple[float, list[float]]:
+        """(seconds for the group's batch, each shard's own seconds)."""
+        v = self.vae1
+        scale = self._batch(v, n, v["block_ms"]) / v["block_ms"] * n
+        if first:
+            scale *= v["first_ms"] / v["block_ms"]
+        if k == 1:
+            own = v["block_ms"] * scale / 1000
+            return own, [own]
+        own = [(self.front_ms + r * self.per_row_ms) * scale / 1000 for r in rows]
+        return max(own) + self._overhead_ms(k) * scale / 1000, own
+
+    def encode_s(self, first: bool) -> float:
+        return self.enc["first_ms" if first else "block_ms"] / 1000
+
+
+@dataclass
+class Job:
+    kind: str  # dit | vae
+    msg: m.Message
+    procs: list[str]  # the processes that run it together (a VAE group's shards)
+    group: int = -1
+    started: float | None = None
+    dur: float = 0.0  # a VAE batch's time, and each shard's own part of it and its rows
+    own: list[float] = field(default_factory=list)
+    rows: list[int] = field(default_factory=list)
+
+
+@dataclass
+class Proc:
+    name: str
+    device: int
+    queue: deque = field(default_factory=deque)
+    job: Job | None = None
+    # processor sharing (hybrid DiT): work left at full rate, the rate now, since when, and a
+    # version that invalidates the completion event scheduled at an older rate
+    left_s: float = 0.0
+    rate: float = 1.0
+    since: float = 0.0
+    version: int = 0
+    low: bool = False
+
+
+@dataclass
+class Result:
+    fps: float = 0.0  # frames / time from the first request to the last fragment
+    steady_fps: float = 0.0
+    ttff_s: float = 0.0
+    stalls: int = 0
+    frames: int = 0
+    rejected: int = 0
+    fragments: dict = field(default_factory=dict)  # session -> [(time, frames)]
+
+
+class Sim:
+    def __init__(self, cfg: Config, profile: Profile, layout: Layout, size: tuple[int, int], facts: dict) -> None:
+        t = replace(
+            cfg.topology,
+            mode=layout.mode,
+            dit_devices=layout.dit,
+            vae_devices=layout.vae,
+            vae_group_size=layout.group,
+            threads_per_worker=layout.threads,
+            vae_band_weights=layout.weights,
+        )
+        self.cfg = replace(cfg, topology=t)
+        self.layout, self.facts = layout, facts
+        self.topo = layout.topology()
+        self.costs: dict[tuple[int, int], Costs] = {}
+        self.profile = profile
+        self.procs = {
+            name: Proc(name, dev, low=layout.mode == "hybrid" and name in self.topo.dit_workers)
+            for name, dev in self.topo.devices.items()
+        }
+        p = self.cfg.pipeline
+        self.sched = s.Scheduler(self.cfg, self.topo, p.latent_slots, p.frame_slots, lambda w: True, facts)
+        self.now = 0.0
+        self.heap: list = []
+        self.seq = itertools.count()
+        self.pending: list = []  # events for the next step
+        self.shot_weights: dict[tuple[int, str], tuple] = {}  # (group, session) -> its shot's weights
+        self.encoding: dict[str, bool] = {}
+        self.result = Result()
+        self.ended: set[str] = set()
+        self.sessions: dict[str, s.Session] = {}
+        self._seed(size)
+
+    # -- costs --------------------------------------------------------------------------------
+    def cost(self, w: int, h: int) -> Costs:
+        if (w, h) not in self.costs:
+            self.costs[(w, h)] = Costs(self.profile, (w, h), self.layout.threads)
+        return self.costs[(w, h)]
+
+    def _seed(self, size: tuple[int, int]) -> None:
+        """The workers' READY timings, as they would report them (at the preset's size when the
+        profile has it)."""
+        default = tuple(self.facts.get("default_size", size))
+        w, h = default if f"{default[0]}x{default[1]}" in self.profile.sizes else size
+        c = self.cost(w, h)
+        events = []
+        for dit in self.topo.dit_workers:
+            info = {
+                "dit_cost": {"block_ms": c.dit["block_ms"], "busy_ms": c.dit["own_ms"], "size": [w, h]},
+                "dit_batch_ms": {"2": c.dit["batch_ms"]["2"]} if "2" in c.dit.get("batch_ms", {}) else {},
+                "dit_memory": None,
+            }
+            events.append(s.WorkerReady(dit, info))
+        for group in self.topo.vae_groups:
+            k = len(group)
+            g_ms, _ = c.vae(k, [r1 - r0 for r0, r1 in split_rows(h // SPATIAL, k)], 1, False)
+            b2 = c.vae1.get("batch_ms", {}).get("2")
+            info = {
+                "vae_rank": 0,
+                "vae_cost": {"block_ms": 1000 * g_ms, "size": [w, h]},
+                "vae_batch_ms": {"2": b2 * g_ms * 1000 / c.vae1["block_ms"]} if b2 else {},
+                "vae_memory": None,
+            }
+            events.append(s.WorkerReady(group[0], info))
+        self.step(events)
+
+    # -- the event loop -----------------------------------------------------------------------
+    def at(self, t: float, fn, *args) -> None:
+        heapq.heappush(self.heap, (t, next(self.seq), fn, args))
+
+    def step(self, events: list) -> None:
+        actions = self.sched.step([*self.pending, *events], self.now)
+        self.pending = []
+        for a in actions:
+            self._take(a)
+
+    def run(self, until_s: float = 3600.0) -> None:
+        while self.heap:
+            t, _, fn, args = heapq.heappop(self.heap)
+            if t > until_s:
+                break
+            self.now = t
+            fn(*args)
+            if self.pending:
+                self.step([])
+
+    def _take(self, a) -> None:
+        if isinstance(a, s.Send):
+            msg = a.msg
+            if isinstance(msg, m.GenerateBatch):
+                self._enqueue(Job("dit", msg, [a.worker]))
+            elif isinstance(msg, m.DecodeBatch):
+                gi = next(i for i, g in enumerate(self.topo.vae_groups) if a.worker in g)
+                if a.worker == self.topo.vae_groups[gi][0]:  # one job for the whole group
+                    self._enqueue(Job("vae", msg, list(self.topo.vae_groups[gi]), gi))
+        elif isinstance(a, s.OpenEncoder):
+            self.at(self.now + HOP_S, self._post, s.EncoderOpened(a.session, init=b"init"))
+        elif isinstance(a, s.Encode):
+            first = a.block.shot_start
+            w, h = a.shape[2], a.shape[1]
+            done = s.Encoded(a.session, a.block.index, data=b"f", seconds=self.cost(w, h).encode_s(first))
+            self.at(self.now + self.cost(w, h).encode_s(first), self._post, done)
+        elif isinstance(a, s.Emit):
+            if a.block is not None:
+                self.result.fragments.setdefault(a.session, []).append((self.now, a.block.emit))
+                self.pending.append(s.Ack(a.session))
+        elif isinstance(a, s.End):
+            self.ended.add(a.session)
+        elif isinstance(a, s.Reject):
+            self.result.rejected += 1
+            self.ended.add(a.session)
+        elif isinstance(a, s.WakeAt):
+            self.at(a.at, lambda: None)
+
+    def _post(self, ev) -> None:
+        self.pending.append(ev)
+
+    # -- processes ----------------------------------------------------------------------------
+    def _enqueue(self, job: Job) -> None:
+        for p in job.procs:
+            self.procs[p].queue.append(job)
+        self.at(self.now + HOP_S / 2, self._try_start, job.procs)
+
+    def _try_start(self, names: list[str]) -> None:
+        for name in names:
+            p = self.procs[name]
+            if p.job is not None or not p.queue:
+                continue
+            job = p.queue[0]
+            heads = [self.procs[q] for q in job.procs]
+            if all(h.job is None and h.queue and h.queue[0] is job for h in heads):
+                for q in job.procs:
+                    self.procs[q].queue.popleft()
+                    self.procs[q].job = job
+                self._start(job)
+
+    def _start(self, job: Job) -> None:
+        job.started = self.now
+        if job.kind == "dit":
+            blocks = job.msg.blocks
+            sess = self.sessions[blocks[0].session]
+            c = self.cost(sess.width, sess.height)
+            dur = c.dit_s(len(blocks), sum(1 for b in blocks if b.cut))
+            p = self.procs[job.procs[0]]
+            p.left_s, p.since, p.rate = dur, self.now, self._free_rate(p)
+            self._schedule_dit(p)
+            return
+        blocks = job.msg.blocks
+        sess = self.sessions[blocks[0].session]
+        c = self.cost(sess.width, sess.height)
+        k = len(job.procs)
+        for b in blocks:
+            if b.reset:
+                self.shot_weights[(job.group, b.session)] = tuple(job.msg.weights) or None
+        weights = self.shot_weights.get((job.group, blocks[0].session))
+        bands = split_rows(sess.height // SPATIAL, k, weights)
+        rows = [r1 - r0 for r0, r1 in bands]
+        dur, own = c.vae(k, rows, len(blocks), blocks[0].reset)
+        job.own, job.rows, job.dur = own, rows, dur
+        self._rates_changed()
+        self.at(self.now + dur, self._vae_done, job)
+
+    def _free_rate(self, p: Proc) -> float:
+        """The share of its device a low-priority process gets now: what running VAE shards on
+        the same device leave free."""
+        if not p.low:
+            return 1.0
+        used = 0.0
+        for q in self.procs.values():
+            j = q.job
+            if q is p or j is None or j.kind != "vae" or q.device != p.device:
+                continue
+            used += j.own[j.procs.index(q.name)] / j.dur if j.dur > 0 else 0.0
+        return max(0.02, 1.0 - used)
+
+    def _rates_changed(self) -> None:
+        for p in self.procs.values():
+            if p.low and p.job is not None and p.job.kind == "dit":
+                p.left_s -= (self.now - p.since) * p.rate
+                p.since, p.rate = self.now, self._free_rate(p)
+                self._schedule_dit(p)
+
+    def _schedule_dit(self, p: Proc) -> None:
+        p.version += 1
+        self.at(self.now + max(0.0, p.left_s) / p.rate, self._dit_done, p, p.version)
+
+    def _dit_done(self, p: Proc, version: int) -> None:
+        if version != p.version or p.job is None:
+            return
+        job, p.job = p.job, None
+        n = len(job.msg.blocks)
+        sess0 = self.sessions[job.msg.blocks[0].session]
+        c = self.cost(sess0.width, sess0.height)
+        wall_ms = 1000 * (self.now - job.started) / n
+        for b in job.msg.blocks:
+            sess = self.sessions[b.session]
+            shape = [16, b.frames, sess.height // SPATIAL, sess.width // SPATIAL]
+            done = m.LatentDone(b.session, b.block, b.slot, shape, wall_ms, batch=n, busy_ms=c.dit_own_ms())
+            self.at(self.now + HOP_S / 2, self._post, done)
+        self._try_start([p.name])
+
+    def _vae_done(self, job: Job) -> None:
+        n = len(job.msg.blocks)
+        for q in job.procs:
+            self.procs[q].job = None
+        for rank in range(len(job.procs)):
+            for d in job.msg.blocks:
+                done = m.FramesDone(
+                    d.session,
+                    d.block,
+                    rank,
+                    d.frame_slot,
+                    1000 * job.dur / n,
+                    batch=n,
+                    busy_ms=1000 * job.own[rank] / n,
+                    rows=job.rows[rank],
+                )
+                self.at(self.now + HOP_S / 2, self._post, done)
+        self._rates_changed()
+        self._try_start(job.procs)
+
+    # -- workloads ----------------------------------------------------------------------------
+    def submit(self, name: str, scenes: list[Scene], width: int, height: int, fps: int = 16) -> None:
+        blocks = plan_blocks(scenes, self.facts["frames_per_block"], self.facts.get("temporal_factor", 4))
+        sess = s.Session(name, scenes, blocks, width, height, fps, 0, created=self.now)
+        self.sessions[name] = sess
+        self.pending.append(s.Submit(sess))
+        self.at(self.now, lambda: None)
+
+
+def storyboard(scene_seconds: float = 4.0, fps: int = 16) -> list[Scene]:
+    """tools/bench's W1: three scenes, continue then cut."""
+    n = int(scene_seconds * fps)
+    return [Scene("a red fox", n), Scene("the fox stops", n, "continue"), Scene("a city street", n, "cut")]
+
+
+def playback_stalls(frags: list[tuple[float, int]], fps: int, startup_s: float = 0.0) -> int:
+    """tools/bench's player: starts `startup_s` after the first fragment, rebuffers when late."""
+    if not frags:
+        return 0
+    start, shown, stall_s, stalls = frags[0][0] + startup_s, 0, 0.0, 0
+    for t, n in frags:
+        due = start + stall_s + shown / fps
+        if t > due + 1e-3:
+            stalls += 1
+            stall_s += t - due
+        shown += n
+    return stalls
+
+
+@dataclass
+class Prediction:
+    layout: str
+    w1_fps: float
+    w1_steady_fps: float
+    w1_ttff_s: float
+    goodput: int | None = None
+
+    def as_dict(self) -> dict:
+        return dict(self.__dict__)
+
+
+def simulate(
+    cfg: Config,
+    profile: Profile,
+    layout: Layout,
+    facts: dict,
+    size: tuple[int, int],
+    w2_size: tuple[int, int] | None = None,
+    max_streams: int = 8,
+    scene_seconds: float = 4.0,
+    w2_seconds: float = 6.0,
+    fps: int = 16,
+) -> Prediction:
+    """W1 (one storyboard) and, with w2_size, W2's goodput, as tools/bench runs them."""
+    sim = Sim(cfg, profile, layout, size, facts)
+    sim.submit("w1", storyboard(scene_seconds, fps), *size, fps)
+    sim.run()
+    frags = sim.result.fragments.get("w1", [])
+    frames = sum(n for _, n in frags)
+    last = frags[-1][0] if frags else float("inf")
+    steady = sum(n for _, n in frags[1:]) / (last - frags[0][0]) if len(frags) > 1 else 0.0
+    pred = Prediction(layout.name, frames / last if frags else 0.0, steady, frags[0][0] if frags else float("inf"))
+    if w2_size is not None:
+        good = 0
+        for n in range(1, max_streams + 1):
+            sim = Sim(cfg, profile, layout, w2_size, facts)
+            for i in range(n):
+                sim.submit(f"s{i}", [Scene(f"stream {i}", int(w2_seconds * fps))], *w2_size, fps)
+            sim.run()
+            played = [sim.result.fragments.get(f"s{i}", []) for i in range(n)]
+            ok = sim.result.rejected == 0 and all(played)
+            if ok and all(playback_stalls(f, fps) == 0 for f in played):
+                good = n
+            else:
+                break
+        pred.goodput = good
+    return pred
