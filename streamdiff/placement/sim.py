@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import logging
 from collections import deque
 from dataclasses import dataclass, field, replace
 
@@ -128,7 +129,8 @@ class Costs:
     def dit_s(self, n: int, shot_starts: int) -> float:
         d = self.dit
         per = self._batch(d, n, d["block_ms"])
-        return (per * n + shot_starts * max(0.0, d["first_ms"] - d["block_ms"])) / 1000
+        # A shot's first block: its prompt, its own steps, an empty cache (cheaper on the CPU).
+        return (per * n + shot_starts * (d["first_ms"] - d["block_ms"]) * per / d["block_ms"]) / 1000
 
     def dit_own_ms(self) -> float:
         return self.dit["own_ms"]
@@ -220,6 +222,8 @@ class Sim:
         self.heap: list = []
         self.seq = itertools.count()
         self.pending: list = []  # events for the next step
+        self.vae_busy_s = 0.0  # summed VAE batch time per block decoded (the speed check of tools/bench_placement)
+        self.vae_blocks = 0
         self.shot_weights: dict[tuple[int, str], tuple] = {}  # (group, session) -> its shot's weights
         self.encoding: dict[str, bool] = {}
         self.result = Result()
@@ -271,6 +275,14 @@ class Sim:
             self._take(a)
 
     def run(self, until_s: float = 3600.0) -> None:
+        quiet = logging.getLogger("streamdiff")  # the scheduler's log is the daemon's, not the model's
+        level, quiet.level = quiet.level, logging.WARNING
+        try:
+            self._run(until_s)
+        finally:
+            quiet.level = level
+
+    def _run(self, until_s: float) -> None:
         while self.heap:
             t, _, fn, args = heapq.heappop(self.heap)
             if t > until_s:
@@ -353,6 +365,8 @@ class Sim:
         rows = [r1 - r0 for r0, r1 in bands]
         dur, own = c.vae(k, rows, len(blocks), blocks[0].reset)
         job.own, job.rows, job.dur = own, rows, dur
+        self.vae_busy_s += dur
+        self.vae_blocks += len(blocks)
         self._rates_changed()
         self.at(self.now + dur, self._vae_done, job)
 
@@ -451,6 +465,7 @@ class Prediction:
     w1_steady_fps: float
     w1_ttff_s: float
     goodput: int | None = None
+    vae_ms_per_block: float = 0.0  # the VAE's mean time per block in W1 (a measured run's speed check)
 
     def as_dict(self) -> dict:
         return dict(self.__dict__)
@@ -476,7 +491,10 @@ def simulate(
     frames = sum(n for _, n in frags)
     last = frags[-1][0] if frags else float("inf")
     steady = sum(n for _, n in frags[1:]) / (last - frags[0][0]) if len(frags) > 1 else 0.0
-    pred = Prediction(layout.name, frames / last if frags else 0.0, steady, frags[0][0] if frags else float("inf"))
+    vae_ms = 1000 * sim.vae_busy_s / max(1, sim.vae_blocks)
+    pred = Prediction(
+        layout.name, frames / last if frags else 0.0, steady, frags[0][0] if frags else float("inf"), None, vae_ms
+    )
     if w2_size is not None:
         good = 0
         for n in range(1, max_streams + 1):
