@@ -77,7 +77,7 @@ class TopologyConfig:
     pin_cpus: bool = True  # cpu: pin each worker to its own cores
     shard_front: bool = False  # VAE groups: also shard the low-resolution front (all-gather attention)
     vae_band_weights: tuple[float, ...] = ()  # rows per shard of a group in these proportions (empty: placed)
-    rebalance: bool = True  # band weights follow the shards' measured times (new shots take them)
+    rebalance: bool = True  # band weights follow the shards' measured times while running
 
 
 @dataclass(frozen=True)

@@ -2,10 +2,18 @@
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
 import pytest
 
 from streamdiff.models.wan.kernels import split_rows
 from streamdiff.placement.bands import Balance, block_ms, solve
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_equal_shards_get_equal_bands():
@@ -119,3 +127,193 @@ def test_hybrid_and_band_weight_errors_name_the_key():
         topology(vae_devices=2, vae_band_weights=[1.0])
     with pytest.raises(ConfigError, match="topology.vae_band_weights"):
         topology(vae_devices=2, vae_band_weights=[1.0, "x"])
+
+
+# -- profile, simulator, planner ----------------------------------------------------------------
+
+
+def synthetic(dit_ms: float, vae_ms: float, *, dit2=None, vae2=None, group=None, encode_ms=5.0, devices=2, **kw):
+    """A profile at 256x144 whose figures are chosen: steady blocks cost `dit_ms` and `vae_ms`
+    (a shot's first block the same), no batching gain; `group`: a 2-way VAE group's own time per
+    shard at equal bands (wall the same: no waits)."""
+    from streamdiff.config import Config
+    from streamdiff.placement.profile import Profile, cpu_model, model_key
+
+    def stage(ms, rows=None):
+        out = {"first_ms": ms, "block_ms": ms, "own_ms": ms, "batch_ms": {"2": ms, "4": ms}}
+        if rows:
+            out.update(wait_ms=0.0, rows=rows)
+        return out
+
+    fig = {
+        "dit": {"1": stage(dit_ms), **({"2": stage(dit2)} if dit2 else {})},
+        "vae": {"1": stage(vae_ms, 18), **({"2": stage(vae2, 18)} if vae2 else {})},
+        "vae_group": {},
+        "encode": {"first_ms": encode_ms, "block_ms": encode_ms},
+    }
+    if group:
+        shard = {"first_ms": group, "block_ms": group, "own_ms": group, "wait_ms": 0.0, "rows": 9}
+        fig["vae_group"]["2"] = {"equal": [shard, dict(shard)]}
+    base = dict(device="cpu", device_name=cpu_model(), devices=devices, preset="tiny", model=model_key(Config()))
+    return Profile(**{**base, **kw}, sizes={"256x144": fig}, created=time.time())
+
+
+def predict(prof, layout):
+    from streamdiff.config import Config
+    from streamdiff.models.spec import PRESET_FACTS
+    from streamdiff.placement.sim import simulate
+
+    return simulate(Config(), prof, layout, dict(PRESET_FACTS["tiny"]), (256, 144))
+
+
+def test_the_simulator_runs_at_the_slower_stage_when_the_stages_overlap():
+    """Disaggregated: blocks of 12 frames every max(DiT, VAE); aggregated one worker: every
+    DiT + VAE. W1's scene ends emit fewer frames than they decode, hence the margin."""
+    from streamdiff.placement.sim import Layout
+
+    prof = synthetic(100.0, 200.0)
+    disagg = predict(prof, Layout("disaggregated", 1, 1))
+    agg = predict(prof, Layout("aggregated", 1, 1))
+    assert disagg.w1_steady_fps == pytest.approx(12 / 0.2, rel=0.1)
+    assert agg.w1_steady_fps == pytest.approx(12 / 0.3, rel=0.1)
+    # The first fragment: the first block through DiT, VAE and the encoder, in order.
+    assert disagg.w1_ttff_s == pytest.approx(0.1 + 0.2 + 0.005, abs=0.01)
+
+
+def test_a_hybrid_layout_is_predicted_to_spend_the_dits_slack_on_decoding():
+    """DiT 100 ms, VAE 200 ms, a 2-way group at 105 ms per shard: disagg-1+1 is VAE-bound at
+    200 ms a block; the hybrid's two cores hold 300 ms of work (+ the group's front twice), so
+    it runs near 160 ms a block."""
+    from streamdiff.placement.sim import Layout
+
+    prof = synthetic(100.0, 200.0, group=105.0)
+    disagg = predict(prof, Layout("disaggregated", 1, 1)).w1_steady_fps
+    hybrid = predict(prof, Layout("hybrid", 1, 2)).w1_steady_fps
+    assert hybrid > 1.15 * disagg
+    assert hybrid < 12 / 0.150  # not past all the work over both cores
+
+
+def test_the_planner_ranks_by_objective_and_follows_the_balance():
+    from streamdiff.config import Config
+    from streamdiff.models.spec import PRESET_FACTS
+    from streamdiff.placement.planner import plan
+
+    facts = dict(PRESET_FACTS["tiny"])
+    vae_bound = synthetic(100.0, 200.0, group=105.0, dit2=95.0, vae2=190.0)  # 2 threads barely help
+    best, pred = plan(Config(), vae_bound, 2, "throughput", facts, (256, 144)).best
+    assert best.name == "hybrid-1+2"
+    threaded = synthetic(100.0, 200.0, group=105.0, dit2=50.0, vae2=100.0)  # 2 threads scale perfectly
+    assert plan(Config(), threaded, 2, "throughput", facts, (256, 144)).best[0].name == "agg-1x2t"
+    latency = plan(Config(), vae_bound, 2, "latency", facts, (256, 144))
+    ttffs = [p.w1_ttff_s for _, p in latency.ranked]
+    assert ttffs == sorted(ttffs)
+    with pytest.raises(ValueError, match="objective"):
+        plan(Config(), vae_bound, 2, "fastest", facts, (256, 144))
+
+
+def test_the_planner_ranks_eight_b70s_from_the_published_figures():
+    """docs/profile-b70.json (tools/published_profile): DiT 2.9 s and VAE 3.9 s a block. One
+    stream is DiT-bound once the VAE is sharded 3 ways or more, so the best layout for it gives
+    the DiT one card and the VAE a wide group; no hybrid on accelerators."""
+    from streamdiff.config import Config
+    from streamdiff.models.spec import PRESET_FACTS
+    from streamdiff.placement.planner import plan
+    from streamdiff.placement.profile import Profile
+
+    prof = Profile.from_json((ROOT / "docs" / "profile-b70.json").read_text())
+    facts = dict(PRESET_FACTS["wan2.1-t2v-1.3b"])
+    for n in (2, 4, 8):
+        p = plan(Config(), prof, n, "throughput", facts, (832, 480))
+        best, pred = p.best
+        assert best.mode == "disaggregated" and best.devices == n
+        assert all(lay.mode != "hybrid" for lay, _ in p.ranked)
+        assert 12 / 2.871 * 0.8 < pred.w1_steady_fps <= 12 / 2.871 * 1.01 or n == 2  # DiT-bound
+    two = plan(Config(), prof, 2, "throughput", facts, (832, 480)).best[1]
+    assert two.w1_steady_fps == pytest.approx(12 / 3.870, rel=0.1)  # disagg-1+1: VAE-bound
+
+
+def test_a_profile_is_cached_only_for_its_machine_model_and_size(tmp_path):
+    from streamdiff.config import Config
+    from streamdiff.placement.profile import Profile, cache_path, load_cached
+
+    prof = synthetic(100.0, 200.0)
+    cfg = Config()
+    path = cache_path(str(tmp_path), cfg, (256, 144))
+    path.write_text(prof.to_json())
+    assert Profile.from_json(path.read_text()).sizes == prof.sizes
+    assert load_cached(path, cfg, (256, 144), 2) is not None
+    assert load_cached(path, cfg, (320, 176), 2) is None  # another size
+    assert load_cached(path, cfg, (256, 144), 4) is None  # measured on fewer devices
+    assert load_cached(path, cfg, (256, 144), 2, now=time.time() + 60 * 86400) is None  # stale
+    other = cfg.replace(model={"dit_vae_ratio": 0.5})
+    assert load_cached(path, other, (256, 144), 2) is None  # another model
+    path.write_text("{}")
+    assert load_cached(path, cfg, (256, 144), 2) is None
+
+
+def run_cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "streamdiff.cli", *args], capture_output=True, text=True, timeout=timeout, cwd=ROOT
+    )
+
+
+def test_streamdiffd_plan_ranks_layouts_for_hardware_we_do_not_have():
+    r = run_cli("plan", "--devices", "4", "--profile", "docs/profile-b70.json", "--objective", "throughput", "--json")
+    assert r.returncode == 0, r.stderr
+    ranked = json.loads(r.stdout)["throughput"]["ranked"]
+    assert ranked[0]["layout"] == "disagg-1+3" and ranked[0]["flags"][:2] == ["--mode", "disaggregated"]
+    assert ranked[0]["w1_fps"] >= ranked[-1]["w1_fps"]
+    bad = run_cli("plan", "--profile", "/no/such/profile.json")
+    assert bad.returncode == 2 and "cannot read the profile" in bad.stderr and "Traceback" not in bad.stderr
+    bad = run_cli("plan", "--profile", "docs/profile-b70.json", "--size", "100x10")
+    assert bad.returncode == 2 and "multiples of 16" in bad.stderr
+
+
+def test_streamdiffd_profile_measures_this_machine(tmp_path):
+    """A real profile at a small size, one round: every figure the simulator reads, positive."""
+    out = tmp_path / "p.json"
+    r = run_cli("profile", "--sizes", "64x32", "--rounds", "1", "--out", str(out))
+    assert r.returncode == 0, r.stderr
+    from streamdiff.placement.profile import Profile
+
+    prof = Profile.from_json(out.read_text())
+    fig = prof.sizes["64x32"]
+    assert fig["dit"]["1"]["block_ms"] > 0 and fig["vae"]["1"]["block_ms"] > 0 and fig["encode"]["block_ms"] > 0
+    assert set(fig["dit"]["1"]["batch_ms"]) == {"2", "4"}
+    if prof.devices >= 2:
+        assert set(fig["dit"]) == {"1", "2"}
+        shards = fig["vae_group"]["2"]["equal"]
+        assert [x["rows"] for x in shards] == [2, 2] and all(x["own_ms"] > 0 for x in shards)
+        assert [x["rows"] for x in fig["vae_group"]["2"]["1:3"]] == [1, 3]
+    assert "DiT/VAE" in r.stdout
+
+
+def test_a_daemon_with_no_layout_flags_plans_from_its_cached_profile_and_streams(tmp_path):
+    """The cached profile makes the hybrid the best for throughput on 2 devices: the daemon
+    picks it, says so in /health, and streams the same video as one VAE decoding alone."""
+    from .helpers import Daemon, assert_same_video, stream_video
+
+    prof = synthetic(100.0, 200.0, group=105.0, dit2=95.0, vae2=190.0)
+    from streamdiff.config import Config
+    from streamdiff.placement.profile import cache_path
+
+    cache_path(str(tmp_path), Config(), (256, 144)).write_text(prof.to_json())
+    body = {"prompt": "a lighthouse", "num_frames": 33, "seed": 3}
+    d = Daemon("--devices", "2", "--objective", "throughput", env={"STATE_DIRECTORY": str(tmp_path)})
+    try:
+        health = d.health()
+        placed = health["placement"]
+        assert placed["planned"] and placed["layout"] == "hybrid-1+2" and placed["objective"] == "throughput"
+        assert placed["predicted"]["w1_fps"] > placed["runners_up"][0]["w1_fps"]
+        assert sorted(health["workers"]) == ["dit0", "vae0.0", "vae0.1"]
+        got, _, _ = stream_video(d.url, body)
+        weights = d.health()["pipeline"]["vae_band_weights"]["0"]
+        assert weights[0] < weights[1]  # the shard beside the DiT decodes the smaller band
+    finally:
+        assert d.stop() == 0, d.logs()
+    ref = Daemon("--dit-gpus", "1", "--vae-gpus", "1")
+    try:
+        want, _, _ = stream_video(ref.url, body)
+    finally:
+        assert ref.stop() == 0
+    assert_same_video(got, want)

@@ -74,8 +74,8 @@ class DecodeBatch(Message, tag="decb"):
     """VAE: these blocks, of different sessions, in one decode call where their sizes and cache
     phases agree (the supervisor chose them; every shard of the group gets the same batch, so
     the shards agree by construction); one FramesDone each. `weights`: the group's band weights
-    (kernels.split_rows) for the blocks that start a shot here; a shot keeps its bands to its
-    end, since its temporal cache holds their rows (empty: equal bands)."""
+    (kernels.split_rows; empty: equal bands); a running shot whose bands they change has its
+    cached rows moved first (parallel/vae_group.move_bands)."""
 
     blocks: list[DecodeBlock]
     weights: list[float] = []

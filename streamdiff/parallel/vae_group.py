@@ -118,3 +118,34 @@ class ExchangeHalo(Halo):
         r0, r1 = self.bands[self.rank]
         s = x.shape[-2] // self.bands[-1][1]
         return x[..., r0 * s : r1 * s, :]
+
+
+def move_bands(
+    state, slots: list[int | None], old: list[tuple[int, int]], new: list[tuple[int, int]], rank: int
+) -> None:
+    """Re-cut a session's temporal cache from bands `old` to bands `new` in the middle of a shot
+    (the supervisor's band weights changed): every band-local slot is all-gathered whole from
+    its interior rows (halo rows stripped) and this rank keeps its new band with fresh halo
+    rows, zeros at the global edges, as a decode under `new` from the shot's start would have
+    stored them. One all-gather per slot, in slot order, on every rank."""
+    world = len(old)
+    r0, r1 = old[rank]
+    n0, n1 = new[rank]
+    for i, halo in enumerate(slots):
+        t = state.cache[i]
+        if t is None or halo is None:
+            continue
+        inner = t[..., halo : t.shape[-2] - halo, :] if halo else t
+        scale = inner.shape[-2] // (r1 - r0)
+        sizes = [(b1 - b0) * scale for b0, b1 in old]
+        buf = torch.zeros((*inner.shape[:-2], max(sizes), inner.shape[-1]), dtype=t.dtype, device=t.device)
+        buf[..., : inner.shape[-2], :] = inner
+        parts = [torch.empty_like(buf) for _ in range(world)]
+        dist.all_gather(parts, buf)
+        full = torch.cat([p[..., :n, :] for p, n in zip(parts, sizes, strict=True)], dim=-2)
+        lo, hi = n0 * scale - halo, n1 * scale + halo
+        out = empty((*t.shape[:-2], hi - lo, t.shape[-1]), t)
+        out.zero_()
+        a, b = max(lo, 0), min(hi, full.shape[-2])
+        out[..., a - lo : b - lo, :] = full[..., a:b, :]
+        state.cache[i] = out

@@ -51,10 +51,10 @@ def facts_of(cfg: Config) -> dict:
     return facts
 
 
-def profile_for(cfg: Config, size: tuple[int, int], log, rounds: int = 1) -> tuple[Profile, Path]:
+def profile_for(cfg: Config, size: tuple[int, int], devices: int, log, rounds: int = 1) -> tuple[Profile, Path]:
     """The cached profile for this device kind, model and size, or a new one (then cached)."""
     path = cache_path(str(state_dir(cfg)), cfg, size)
-    prof = load_cached(path, cfg, size)
+    prof = load_cached(path, cfg, size, devices)
     if prof is not None:
         return prof, path
     log(f"no fresh profile at {path}: measuring the stages on this machine (once)")
@@ -79,7 +79,7 @@ def place(cfg: Config, log=print) -> tuple[Config, Placement]:
     facts = facts_of(cfg)
     size = tuple(facts["default_size"])
     n = t.devices or device_count(t.device)
-    prof, path = profile_for(cfg, size, log)
+    prof, path = profile_for(cfg, size, n, log)
     p = plan(cfg, prof, n, t.objective, facts, size)
     best, pred = p.best
     chosen = dataclasses.replace(

@@ -53,8 +53,9 @@ class Balance:
     each DiT's own time per block are followed as running averages; a group's weights are
     `solve`d from them, with the work of other processes on a shard's device (a hybrid DiT) as
     that device's other load. Explicit weights (topology.vae_band_weights) stay as given.
-    Weights change only for a clear gain, and only new shots take them (a shot's temporal
-    cache holds its bands' rows), so equal shards keep equal bands through timing noise."""
+    Weights change only for a clear gain, so equal shards keep equal bands through timing noise;
+    running shots move to new weights at their next block (the shards re-cut the cached rows,
+    parallel/vae_group.move_bands)."""
 
     def __init__(
         self,
@@ -106,7 +107,7 @@ class Balance:
         return full, other
 
     def weights(self, group: int, latent_hw: tuple[int, int]) -> tuple[float, ...]:
-        """The weights new shots of this group take (empty: equal bands)."""
+        """The weights this group decodes its next batch under (empty: equal bands)."""
         if len(self.groups[group]) == 1:
             return ()
         if self.fixed:
@@ -123,7 +124,7 @@ class Balance:
             self.current[group] = best
             self.changes += 1
             log.info(
-                "VAE group %d: band weights %s for new shots (shards %s ms per whole block, other work %s ms; "
+                "VAE group %d: band weights %s (shards %s ms per whole block, other work %s ms; "
                 "predicted %.0f ms per block against %.0f)",
                 group,
                 list(best),

@@ -115,8 +115,9 @@ def cache_path(state_dir: str, cfg, size: tuple[int, int]) -> Path:
     return Path(state_dir) / name
 
 
-def load_cached(path: Path, cfg, size: tuple[int, int], now: float | None = None) -> Profile | None:
-    """The cached profile if it is fresh and measured for this device, model and size."""
+def load_cached(path: Path, cfg, size: tuple[int, int], devices: int, now: float | None = None) -> Profile | None:
+    """The cached profile if it is fresh and measured for this device, model and size, on at
+    least `devices` devices."""
     try:
         prof = Profile.from_json(path.read_text())
     except (OSError, ValueError):
@@ -127,7 +128,7 @@ def load_cached(path: Path, cfg, size: tuple[int, int], now: float | None = None
         and prof.preset == cfg.model.preset
         and prof.model == model_key(cfg)
         and prof.device_name == device_name(cfg.topology.device)
-        and prof.devices == device_count(cfg.topology.device)
+        and prof.devices >= devices
         and f"{size[0]}x{size[1]}" in prof.sizes
         and now - prof.created < FRESH_S
     )

@@ -46,9 +46,10 @@ def latent(name: str, block: int) -> np.ndarray:
     return torch.randn(16, 3, H // 8, W // 8, generator=g).numpy()
 
 
-# Weights the supervisor sends with each batch: only the shot's first batch sets the bands (2 + 6
-# rows of 8); the later ones must be ignored, since the temporal cache holds the first bands' rows.
+# Weights the supervisor sends with each batch (rebalancing): the bands of 8 rows go 2 + 6, then
+# 6 + 2, then 4 + 4 in the middle of the shot; each shard moves the cached rows to follow.
 SHIFTING = [(1.0, 3.0), (3.0, 1.0), (1.0, 1.0)]
+SHIFTED_ROWS = [(2, 6), (6, 2), (4, 4)]
 
 
 def shard_main(rank, world, addr, latent_spec, frame_spec, out, weights=None):
@@ -105,8 +106,9 @@ def test_a_vae_stage_decodes_the_supervisors_batches_each_equal_to_its_session_a
                     done.add(rank)
                 else:
                     results[rank].append((a, b))
-                    want = (2 if rank == 0 else 6) if weights else 8 // world
-                    assert set(rows) == {want}, (rank, rows)  # the first batch's bands, to the shot's end
+                    i = len(results[rank]) - 1
+                    want = SHIFTED_ROWS[i][rank] if weights else 8 // world
+                    assert set(rows) == {want}, (rank, i, rows)
         except queue.Empty:
             raise AssertionError(f"the group hung: {results}") from None
         finally:

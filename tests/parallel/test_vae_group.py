@@ -48,7 +48,7 @@ def shard_main(
     """Decode every session's blocks (interleaved in the given order) and send our strips."""
     try:
         torch.set_num_threads(1)
-        from streamdiff.parallel.vae_group import ExchangeHalo, init_group
+        from streamdiff.parallel.vae_group import ExchangeHalo, init_group, move_bands
 
         init_group(addr, rank, world, "cpu", timeout_s=60)
         import torch.distributed as dist
@@ -85,12 +85,23 @@ def shard_main(
             if die_at is not None and rank == die_at[0] and step == die_at[1]:
                 os._exit(9)
             z = sessions[name][i]
-            plan = plan_for(z, world, working_set_bytes or CPU_DECODE_WORKING_SET_BYTES, weights)
+            w = weights[i] if isinstance(weights, list) else weights  # a list: each block's own bands
+            if (
+                isinstance(weights, list)
+                and i > 0
+                and split_rows(z.shape[-2], world, w) != split_rows(z.shape[-2], world, weights[i - 1])
+            ):
+                move_bands(states[name], vae.band_slots(shard_front), *moved(z.shape[-2], world, weights, i), rank)
+            plan = plan_for(z, world, working_set_bytes or CPU_DECODE_WORKING_SET_BYTES, w)
             strip = vae.decode_rows(z, states[name], plan, rank, ExchangeHalo(rank, list(plan.bands)), shard_front)
             out.put((rank, name, i, strip.numpy()))
         out.put((rank, "done", None, batched[0]))
     except Exception:
         out.put((rank, "error", None, traceback.format_exc()))
+
+
+def moved(height, world, weights, i):
+    return split_rows(height, world, weights[i - 1]), split_rows(height, world, weights[i])
 
 
 def run_group(
@@ -147,8 +158,8 @@ def assert_matches_unsharded(world, sessions, strips, weights=None):
     vae = make_decoder()
     for name, blocks in sessions.items():
         state = vae.new_state()
-        bands = split_rows(blocks[0].shape[-2], world, weights)
         for i, z in enumerate(blocks):
+            bands = split_rows(z.shape[-2], world, weights[i] if isinstance(weights, list) else weights)
             ref = vae.decode(z, state)
             got = torch.cat([strips[(r, name, i)] for r in range(world)], dim=-2)
             assert got.shape == ref.shape
@@ -185,6 +196,22 @@ def test_weighted_bands_equal_the_unsharded_decoder(world, height, weights, shar
     bands = split_rows(height, world, weights)
     assert len({r1 - r0 for r0, r1 in bands}) > 1  # really unequal
     sessions = {"a": latents(4, height, 5, seed=height + world)}
+    strips, errors = run_group(world, sessions, shard_front=shard_front, weights=weights)
+    assert not errors, errors
+    assert_matches_unsharded(world, sessions, strips, weights)
+
+
+@pytest.mark.parametrize(
+    "world,height,shard_front",
+    [(2, 7, False), (3, 10, False), (2, 9, True), (3, 7, True)],
+    ids=lambda v: str(v),
+)
+def test_bands_moved_in_the_middle_of_a_shot_equal_the_unsharded_decoder(world, height, shard_front):
+    """Rebalancing: the bands change between blocks of one shot; every shard re-cuts the cached
+    rows (move_bands) and the shot goes on exactly as one decoder decodes it."""
+    shifts = [(1.0,) * world, (1.0, *([3.0] * (world - 1))), (4.0, *([1.0] * (world - 1))), (1.0,) * world]
+    weights = [shifts[i % len(shifts)] for i in range(5)]
+    sessions = {"a": latents(5, height, 5, seed=height * world)}
     strips, errors = run_group(world, sessions, shard_front=shard_front, weights=weights)
     assert not errors, errors
     assert_matches_unsharded(world, sessions, strips, weights)

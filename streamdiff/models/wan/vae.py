@@ -330,6 +330,18 @@ class WanVAEDecoder(nn.Module):
     def new_state(self) -> VAEState:
         return VAEState(cache=[None] * self.num_slots)
 
+    def band_slots(self, shard_front: bool = False) -> list[int | None]:
+        """How a height-sharded decode keeps each cache slot: None = the whole height (the
+        replicated front), else the band's rows plus this many halo rows above and below (1 for
+        a 3x3 conv, 0 for a temporal-only conv). What moving a band needs to know."""
+        d = self.decoder
+        front = {id(m) for part in (d.conv1, d.middle, *d.upsamples[: d.split]) for m in part.modules()}
+        out: list[int | None] = [None] * self.num_slots
+        for m in self.modules():
+            if isinstance(m, CausalConv3d) and m.slot >= 0 and (shard_front or id(m) not in front):
+                out[m.slot] = 1 if m.kernel_size[1] > 1 else 0
+        return out
+
     def _prologue(self, z: torch.Tensor) -> torch.Tensor:
         w = self.conv2.weight
         z = z.to(device=w.device, dtype=torch.float32) * self.std + self.mean  # de-normalise
