@@ -108,8 +108,6 @@ class DiTStage:
         self.sessions: dict = {}
         self.seeds: dict[str, int] = {}
         self.next_block: dict[str, int] = {}  # session -> the block index due next
-        self.weights: dict[str, tuple[float, ...] | None] = {}  # session -> the band weights its cache holds
-        self.slots = self.engine.model.band_slots(self.shard_front)
         self.cpu_budget = spec.cpu_memory_budget_bytes
         self.max_batch = spec.max_batch
         self.calibration = self.calibrate()
