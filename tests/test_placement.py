@@ -201,6 +201,21 @@ def test_a_hybrid_layout_is_predicted_to_spend_the_dits_slack_on_decoding():
     assert hybrid < w1_steady_fps(0.150)  # not past all the work over both cores
 
 
+def test_a_measured_cost_of_sharing_a_core_slows_the_predicted_hybrid():
+    """The profile's hybrid probe says the DiT turned only half of its shard's idle time into
+    work: the simulator charges that, and the hybrid falls back towards disagg-1+1."""
+    from streamdiff.placement.sim import Costs, Layout
+
+    prof = synthetic(100.0, 200.0, group=105.0)
+    free = predict(prof, Layout("hybrid", 1, 2)).w1_steady_fps
+    shard0 = {"own_ms": 50.0, "block_ms": 100.0, "rows": 5}
+    prof.sizes["256x144"]["hybrid"] = {"dit": {"own_ms": 110.0, "wall_ms": 400.0}, "group": [shard0, shard0]}
+    assert Costs(prof, (256, 144), 1).beside == pytest.approx(100 / (400 * 0.5))
+    costly = predict(prof, Layout("hybrid", 1, 2)).w1_steady_fps
+    assert costly < 0.9 * free
+    assert costly > 0.95 * predict(prof, Layout("disaggregated", 1, 1)).w1_steady_fps
+
+
 def test_the_planner_ranks_by_objective_and_follows_the_balance():
     from streamdiff.config import Config
     from streamdiff.models.spec import PRESET_FACTS
@@ -294,6 +309,9 @@ def test_streamdiffd_profile_measures_this_machine(tmp_path):
         shards = fig["vae_group"]["2"]["equal"]
         assert [x["rows"] for x in shards] == [2, 2] and all(x["own_ms"] > 0 for x in shards)
         assert [x["rows"] for x in fig["vae_group"]["2"]["1:3"]] == [1, 3]
+        probe = fig["hybrid"]  # a DiT below shard 0 on its core while the group decodes
+        assert probe["dit"]["own_ms"] > 0 and probe["dit"]["wall_ms"] >= probe["dit"]["own_ms"] * 0.9
+        assert [x["rows"] for x in probe["group"]] == [1, 3]
     assert "DiT/VAE" in r.stdout
 
 

@@ -11,6 +11,8 @@ are (a CPU "device" is a core per thread), one measurement at a time so none com
   group's time per block, each shard's own work and its waits for neighbours, with equal bands
   and, for k = 2, with a 1:3 split, so a shard's cost is known as front + rows x per-row cost;
 - on the CPU, the DiT and VAE at 2 threads (the aggregated layouts give a worker two cores);
+- on the CPU, the hybrid probe: a DiT at low priority beside shard 0 of a decoding 2-way group,
+  its own time per block there (sharing a core costs more than its work alone);
 - the encoder (libx264) per block.
 
 The DiT group (Ulysses sequence parallelism) is not built yet, so no all-to-all cost is
@@ -198,6 +200,74 @@ def _dit_child(spec, device, cpus, threads, sizes, batches, out) -> None:
         out.put(("error", traceback.format_exc()))
 
 
+def _dit_beside_child(spec, device, cpus, size, stop, out) -> None:
+    """The hybrid probe's DiT: below the shard on its core in priority (as a hybrid DiT runs),
+    generating blocks until `stop` is set; its own time per block there."""
+    try:
+        from ..workers.main import _yield_cpu
+
+        _pin(device, cpus, 1)
+        _yield_cpu()
+        from ..models.engines import DiTEngine
+        from ..workers.stages import Stopwatch
+
+        eng = DiTEngine(spec, device)
+        fpb = eng.frames_per_block
+        w, h = size
+        sess = eng.open_session(w, h, seed=0)
+        eng.set_scene(sess, "profile", cut=True)
+        for _ in range(-(-sess.state.kv.window // fpb)):  # a full window, as in a stream
+            eng.generate_block(sess, fpb)
+        out.put(("ok", {"ready": True}))
+        clock = Stopwatch(device, 1)
+        clock.start()
+        blocks = 0
+        while not stop.is_set():
+            eng.generate_block(sess, fpb)
+            blocks += 1
+        wall, own = clock.stop()
+        out.put(("ok", {"own_ms": 1000 * own / max(1, blocks), "wall_ms": 1000 * wall / max(1, blocks)}))
+    except Exception:
+        out.put(("error", traceback.format_exc()))
+
+
+def _hybrid_probe(spec, sizes, ws, timeout_s: float) -> dict:
+    """A 2-way VAE group decoding with a 1:3 split while a DiT runs beside shard 0 at low
+    priority, as the hybrid layout runs: the DiT's own time per block there (sharing a core
+    costs it more than its own work alone: the two switch at every halo exchange) and the
+    group's time per block."""
+    from ..supervisor.topology import free_port
+
+    ctx = mp.get_context("spawn")
+    res = {}
+    for size in sizes:
+        out, stop = ctx.Queue(), ctx.Event()
+        dit = ctx.Process(target=_dit_beside_child, args=(spec, "cpu", _cpus(0, 1, 2), size, stop, out), daemon=True)
+        dit.start()
+        try:
+            status, value = out.get(timeout=timeout_s)
+            if status != "ok":
+                raise RuntimeError(f"profiling failed:\n{value}")
+            addr = f"tcp://127.0.0.1:{free_port()}"
+            targets = [
+                (_vae_child, (spec, "cpu", _cpus(r, 1, 2), 1, r, 2, addr, [size], [(1.0, 3.0)], (), ws))
+                for r in range(2)
+            ]
+            shards = [s["sizes"] for s in sorted(_run(targets, timeout_s), key=lambda s: s["rank"])]
+            stop.set()
+            status, value = out.get(timeout=timeout_s)
+            if status != "ok":
+                raise RuntimeError(f"profiling failed:\n{value}")
+        finally:
+            stop.set()
+            dit.join(timeout=30)
+            if dit.is_alive():
+                dit.kill()
+        key = f"{size[0]}x{size[1]}"
+        res[key] = {"dit": value, "group": [s[key]["1:3"] for s in shards]}
+    return res
+
+
 def _vae_child(spec, device, cpus, threads, rank, world, addr, sizes, splits, batches, working_set, out) -> None:
     try:
         _pin(device, cpus, threads)
@@ -364,6 +434,9 @@ def _measure_once(cfg, kind: str, n: int, sizes: list[tuple[int, int]], timeout_
         shards = [s["sizes"] for s in sorted(_run(targets, timeout_s), key=lambda s: s["rank"])]
         for key in res:
             res[key]["vae_group"][str(k)] = {split: [s[key][split] for s in shards] for split in shards[0][key]}
+    if kind == "cpu" and n >= 2:
+        for key, probe in _hybrid_probe(spec, sizes, ws, timeout_s).items():
+            res[key]["hybrid"] = probe
     for w, h in sizes:
         res[f"{w}x{h}"]["encode"] = _encode_ms(w, h, 16)
     return res

@@ -10,7 +10,8 @@ processes whose service times come from the profile (profile.py):
   takes the slowest shard's own time for its band (front + rows x per-row cost, fitted to the
   profile's equal and 1:3 splits) plus the group's measured exchange overhead;
 - in a hybrid layout the DiT shares its device with a shard at lower priority: while the
-  group decodes, the DiT runs at the rate the shard leaves free (processor sharing);
+  group decodes, the DiT runs at the rate the shard leaves free, times the share of that time
+  the profile's hybrid probe saw a DiT turn into work (processor sharing);
 - each session's encoder is a thread of its own (libx264's measured time per block); the
   client takes every fragment at once.
 
@@ -102,7 +103,20 @@ class Costs:
         self.dit, self.vae1, self.enc = fig["dit"][t], fig["vae"][t], fig["encode"]
         self.groups = fig.get("vae_group", {})
         self.rows = self.size[1] // SPATIAL
+        self.beside = self._beside(fig.get("hybrid"))
         self._fit()
+
+    def _beside(self, probe: dict | None) -> float:
+        """How much of the time a decoding shard leaves free on its core a low-priority DiT turns
+        into work (the profile's hybrid probe): the two switch at every halo exchange, and the
+        DiT's caches go cold. 1 when not measured."""
+        if not probe:
+            return 1.0
+        shard0 = probe["group"][0]
+        free = 1.0 - shard0["own_ms"] / shard0["block_ms"]
+        if free <= 0 or probe["dit"]["wall_ms"] <= 0:
+            return 1.0
+        return min(1.0, max(0.05, self.dit["block_ms"] / (probe["dit"]["wall_ms"] * free)))
 
     def _fit(self) -> None:
         """own(rows) = front + rows * per_row, least squares over the profile's bands."""
@@ -229,6 +243,7 @@ class Sim:
         self.result = Result()
         self.ended: set[str] = set()
         self.sessions: dict[str, s.Session] = {}
+        self._size = size
         self._seed(size)
 
     # -- costs --------------------------------------------------------------------------------
@@ -381,7 +396,9 @@ class Sim:
             if q is p or j is None or j.kind != "vae" or q.device != p.device:
                 continue
             used += j.own[j.procs.index(q.name)] / j.dur if j.dur > 0 else 0.0
-        return max(0.02, 1.0 - used)
+        if used == 0.0:
+            return 1.0
+        return max(0.02, (1.0 - used) * self.cost(*self._size).beside)
 
     def _rates_changed(self) -> None:
         for p in self.procs.values():
