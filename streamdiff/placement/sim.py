@@ -201,11 +201,6 @@ class Proc:
 
 @dataclass
 class Result:
-    fps: float = 0.0  # frames / time from the first request to the last fragment
-    steady_fps: float = 0.0
-    ttff_s: float = 0.0
-    stalls: int = 0
-    frames: int = 0
     rejected: int = 0
     fragments: dict = field(default_factory=dict)  # session -> [(time, frames)]
 
