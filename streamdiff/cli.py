@@ -28,6 +28,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         prog="streamdiffd",
         description="Streaming text-to-video server (Wan 2.1 causal "
         "DiT + VAE, disaggregated), OpenAI-compatible, fMP4 over HTTP.",
+        epilog="With no layout flags the layout is planned from a profile of this machine. Also: "
+        "'streamdiffd profile --help' (measure the stages) and 'streamdiffd plan --help' (rank layouts).",
     )
     p.add_argument("--config", help="TOML config file (see etc/streamdiff.toml); flags override it")
     p.add_argument("--dit-gpus", type=int, metavar="N", help="DiT workers, one per device (default 1)")
