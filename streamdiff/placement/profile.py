@@ -356,10 +356,10 @@ def _run(targets: list[tuple], timeout_s: float) -> list:
 
 
 def _cpus(device: int, threads: int, n: int) -> tuple[int, ...]:
-    if not hasattr(os, "sched_getaffinity"):
-        return ()
-    avail = sorted(os.sched_getaffinity(0))
-    return tuple(avail[(device * threads + k) % len(avail)] for k in range(threads))[:n]
+    """The cores a worker on this device index is pinned to (as the daemon pins them)."""
+    from ..supervisor.topology import _cpus as worker_cpus
+
+    return worker_cpus(device, threads, True)
 
 
 def _encode_ms(width: int, height: int, fps: int, blocks: int = 1 + STEADY_BLOCKS) -> dict:
