@@ -242,7 +242,7 @@ def _hybrid_probe(spec, sizes, ws, timeout_s: float) -> dict:
     res = {}
     for size in sizes:
         out, stop = ctx.Queue(), ctx.Event()
-        dit = ctx.Process(target=_dit_beside_child, args=(spec, "cpu", _cpus(0, 1, 2), size, stop, out), daemon=True)
+        dit = ctx.Process(target=_dit_beside_child, args=(spec, "cpu", _cpus(0, 1), size, stop, out), daemon=True)
         dit.start()
         try:
             status, value = out.get(timeout=timeout_s)
@@ -250,8 +250,7 @@ def _hybrid_probe(spec, sizes, ws, timeout_s: float) -> dict:
                 raise RuntimeError(f"profiling failed:\n{value}")
             addr = f"tcp://127.0.0.1:{free_port()}"
             targets = [
-                (_vae_child, (spec, "cpu", _cpus(r, 1, 2), 1, r, 2, addr, [size], [(1.0, 3.0)], (), ws))
-                for r in range(2)
+                (_vae_child, (spec, "cpu", _cpus(r, 1), 1, r, 2, addr, [size], [(1.0, 3.0)], (), ws)) for r in range(2)
             ]
             shards = [s["sizes"] for s in sorted(_run(targets, timeout_s), key=lambda s: s["rank"])]
             stop.set()
@@ -355,7 +354,7 @@ def _run(targets: list[tuple], timeout_s: float) -> list:
     return results
 
 
-def _cpus(device: int, threads: int, n: int) -> tuple[int, ...]:
+def _cpus(device: int, threads: int) -> tuple[int, ...]:
     """The cores a worker on this device index is pinned to (as the daemon pins them)."""
     from ..supervisor.topology import _cpus as worker_cpus
 
@@ -418,7 +417,7 @@ def _measure_once(cfg, kind: str, n: int, sizes: list[tuple[int, int]], timeout_
     threads = [1, 2] if kind == "cpu" and n >= 2 else [1]
     res: dict[str, dict] = {f"{w}x{h}": {"dit": {}, "vae": {}, "vae_group": {}} for w, h in sizes}
     for t in threads:
-        cpus = _cpus(0, t, n) if kind == "cpu" else ()
+        cpus = _cpus(0, t) if kind == "cpu" else ()
         (dit,) = _run([(_dit_child, (spec, dev(0), cpus, t, sizes, (2, 4)))], timeout_s)
         (vae,) = _run([(_vae_child, (spec, dev(0), cpus, t, 0, 1, "", sizes, [None], (2,), ws))], timeout_s)
         for key in res:
@@ -428,7 +427,7 @@ def _measure_once(cfg, kind: str, n: int, sizes: list[tuple[int, int]], timeout_
         addr = f"tcp://127.0.0.1:{free_port()}"
         splits = [None, (1.0, 3.0)] if k == 2 else [None]
         targets = [
-            (_vae_child, (spec, dev(r), _cpus(r, 1, n) if kind == "cpu" else (), 1, r, k, addr, sizes, splits, (), ws))
+            (_vae_child, (spec, dev(r), _cpus(r, 1) if kind == "cpu" else (), 1, r, k, addr, sizes, splits, (), ws))
             for r in range(k)
         ]
         shards = [s["sizes"] for s in sorted(_run(targets, timeout_s), key=lambda s: s["rank"])]
