@@ -74,6 +74,7 @@ class KVCache:
         sink_frames: int,
         device: torch.device,
         dtype: torch.dtype,
+        heads: int | None = None,
     ) -> None:
         if sink_frames >= window_frames:
             raise ValueError(f"sink_frames ({sink_frames}) must be < window_frames ({window_frames})")
@@ -81,7 +82,8 @@ class KVCache:
         self.window = window_frames
         self.sink = sink_frames
         self.frames = 0  # committed frames held
-        shape = (batch, cfg.num_heads, window_frames * tokens_per_frame, cfg.head_dim)
+        # `heads`: this rank's share in a DiT group (parallel/dit_group.py), else all of them.
+        shape = (batch, heads or cfg.num_heads, window_frames * tokens_per_frame, cfg.head_dim)
         self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.num_layers)]
         self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.num_layers)]
         # The clean latents behind the held frames, their RoPE positions and the block each was
@@ -200,16 +202,21 @@ class Rope:
         self.cos, self.sin = cos, sin
         self.device = device
 
-    def tables(self, start_frame: int, f: int, h: int, w: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin of shape (f*h*w, 1, pairs) for frames [start_frame, start_frame+f)."""
+    def tables(
+        self, start_frame: int, f: int, h: int, w: int, rows: tuple[int, int] | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin of shape (f*h'*w, 1, pairs) for frames [start_frame, start_frame+f) and rows
+        `rows` (default all h) of each."""
+        r0, r1 = rows or (0, h)
         ang = torch.outer(torch.arange(start_frame, start_frame + f, dtype=torch.float64), self.inv[0])
         frame = (torch.cos(ang).float().to(self.device), torch.sin(ang).float().to(self.device))
         out = []
         for tabs, tf in zip((self.cos, self.sin), frame, strict=True):
-            ct = tf.view(f, 1, 1, -1).expand(f, h, w, -1)
-            ch = tabs[1][:h].view(1, h, 1, -1).expand(f, h, w, -1)
-            cw = tabs[2][:w].view(1, 1, w, -1).expand(f, h, w, -1)
-            out.append(torch.cat([ct, ch, cw], dim=-1).reshape(f * h * w, 1, -1))
+            n = r1 - r0
+            ct = tf.view(f, 1, 1, -1).expand(f, n, w, -1)
+            ch = tabs[1][r0:r1].view(1, n, 1, -1).expand(f, n, w, -1)
+            cw = tabs[2][:w].view(1, 1, w, -1).expand(f, n, w, -1)
+            out.append(torch.cat([ct, ch, cw], dim=-1).reshape(f * n * w, 1, -1))
         return out[0], out[1]
 
 
@@ -236,31 +243,42 @@ class Attention(nn.Module):
 
 
 class SelfAttention(Attention):
-    def forward(self, x: torch.Tensor, ropes: list, kvs: list[KVCache], layer: int) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, ropes: list, kvs: list[KVCache], layer: int, sp=None, grid=None) -> torch.Tensor:
         """x: (S, L_block, C), one row per session (a batch of sessions at the same step), each
         with its own cache (`kvs`) and RoPE positions (`ropes`). The projections run batched;
-        attention runs per session over its own cached frames (their lengths differ)."""
+        attention runs per session over its own cached frames (their lengths differ). In a DiT
+        group (`sp`, parallel/dit_group.py) x holds this rank's tokens only: q, k, v go to every
+        token of this rank's heads before attention and the output comes back after."""
         s_, n, _ = x.shape
         q = self.norm_q(self.q(x)).unflatten(2, (self.heads, -1))
         k = self.norm_k(self.k(x)).unflatten(2, (self.heads, -1))
         v = self.v(x).unflatten(2, (self.heads, -1))
         # One state may also hold a batch of its own (forward_full): then it takes every row.
         rows = [slice(None)] if len(kvs) == 1 else [slice(i, i + 1) for i in range(s_)]
+        if len(rows) == 1:
+            q, k = apply_rope(q, *ropes[0]), apply_rope(k, *ropes[0])
+        else:
+            q = torch.cat([apply_rope(q[r], *rope) for r, rope in zip(rows, ropes, strict=True)])
+            k = torch.cat([apply_rope(k[r], *rope) for r, rope in zip(rows, ropes, strict=True)])
+        if sp is not None:
+            q, k, v = sp.to_heads(torch.stack([q, k, v], dim=2), grid).unbind(2)
+            n = q.shape[1]
         outs = []
-        for r, kv, rope in zip(rows, kvs, ropes, strict=True):
-            qi, ki = apply_rope(q[r], *rope), apply_rope(k[r], *rope)
+        for r, kv in zip(rows, kvs, strict=True):
             # Write this block's keys just past the committed frames (keys are cached after
             # RoPE), then attend over committed + block as one view of the buffer: no copy.
             lo = kv.frames * kv.tpf
-            kv.k[layer][:, :, lo : lo + n] = ki.transpose(1, 2)
+            kv.k[layer][:, :, lo : lo + n] = k[r].transpose(1, 2)
             kv.v[layer][:, :, lo : lo + n] = v[r].transpose(1, 2)
             outs.append(
                 F.scaled_dot_product_attention(
-                    qi.transpose(1, 2), kv.k[layer][:, :, : lo + n], kv.v[layer][:, :, : lo + n]
+                    q[r].transpose(1, 2), kv.k[layer][:, :, : lo + n], kv.v[layer][:, :, : lo + n]
                 )
             )
-        out = outs[0] if len(outs) == 1 else torch.cat(outs)
-        return self.o(out.transpose(1, 2).flatten(2))
+        out = (outs[0] if len(outs) == 1 else torch.cat(outs)).transpose(1, 2)
+        if sp is not None:
+            out = sp.to_tokens(out, grid)
+        return self.o(out.flatten(2))
 
 
 class CrossAttention(Attention):
@@ -293,7 +311,9 @@ class Block(nn.Module):
         )
         self.modulation = nn.Parameter(torch.randn(1, 6, cfg.dim) / cfg.dim**0.5)
 
-    def forward(self, x: torch.Tensor, e: torch.Tensor, f: int, ropes, states: list[DiTState], layer: int):
+    def forward(
+        self, x: torch.Tensor, e: torch.Tensor, f: int, ropes, states: list[DiTState], layer: int, sp=None, grid=None
+    ):
         # x: (S, L, C) with L = f * tokens_per_frame, one row per session; e: (S, f, 6, C) float32.
         b, n, c = x.shape
         shift, scale, gate, c_shift, c_scale, c_gate = (self.modulation.unsqueeze(1) + e).unbind(2)
@@ -304,7 +324,8 @@ class Block(nn.Module):
         def mod(y: torch.Tensor, sh: torch.Tensor, sc: torch.Tensor) -> torch.Tensor:
             return (per_frame(y.float()) * (1 + sc.unsqueeze(2)) + sh.unsqueeze(2)).view(b, n, c)
 
-        y = self.self_attn(mod(self.norm1(x), shift, scale).type_as(x), ropes, [st.kv for st in states], layer)
+        kvs = [st.kv for st in states]
+        y = self.self_attn(mod(self.norm1(x), shift, scale).type_as(x), ropes, kvs, layer, sp, grid)
         x = (x.float() + (per_frame(y.float()) * gate.unsqueeze(2)).view(b, n, c)).type_as(x)
         x = x + self.cross_attn(self.norm3(x), [st.cross[layer] for st in states])
         y = self.ffn(mod(self.norm2(x), c_shift, c_scale).type_as(x))
@@ -342,6 +363,9 @@ class WanDiT(nn.Module):
         self.blocks = nn.ModuleList([Block(cfg) for _ in range(cfg.num_layers)])
         self.head = Head(cfg)
         self._rope: Rope | None = None
+        # A DiT group's sequence parallelism (parallel/dit_group.py's SeqParallel), set by the
+        # engine of a group's worker: this rank computes its band of tokens and its heads.
+        self.parallel = None
 
     # -- session state ------------------------------------------------------------------
     def new_state(
@@ -359,6 +383,7 @@ class WanDiT(nn.Module):
             sink_frames,
             w.device,
             w.dtype,
+            self.parallel.local_heads if self.parallel else None,
         )
         return DiTState(kv)
 
@@ -442,7 +467,12 @@ class WanDiT(nn.Module):
                 raise ValueError(f"latent {h}x{w} does not match the session's {st.kv.tpf} tokens per frame")
             st.kv.make_room(fp)
         wdt = self.patch_embedding.weight
-        tokens = self.patch_embedding(x.to(wdt.dtype)).flatten(2).transpose(1, 2)  # (B, L, C)
+        sp, grid, rows = self.parallel, None, (0, hp)
+        if sp is not None:  # this rank's band of patch rows in every frame
+            grid = sp.grid(fp, hp, wp)
+            rows = sp.rows(grid)
+        band = x[..., rows[0] * ph : rows[1] * ph, :]
+        tokens = self.patch_embedding(band.to(wdt.dtype)).flatten(2).transpose(1, 2)  # (B, L, C)
 
         # Timestep embeddings per frame. The time MLP stays float32 (see `cast`), and the
         # modulation arithmetic is float32 as in the reference.
@@ -450,10 +480,12 @@ class WanDiT(nn.Module):
         emb = self.time_embedding(sin).float()  # (B, f, C)
         e6 = self.time_projection(emb.to(wdt.dtype)).float().unflatten(2, (6, cfg.dim))  # (B, f, 6, C)
 
-        ropes = [self.rope().tables(st.next_frame, fp, hp, wp) for st in states]
+        ropes = [self.rope().tables(st.next_frame, fp, hp, wp, rows) for st in states]
         for i, blk in enumerate(self.blocks):
-            tokens = blk(tokens, e6, fp, ropes, states, i)
+            tokens = blk(tokens, e6, fp, ropes, states, i, sp, grid)
         out = self.head(tokens, emb, fp)  # (B, L, pt*ph*pw*C_out)
+        if sp is not None:
+            out = sp.gather(out, grid)
 
         if commit:
             for i, st in enumerate(states):

@@ -1,0 +1,119 @@
+"""One DiT over a group of processes (Ulysses sequence parallelism over gloo) against the same
+DiT on one device: streamed blocks with KV-cache eviction and sinks, a prompt re-cache, and a
+batch of two sessions at different positions, for groups of 2 and 3 with heights and head
+counts that do not divide by the group."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import queue
+import time
+import traceback
+
+import pytest
+import torch
+
+from streamdiff.models.wan.dit import DiTConfig, WanDiT
+from streamdiff.models.wan.kernels import split_rows
+
+from ..helpers import free_port
+
+# 5 heads of 12 channels: no group size here divides them (2 + 3 heads, or 2 + 2 + 1).
+CFG = DiTConfig(dim=60, ffn_dim=96, freq_dim=32, num_heads=5, num_layers=2, text_dim=24, text_len=7)
+
+
+def make_dit() -> WanDiT:
+    torch.manual_seed(0)
+    return WanDiT(CFG).eval()
+
+
+def script(model: WanDiT, h: int, w: int) -> list[torch.Tensor]:
+    """Every output of one fixed sequence of calls: the same inputs on every rank."""
+    g = torch.Generator().manual_seed(h * 100 + w)
+    ctx = [torch.randn(1, CFG.text_len, CFG.text_dim, generator=g) for _ in range(2)]
+
+    def block(frames: int = 2) -> torch.Tensor:
+        return torch.randn(1, CFG.in_channels, frames, h, w, generator=g)
+
+    outs = []
+    st = model.new_state(h, w, window_frames=5, sink_frames=1)
+    model.set_prompt(st, ctx[0])
+    for _ in range(4):  # from the third block on, frames are evicted past the sink
+        x = block()
+        outs.append(model.forward_block(x, torch.full((1, 2), 750.0), st, commit=False))
+        outs.append(model.forward_block(x, torch.zeros(1, 2), st, commit=True))
+    model.recache(st, ctx[1])  # held frames recomputed under the new prompt
+    outs.append(model.forward_block(block(), torch.full((1, 2), 500.0), st, commit=True))
+    other = model.new_state(h, w, window_frames=5)
+    model.set_prompt(other, ctx[1])
+    model.forward_block(block(1), torch.zeros(1, 1), other, commit=True)
+    x = torch.cat([block(), block()])  # two sessions, one forward, each its own cache and position
+    outs.append(model.forward_sessions(x, torch.tensor([[900.0, 900.0], [300.0, 300.0]]), [st, other], commit=True))
+    return outs
+
+
+def rank_main(rank: int, world: int, addr: str, h: int, w: int, out) -> None:
+    try:
+        torch.set_num_threads(1)
+        from streamdiff.parallel.dit_group import SeqParallel
+        from streamdiff.parallel.vae_group import init_group
+
+        init_group(addr, rank, world, "cpu", timeout_s=60)
+        model = make_dit()
+        model.parallel = sp = SeqParallel(rank, world, CFG.num_heads)
+        outs = script(model, h, w)
+        st = model.new_state(h, w, window_frames=5)
+        out.put((rank, [o.numpy() for o in outs], tuple(st.kv.k[0].shape), sp.bytes_sent))
+    except Exception:
+        out.put((rank, "error", traceback.format_exc(), 0))
+
+
+def run_group(world: int, h: int, w: int, timeout_s: float = 120) -> dict:
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    addr = f"tcp://127.0.0.1:{free_port()}"
+    procs = [ctx.Process(target=rank_main, args=(r, world, addr, h, w, out)) for r in range(world)]
+    for p in procs:
+        p.start()
+    got = {}
+    deadline = time.monotonic() + timeout_s
+    try:
+        while len(got) < world:
+            try:
+                rank, outs, kv_shape, sent = out.get(timeout=max(0.1, deadline - time.monotonic()))
+            except queue.Empty:
+                raise AssertionError(f"DiT group of {world} hung: {sorted(got)} done") from None
+            assert outs != "error", kv_shape
+            got[rank] = (outs, kv_shape, sent)
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+    return got
+
+
+@pytest.mark.parametrize("world,h,w", [(2, 10, 6), (3, 14, 4), (3, 6, 8)], ids=lambda v: str(v))
+def test_dit_group_equals_one_device(world, h, w):
+    """Patch rows 5, 7 and 3: bands of 3 + 2, 3 + 2 + 2 and 1 + 1 + 1 rows."""
+    ref = script(make_dit(), h, w)
+    got = run_group(world, h, w)
+    heads = split_rows(CFG.num_heads, world)
+    for rank, (outs, kv_shape, sent) in got.items():
+        assert len(outs) == len(ref)
+        for i, (a, b) in enumerate(zip(outs, ref, strict=True)):
+            assert a.shape == tuple(b.shape)
+            err = (torch.from_numpy(a) - b).abs().max().item()
+            assert err <= 1e-5, (rank, i, err)  # every rank returns the whole block
+        h0, h1 = heads[rank]
+        assert kv_shape[1] == h1 - h0  # the KV cache holds this rank's heads only
+        assert sent > 0
+
+
+def test_a_group_larger_than_the_heads_or_the_rows_is_refused():
+    from streamdiff.parallel.dit_group import SeqParallel
+
+    with pytest.raises(ValueError, match="5 attention heads"):
+        SeqParallel(0, 6, 5)
+    with pytest.raises(ValueError, match="2 rows of patches"):
+        SeqParallel(0, 3, 5).grid(1, 2, 4)
