@@ -35,6 +35,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dit-gpus", type=int, metavar="N", help="DiT workers, one per device (default 1)")
     p.add_argument("--vae-gpus", type=int, metavar="M", help="VAE shard workers, one per device (default 1)")
     p.add_argument("--vae-group-size", type=int, metavar="K", help="shards per VAE group (default: all VAE devices)")
+    p.add_argument(
+        "--dit-group-size",
+        type=int,
+        metavar="G",
+        help="devices per DiT, sequence-parallel (Ulysses) over G of the --dit-gpus devices (default 1)",
+    )
     p.add_argument("--device", choices=("cpu", "cuda", "xpu"), help="device kind (default cpu)")
     p.add_argument(
         "--mode",
@@ -84,6 +90,7 @@ def overrides_from_args(a: argparse.Namespace) -> dict[str, dict]:
         ("dit_gpus", "topology", "dit_devices"),
         ("vae_gpus", "topology", "vae_devices"),
         ("vae_group_size", "topology", "vae_group_size"),
+        ("dit_group_size", "topology", "dit_group_size"),
         ("device", "topology", "device"),
         ("mode", "topology", "mode"),
         ("threads_per_worker", "topology", "threads_per_worker"),

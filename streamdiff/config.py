@@ -73,6 +73,7 @@ class TopologyConfig:
     devices: int = 0  # auto: plan over this many devices (0: every one visible)
     objective: str = "throughput"  # auto: throughput | latency | streams (see placement/planner.py)
     vae_group_size: int = 0  # shards per VAE group; 0 = all VAE devices in one group
+    dit_group_size: int = 1  # devices per DiT (Ulysses sequence parallelism, disaggregated only); 1: one each
     threads_per_worker: int = 1  # CPU threads of each worker (on cpu: a "device" is a worker)
     pin_cpus: bool = True  # cpu: pin each worker to its own cores
     shard_front: bool = False  # VAE groups: also shard the low-resolution front (all-gather attention)
@@ -324,6 +325,19 @@ def validate(cfg: Config) -> None:
         "topology.vae_group_size",
         f"must divide vae_devices ({t.vae_devices})",
         t.vae_group_size,
+    )
+    _check(
+        1 <= t.dit_group_size <= 64 and t.dit_devices % t.dit_group_size == 0,
+        "topology.dit_group_size",
+        f"must be 1-64 and divide dit_devices ({t.dit_devices})",
+        t.dit_group_size,
+    )
+    _check(
+        t.dit_group_size == 1 or t.mode == "disaggregated",
+        "topology.dit_group_size",
+        "DiT groups run on devices of their own: give it with mode disaggregated and --dit-gpus"
+        + ("" if planned(t) else f", not mode {t.mode}"),
+        t.dit_group_size,
     )
     _check(
         not t.vae_band_weights or (len(t.vae_band_weights) == group and all(0 < w < 1e6 for w in t.vae_band_weights)),

@@ -41,7 +41,15 @@ def state_dir(cfg: Config) -> Path:
 
 def layout_of(cfg: Config) -> Layout:
     t = explicit_layout(cfg.topology)
-    return Layout(t.mode, t.dit_devices, t.vae_devices, t.vae_group_size, t.threads_per_worker, t.vae_band_weights)
+    return Layout(
+        t.mode,
+        t.dit_devices,
+        t.vae_devices,
+        t.vae_group_size,
+        t.threads_per_worker,
+        t.vae_band_weights,
+        t.dit_group_size,
+    )
 
 
 def facts_of(cfg: Config) -> dict:
@@ -88,6 +96,7 @@ def place(cfg: Config, log=print) -> tuple[Config, Placement]:
         dit_devices=best.dit,
         vae_devices=best.vae,
         vae_group_size=best.group,
+        dit_group_size=best.dit_group,
         threads_per_worker=best.threads,
     )
     runners_up = p.as_dict(top=4)["ranked"][1:]

@@ -48,6 +48,7 @@ class Layout:
     group: int = 0  # shards per VAE group (0: all)
     threads: int = 1  # per worker (CPU)
     weights: tuple[float, ...] = ()
+    dit_group: int = 1  # devices per DiT (Ulysses; disaggregated)
 
     @property
     def group_size(self) -> int:
@@ -64,6 +65,7 @@ class Layout:
         k = self.group_size
         if self.mode == "disaggregated":
             base = f"disagg-{self.dit}+{self.vae}" + (f"/k{k}" if k != self.vae else "")
+            base += f"/sp{self.dit_group}" if self.dit_group > 1 else ""
         elif self.mode == "hybrid":
             base = f"hybrid-{self.dit}+{self.vae}" + (f"/k{k}" if k != self.vae else "")
         elif self.dit == 1 and self.vae == 1:
@@ -80,13 +82,16 @@ class Layout:
         out = ["--mode", self.mode, "--dit-gpus", str(self.dit), "--vae-gpus", str(self.vae)]
         if self.group and self.group != self.vae:
             out += ["--vae-group-size", str(self.group)]
+        if self.dit_group > 1:
+            out += ["--dit-group-size", str(self.dit_group)]
         if self.threads > 1:
             out += ["--threads-per-worker", str(self.threads)]
         return out
 
     def topology(self) -> Topology:
-        procs, dits, groups, _ = layout_processes(self.mode, self.dit, self.vae, self.group_size)
-        return Topology([], dits, groups, {name: dev for name, _, dev in procs})
+        lay = layout_processes(self.mode, self.dit, self.vae, self.group_size, self.dit_group)
+        dit_groups = {g[0]: g for g in lay.dit_groups if len(g) > 1}
+        return Topology([], lay.dit_names, lay.group_names, {name: dev for name, _, dev in lay.procs}, dit_groups)
 
 
 @dataclass
@@ -213,6 +218,7 @@ class Sim:
             dit_devices=layout.dit,
             vae_devices=layout.vae,
             vae_group_size=layout.group,
+            dit_group_size=layout.dit_group,
             threads_per_worker=layout.threads,
             vae_band_weights=layout.weights,
         )

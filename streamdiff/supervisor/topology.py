@@ -16,9 +16,14 @@ from ..workers.spec import GroupSpec, WorkerSpec
 @dataclass(frozen=True)
 class Topology:
     workers: list[WorkerSpec]
-    dit_workers: list[str]  # names of the workers with the DiT stage
+    dit_workers: list[str]  # the DiTs the scheduler places on: a worker, or a DiT group's rank 0
     vae_groups: list[list[str]]  # each group's shards in rank order
     devices: dict[str, int] = field(default_factory=dict)  # worker -> device index (hybrid: two per device)
+    dit_groups: dict[str, list[str]] = field(default_factory=dict)  # a DiT group's rank 0 -> its ranks in order
+
+    def members(self, dit: str) -> list[str]:
+        """The processes that run DiT `dit`: its group's ranks, or itself."""
+        return self.dit_groups.get(dit, [dit])
 
 
 def free_port() -> int:
@@ -52,13 +57,22 @@ def _cpus(index: int, threads: int, pin: bool) -> tuple[int, ...]:
     return tuple(avail[(index * threads + k) % len(avail)] for k in range(threads))
 
 
-def layout_processes(
-    mode: str, dit_devices: int, vae_devices: int, group_size: int
-) -> tuple[list[tuple[str, tuple[str, ...], int]], list[str], list[list[str]], list[list[int]]]:
-    """Who runs where, as plain names: (processes as (name, roles, device), the DiT workers, the
-    VAE groups' shards in rank order, the VAE groups' devices). One process per device, except
-    in hybrid mode, where each of the DiT's devices also runs a VAE shard in a process of its own.
-    The daemon and the simulator (placement/sim.py) both build on this."""
+@dataclass(frozen=True)
+class Processes:
+    """Who runs where, as plain names (`layout_processes`)."""
+
+    procs: list[tuple[str, tuple[str, ...], int]]  # (name, roles, device)
+    dit_names: list[str]  # one per DiT: a DiT group's rank 0
+    group_names: list[list[str]]  # each VAE group's shards in rank order
+    groups: list[list[int]]  # each VAE group's devices
+    dit_groups: list[list[str]]  # each DiT's processes in rank order
+
+
+def layout_processes(mode: str, dit_devices: int, vae_devices: int, group_size: int, dit_group: int = 1) -> Processes:
+    """One process per device, except in hybrid mode, where each of the DiT's devices also runs
+    a VAE shard in a process of its own. A DiT group (disaggregated) is `dit_group` consecutive
+    DiT devices, one process each. The daemon and the simulator (placement/sim.py) both build
+    on this."""
     group_size = group_size or vae_devices
     if mode == "disaggregated":
         dit_dev = list(range(dit_devices))
@@ -74,9 +88,10 @@ def layout_processes(
     else:
         procs += [(f"dit{i}", ("dit",), i) for i in dit_dev]
         procs += [(f"vae{gi}.{r}", ("vae",), i) for gi, g in enumerate(groups) for r, i in enumerate(g)]
-    dit_names = [next(n for n, r, d in procs if "dit" in r and d == i) for i in dit_dev]
+    all_dits = [next(n for n, r, d in procs if "dit" in r and d == i) for i in dit_dev]
+    dit_groups = [all_dits[i : i + dit_group] for i in range(0, len(all_dits), dit_group)]
     group_names = [[next(n for n, r, d in procs if "vae" in r and d == i) for i in g] for g in groups]
-    return procs, dit_names, group_names, groups
+    return Processes(procs, [g[0] for g in dit_groups], group_names, groups, dit_groups)
 
 
 def build_topology(cfg: Config, control_addr: str, latent_ring: RingSpec, frame_ring: RingSpec) -> Topology:
@@ -89,12 +104,17 @@ def build_topology(cfg: Config, control_addr: str, latent_ring: RingSpec, frame_
         faults = injected.parse(injected_faults())
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
-    procs, dit_names, group_names, groups = layout_processes(t.mode, t.dit_devices, t.vae_devices, t.vae_group_size)
-    group_specs = {}
-    for gi, g in enumerate(groups):
+    lay = layout_processes(t.mode, t.dit_devices, t.vae_devices, t.vae_group_size, t.dit_group_size)
+    group_specs = {}  # worker -> its VAE or DiT group
+    for gi, g in enumerate(lay.group_names):
         addr = f"tcp://127.0.0.1:{free_port()}" if len(g) > 1 else ""
-        for rank, i in enumerate(g):
-            group_specs[i] = GroupSpec(f"vae{gi}", rank, len(g), addr, t.shard_front, p.collective_timeout_s)
+        for rank, name in enumerate(g):
+            group_specs[name] = GroupSpec(f"vae{gi}", rank, len(g), addr, t.shard_front, p.collective_timeout_s)
+    for gi, g in enumerate(lay.dit_groups):
+        if len(g) > 1:
+            addr = f"tcp://127.0.0.1:{free_port()}"
+            for rank, name in enumerate(g):
+                group_specs[name] = GroupSpec(f"dit{gi}", rank, len(g), addr, False, p.collective_timeout_s)
     workers = [
         WorkerSpec(
             name=name,
@@ -106,7 +126,7 @@ def build_topology(cfg: Config, control_addr: str, latent_ring: RingSpec, frame_
             control_addr=control_addr,
             latent_ring=latent_ring,
             frame_ring=frame_ring,
-            group=group_specs.get(i) if "vae" in roles else None,
+            group=group_specs.get(name),
             heartbeat_interval_s=p.heartbeat_interval_s,
             log_level=cfg.server.log_level,
             vae_working_set_bytes=p.vae_cpu_working_set_bytes,
@@ -115,9 +135,10 @@ def build_topology(cfg: Config, control_addr: str, latent_ring: RingSpec, frame_
             faults=faults,
             low_priority=t.mode == "hybrid" and roles == ("dit",),
         )
-        for name, roles, i in procs
+        for name, roles, i in lay.procs
     ]
-    return Topology(workers, dit_names, group_names, {name: i for name, _, i in procs})
+    dit_groups = {g[0]: g for g in lay.dit_groups if len(g) > 1}
+    return Topology(workers, lay.dit_names, lay.group_names, {name: i for name, _, i in lay.procs}, dit_groups)
 
 
 def with_new_group_addr(spec: WorkerSpec, addr: str) -> WorkerSpec:

@@ -80,6 +80,8 @@ class WorkerPool:
     ) -> None:
         self.topology = topology
         self.workers = {s.name: WorkerState(s) for s in topology.workers}
+        # A DiT group's ranks -> its rank 0, the name the scheduler knows it by.
+        self._leader = {n: lead for lead, ranks in topology.dit_groups.items() for n in ranks}
         self._send = send
         self.heartbeat_timeout_s = heartbeat_timeout_s
         self.block_timeout_s = block_timeout_s
@@ -159,7 +161,9 @@ class WorkerPool:
                 timed.append(f"{stage} {cost['block_ms']:.0f} ms per block{each}")
         log.info("worker %s ready (pid %d)%s", msg.worker, msg.pid, f": {'; '.join(timed)}" if timed else "")
         self._wake()
-        self.on_worker_ready(msg.worker)
+        unit = self._leader.get(msg.worker, msg.worker)
+        if self.ready(unit):  # a DiT group is ready once all its ranks are
+            self.on_worker_ready(unit)
 
     def handle_heartbeat(self, msg: m.Heartbeat) -> None:
         w = self.workers.get(msg.worker)
@@ -237,10 +241,14 @@ class WorkerPool:
             except ProcessLookupError:
                 pass
 
+    def _groups(self) -> list[list[str]]:
+        """Workers joined in one process group: VAE groups and DiT groups."""
+        return [*self.topology.vae_groups, *self.topology.dit_groups.values()]
+
     def _partners(self, names: set[str]) -> set[str]:
-        """The workers that go down with `names`: their whole VAE groups."""
+        """The workers that go down with `names`: their whole VAE or DiT groups."""
         out = set(names)
-        for g in self.topology.vae_groups:
+        for g in self._groups():
             if out & set(g):
                 out |= set(g)
         return out
@@ -271,7 +279,7 @@ class WorkerPool:
         if self._closing:
             return
         new_addr: dict[str, str] = {}
-        for g in self.topology.vae_groups:
+        for g in self._groups():
             if names & set(g) and len(g) > 1:
                 addr = f"tcp://127.0.0.1:{free_port()}"
                 new_addr.update({n: addr for n in g})
@@ -288,7 +296,8 @@ class WorkerPool:
 
     # -- status and shutdown ----------------------------------------------------------------
     def ready(self, name: str) -> bool:
-        return self.workers[name].ready
+        """A worker, or a DiT group by its rank 0's name: all its ranks."""
+        return all(self.workers[n].ready for n in self.topology.members(name))
 
     def all_ready(self) -> bool:
         return all(w.ready for w in self.workers.values())

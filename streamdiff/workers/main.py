@@ -208,7 +208,7 @@ class Worker:
 
     def _failed(self, msg: m.Message, exc: Exception) -> None:
         session, block = getattr(msg, "session", None), getattr(msg, "block", None)
-        sharded = "vae" in self.stages and self.stages["vae"].world > 1
+        sharded = any(getattr(stage, "world", 1) > 1 for stage in self.stages.values())
         kind = classify(exc, sharded)
         first_line = (str(exc).splitlines() or [""])[0][:300]
         if kind != WORKER:
@@ -222,7 +222,7 @@ class Worker:
         log.error("%s for session %s failed; restarting: %s", msg.type, session, traceback.format_exc())
         why = f"{type(exc).__name__}: {first_line}"
         if sharded:
-            why = f"VAE group {self.spec.group.name}: shard {self.spec.name} failed (or a peer died): {why}"
+            why = f"group {self.spec.group.name}: {self.spec.name} failed (or a peer died): {why}"
         self.send(m.Failed(self.spec.name, why, session, block, kind))
         # Leave now: peers waiting in this block's collectives fail at once instead of at the
         # collective timeout, and a poisoned accelerator context goes with the process.

@@ -73,6 +73,14 @@ class Stopwatch:
         return wall, max(0.0, own)
 
 
+def _leave_group(world: int) -> None:
+    if world > 1:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
 def _sync(device: str) -> None:
     t = torch.device(device).type
     if t == "cuda":
@@ -95,6 +103,10 @@ RUN, REFUSE, SKIP = 0, 1, 2
 
 
 class DiTStage:
+    """A DiT worker, or one rank of a DiT group (parallel/dit_group.py). Every rank of a group
+    gets every message, checks every block and agrees on it with the others (as a VAE group's
+    shards do), so all run the same forwards; rank 0 alone writes the latents and answers."""
+
     def __init__(self, spec: WorkerSpec, faults: Faults) -> None:
         from ..models.engines import DiTEngine
 
@@ -102,7 +114,17 @@ class DiTStage:
         _select_device(spec.device)
         self.device = spec.device
         self.clock = Stopwatch(spec.device, spec.threads)
+        g = spec.group if spec.roles == ("dit",) else None
+        self.rank, self.world = (g.rank, g.world) if g else (0, 1)
+        if self.world > 1:
+            from ..parallel.dit_group import SeqParallel
+            from ..parallel.vae_group import init_group
+
+            init_group(g.init_addr, g.rank, g.world, spec.device, g.timeout_s)
         self.engine = DiTEngine(spec.model, spec.device)
+        if self.world > 1:
+            heads = self.engine.model.cfg.num_heads
+            self.engine.model.parallel = SeqParallel(self.rank, self.world, heads)
         self.ring = Ring(spec.latent_ring)
         self.faults = faults
         self.sessions: dict = {}
@@ -115,6 +137,8 @@ class DiTStage:
     def info(self) -> dict:
         p = self.engine.preset
         return {
+            "dit_rank": self.rank,
+            "dit_world": self.world,
             "model": p.name,
             "frames_per_block": p.sampler.frames_per_block,
             "fps": p.fps,
@@ -149,7 +173,8 @@ class DiTStage:
         # Per-block share of a batched forward of two sessions (larger batches are measured as
         # the supervisor runs them), if half the memory budget holds a second session.
         batch_ms = {}
-        if self.max_batch > 1 and budget // 2 >= 2 * (per_token * tokens + cross):
+        fits = int(self.max_batch > 1 and budget // 2 >= 2 * (per_token * tokens + cross))
+        if -self._agree([-fits])[0]:  # a group's ranks all time the pair or none does
             other = self.engine.open_session(w, h, seed=1)
             self.engine.set_scene(other, "calibration", cut=True)
             self.engine.generate_block(other, p.sampler.frames_per_block)
@@ -188,6 +213,9 @@ class DiTStage:
         shape = (c, msg.frames, *sess.latent_hw)
         if msg.frames < 1:
             raise RequestError(f"a block of {msg.frames} latent frames")
+        rows = sess.latent_hw[0] // self.engine.model.cfg.patch_size[1]
+        if rows < self.world:  # each rank of a DiT group computes at least one row of patches
+            raise RequestError(f"{rows} rows of patches cannot be split over a DiT group of {self.world}")
         if np.prod(shape) * 4 > self.ring.spec.slot_bytes:
             raise RequestError(f"a latent block of shape {shape} does not fit a ring slot")
 
@@ -195,19 +223,27 @@ class DiTStage:
         """The next block of each message's session (the supervisor's batch: one block per
         session), in one batched forward where sizes and step counts agree.
         Returns (replies, refusals): LatentDone per block run or skipped, (message, RequestError)
-        per block refused at its check. Any other error propagates: the worker's own."""
-        replies, refusals, run = [], [], []
+        per block refused at its check. Any other error propagates: the worker's own. In a DiT
+        group the ranks agree on each block first (a cancel wins over a refusal); rank 0 answers
+        for the group, and a rank that refused a block reports it (the others skip it)."""
+        verdicts, refused = [], {}
         for msg in msgs:
             sess = self.sessions.get(msg.session)
-            if msg.session in closed or sess is None:
+            verdict = SKIP if msg.session in closed or sess is None else RUN
+            if verdict == RUN:
+                try:
+                    self.check(msg, sess)
+                except RequestError as exc:
+                    verdict, refused[msg.block, msg.session] = REFUSE, exc
+            verdicts.append(verdict)
+        replies, refusals, run = [], [], []
+        for msg, verdict in zip(msgs, self._agree(verdicts), strict=True):
+            if verdict == REFUSE and (msg.block, msg.session) in refused:
+                refusals.append((msg, refused[msg.block, msg.session]))
+            elif verdict != RUN:
                 replies.append(m.LatentDone(msg.session, msg.block, msg.slot, [], 0.0, skipped=True))
-                continue
-            try:
-                self.check(msg, sess)
-            except RequestError as exc:
-                refusals.append((msg, exc))
-                continue
-            run.append((msg, sess))
+            else:
+                run.append((msg, self.sessions[msg.session]))
         self.clock.start()
         for msg, sess in run:
             self.faults.hit("compute", self.seeds.get(msg.session))
@@ -221,6 +257,8 @@ class DiTStage:
             outs = self.engine.generate_blocks([sess for _, sess in group], group[0][0].frames)
             latents.update({msg.session: out[0] for (msg, _), out in zip(group, outs, strict=True)})
         wall, own = self.clock.stop()
+        if self.rank > 0:
+            return [], refusals
         n = max(1, len(run))
         ms, busy = 1000 * wall / n, 1000 * own / n  # each block's share
         for msg, _ in run:
@@ -231,8 +269,12 @@ class DiTStage:
             )
         return replies, refusals
 
+    def _agree(self, verdicts: list[int]) -> list[int]:
+        return group_max(verdicts, self.device) if self.world > 1 else verdicts
+
     def shutdown(self) -> None:
         self.ring.close()
+        _leave_group(self.world)
 
 
 class VAEStage:
@@ -440,8 +482,4 @@ class VAEStage:
     def shutdown(self) -> None:
         self.latents.close()
         self.frames.close()
-        if self.world > 1:
-            import torch.distributed as dist
-
-            if dist.is_initialized():
-                dist.destroy_process_group()
+        _leave_group(self.world)
