@@ -332,11 +332,14 @@ def validate(cfg: Config) -> None:
         f"must be 1-64 and divide dit_devices ({t.dit_devices})",
         t.dit_group_size,
     )
+    # A DiT group runs on DiT devices of its own, or (aggregated) on exactly the devices of the
+    # one VAE group, whose process group it shares: the same ranks in the same processes.
+    one_group = t.mode == "aggregated" and t.dit_group_size == t.dit_devices == t.vae_devices == group
     _check(
-        t.dit_group_size == 1 or t.mode == "disaggregated",
+        t.dit_group_size == 1 or (not planned(t) and (t.mode == "disaggregated" or one_group)),
         "topology.dit_group_size",
-        "DiT groups run on devices of their own: give it with mode disaggregated and --dit-gpus"
-        + ("" if planned(t) else f", not mode {t.mode}"),
+        "a DiT group needs --dit-gpus: in mode disaggregated, or in mode aggregated over all the devices of "
+        "the one VAE group (--dit-gpus G --vae-gpus G)" + ("" if planned(t) else f", not mode {t.mode}"),
         t.dit_group_size,
     )
     _check(

@@ -1,6 +1,7 @@
 """The daemon with one DiT over two processes (Ulysses, `--dit-group-size 2`): the same video as
-one DiT, a session cancelled mid-stream leaves the group in step, a dead rank fails only its
-stream and the group comes back, and layouts it cannot run are refused with the reason."""
+one DiT, on DiT devices of its own and aggregated with the VAE group on the same two processes;
+a session cancelled mid-stream leaves the group in step, a dead rank fails only its stream and
+the group comes back, and layouts it cannot run are refused with the reason."""
 
 from __future__ import annotations
 
@@ -47,6 +48,24 @@ def test_a_dit_group_streams_the_same_video_as_one_dit(sp2):
     finally:
         assert ref.stop() == 0
     assert_same_video(got, want)
+
+
+@pytest.mark.timeout(300)
+def test_an_aggregated_dit_group_shares_the_vae_groups_processes_and_streams_the_same_video(sp2):
+    """agg-sp2: each process runs a DiT rank then a VAE shard, over one process group; both
+    stages' collectives interleave in the same order on both ranks."""
+    got, _, _ = stream_video(sp2.url, STORY)  # the disaggregated group's video
+    d = Daemon("--mode", "aggregated", "--dit-gpus", "2", "--vae-gpus", "2", "--dit-group-size", "2")
+    try:
+        health = d.health()
+        assert sorted(health["workers"]) == ["agg0", "agg1"]
+        agg, _, _ = stream_video(d.url, STORY)
+        two, _, _ = stream_video(d.url, {"prompt": "again", "num_frames": 25, "size": "128x64"})
+        check_video(two, 25, 128, 64, 16)
+        assert all(w["restarts"] == 0 for w in d.health()["workers"].values())
+    finally:
+        assert d.stop() == 0, d.logs()
+    assert_same_video(agg, got)
 
 
 @pytest.mark.timeout(300)
@@ -99,7 +118,8 @@ def test_a_killed_rank_fails_its_stream_fast_and_the_group_comes_back(sp2):
     [
         (["--dit-gpus", "3", "--dit-group-size", "2"], "must be 1-64 and divide dit_devices (3)"),
         (["--mode", "aggregated", "--dit-gpus", "2", "--dit-group-size", "2"], "not mode aggregated"),
-        (["--dit-group-size", "2"], "give it with mode disaggregated and --dit-gpus"),
+        (["--mode", "hybrid", "--dit-gpus", "2", "--vae-gpus", "3", "--dit-group-size", "2"], "not mode hybrid"),
+        (["--dit-group-size", "2"], "a DiT group needs --dit-gpus"),
     ],
 )
 def test_layouts_a_dit_group_cannot_run_are_refused_by_name(flags, message):

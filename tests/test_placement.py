@@ -234,6 +234,53 @@ def test_the_planner_ranks_by_objective_and_follows_the_balance():
         plan(Config(), vae_bound, 2, "fastest", facts, (256, 144))
 
 
+@pytest.mark.parametrize("group_ms,chosen", [(160.0, True), (310.0, False)])
+def test_a_dit_group_is_chosen_only_where_its_measured_link_makes_it_pay(group_ms, chosen):
+    """Four devices, a DiT twice the VAE: one DiT bounds one stream. A 2-way DiT group whose
+    block (all-to-alls included) measured 160 ms makes the pipeline faster and is chosen, with
+    the flags that run it; one whose link makes its block slower than one device is not."""
+    from streamdiff.config import Config
+    from streamdiff.models.spec import PRESET_FACTS
+    from streamdiff.placement.planner import plan
+
+    prof = synthetic(300.0, 150.0, group=80.0, devices=4)
+    fig = prof.sizes["256x144"]
+    fig["dit_group"] = {"2": {**fig["dit"]["1"], "block_ms": group_ms, "first_ms": group_ms, "own_ms": 120.0}}
+    fig["dit_group"]["2"]["batch_ms"] = {"2": group_ms}
+    p = plan(Config(), prof, 4, "throughput", dict(PRESET_FACTS["tiny"]), (256, 144), threads=(1,))
+    best, pred = p.best
+    names = [lay.name for lay, _ in p.ranked]
+    assert "disagg-2+2/sp2" in names
+    if chosen:
+        assert best.name == "disagg-2+2/sp2" and best.flags()[-2:] == ["--dit-group-size", "2"]
+        assert pred.w1_steady_fps == pytest.approx(w1_steady_fps(0.160), rel=0.05)
+    else:
+        assert best.dit_group == 1
+        assert pred.w1_steady_fps == pytest.approx(w1_steady_fps(0.300), rel=0.05)
+
+
+def test_two_devices_run_the_dit_and_the_vae_each_over_both_where_the_group_pays():
+    """agg-sp2: the DiT over both devices (55 ms a block, all-to-alls included), then the VAE
+    over both (105 ms): 160 ms a block, no device idle while the other stage runs, faster than
+    any layout that leaves one device's time to a stage alone."""
+    from streamdiff.config import Config
+    from streamdiff.models.spec import PRESET_FACTS
+    from streamdiff.placement.planner import plan
+
+    prof = synthetic(100.0, 200.0, group=105.0)
+    fig = prof.sizes["256x144"]
+    fig["dit_group"] = {"2": {**fig["dit"]["1"], "block_ms": 55.0, "first_ms": 55.0, "own_ms": 45.0}}
+    fig["dit_group"]["2"]["batch_ms"] = {"2": 55.0}
+    p = plan(Config(), prof, 2, "throughput", dict(PRESET_FACTS["tiny"]), (256, 144), threads=(1,))
+    best, pred = p.best
+    assert best.name == "agg-sp2"
+    assert best.flags() == ["--mode", "aggregated", "--dit-gpus", "2", "--vae-gpus", "2", "--dit-group-size", "2"]
+    assert pred.w1_steady_fps == pytest.approx(w1_steady_fps(0.160), rel=0.05)
+    del fig["dit_group"]  # not measured: not offered
+    ranked = plan(Config(), prof, 2, "throughput", dict(PRESET_FACTS["tiny"]), (256, 144)).ranked
+    assert "agg-sp2" not in [lay.name for lay, _ in ranked]
+
+
 def test_the_planner_ranks_eight_b70s_from_the_published_figures():
     """docs/profile-b70.json (tools/published_profile): DiT 2.9 s and VAE 3.9 s a block. One
     stream is DiT-bound once the VAE is sharded 3 ways or more, so the best layout for it gives
@@ -309,6 +356,9 @@ def test_streamdiffd_profile_measures_this_machine(tmp_path):
         shards = fig["vae_group"]["2"]["equal"]
         assert [x["rows"] for x in shards] == [2, 2] and all(x["own_ms"] > 0 for x in shards)
         assert [x["rows"] for x in fig["vae_group"]["2"]["1:3"]] == [1, 3]
+        sp = fig["dit_group"]["2"]  # one DiT over two ranks: rank 0's block, its all-to-alls inside it
+        assert sp["block_ms"] > 0 and 0 < sp["collective_ms"] < sp["block_ms"] and set(sp["batch_ms"]) == {"2"}
+        assert "DiT group of 2" in r.stdout
         probe = fig["hybrid"]  # a DiT below shard 0 on its core while the group decodes
         assert probe["dit"]["own_ms"] > 0 and probe["dit"]["wall_ms"] >= probe["dit"]["own_ms"] * 0.9
         assert [x["rows"] for x in probe["group"]] == [1, 3]

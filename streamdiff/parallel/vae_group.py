@@ -34,7 +34,10 @@ BACKENDS = {"cpu": "gloo", "cuda": "nccl", "xpu": "xccl"}
 def init_group(
     init_addr: str, rank: int, world: int, device: str, timeout_s: float, backend: str | None = None
 ) -> None:
-    """Join the group's process group; `backend` overrides the device's default (gloo, nccl, xccl)."""
+    """Join the group's process group; `backend` overrides the device's default (gloo, nccl, xccl).
+    Joined already (an aggregated worker's DiT and VAE stages share one group): nothing to do."""
+    if dist.is_initialized():
+        return
     dev = torch.device(device)
     backend = backend or BACKENDS[dev.type]
     kw = {"device_id": dev} if backend == "nccl" else {}

@@ -89,6 +89,12 @@ def summary(prof) -> str:
                 f"  {size} VAE group of {k}: {eq[0]['block_ms']:.0f} ms/block ({base / eq[0]['block_ms']:.2f}x), "
                 f"shards' own work {[round(x['own_ms']) for x in eq]} ms, waits {[round(x['wait_ms']) for x in eq]} ms"
             )
+        for g, d in fig.get("dit_group", {}).items():
+            base = fig["dit"]["1"]["block_ms"]
+            lines.append(
+                f"  {size} DiT group of {g}: {d['block_ms']:.0f} ms/block ({base / d['block_ms']:.2f}x), "
+                f"own work {d['own_ms']:.0f} ms, in all-to-alls {d['collective_ms']:.0f} ms"
+            )
         lines.append(f"  {size} encoder: {fig['encode']['block_ms']:.0f} ms/block")
     return "\n".join(lines)
 

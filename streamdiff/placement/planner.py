@@ -9,8 +9,12 @@ Layouts use every device given: disaggregated d + v = n (VAE groups of any size 
 aggregated (the DiT on d of the n devices, VAE groups over all n), and on the CPU hybrid (the
 DiT on d cores that also hold shards, VAE groups over all n) and 2 threads per worker on n / 2
 workers. Hybrid is not offered on accelerators: there two processes time-slice a device, and
-the simulator models only the CPU's strict priority of a shard over the DiT beside it. The DiT
-group (Ulysses) is not built, so it is not offered either.
+the simulator models only the CPU's strict priority of a shard over the DiT beside it.
+Disaggregated layouts also come with their d DiT devices in DiT groups of every size g the
+profile measured (its all-to-alls timed over the real link), and where the profile measured a
+group of all n devices, the aggregated layout whose DiT and VAE each span all n (agg-spN: no
+device idles while the other stage runs), so a DiT group is chosen exactly where its measured
+time per block, link included, makes the pipeline faster.
 """
 
 from __future__ import annotations
@@ -26,7 +30,10 @@ def _divisors(n: int) -> list[int]:
     return [g for g in range(1, n + 1) if n % g == 0]
 
 
-def candidates(devices: int, kind: str, threads: tuple[int, ...] = (1, 2)) -> list[Layout]:
+def candidates(
+    devices: int, kind: str, threads: tuple[int, ...] = (1, 2), dit_groups: tuple[int, ...] = ()
+) -> list[Layout]:
+    """`dit_groups`: the DiT group sizes the profile measured (one thread per rank)."""
     out: list[Layout] = []
     for t in threads if kind == "cpu" else (1,):
         n = devices // t
@@ -34,9 +41,12 @@ def candidates(devices: int, kind: str, threads: tuple[int, ...] = (1, 2)) -> li
             continue
         for d in range(1, n):
             v = n - d
-            out += [Layout("disaggregated", d, v, g, t) for g in _divisors(v)]
+            sp = [1] + [s for s in dit_groups if t == 1 and d % s == 0]
+            out += [Layout("disaggregated", d, v, g, t, dit_group=s) for g in _divisors(v) for s in sp]
         for d in range(1, n + 1):
             out += [Layout("aggregated", d, n, g, t) for g in _divisors(n)]
+        if t == 1 and n in dit_groups:  # the DiT and the VAE each over all n devices, in sequence
+            out.append(Layout("aggregated", n, n, n, 1, dit_group=n))
         if kind == "cpu":  # the simulator models a shard's priority over the DiT on a core, not a GPU's time slicing
             for d in range(1, n):
                 out += [Layout("hybrid", d, n, g, t) for g in _divisors(n) if g > 1]
@@ -104,8 +114,10 @@ def plan(
     if devices < 2:  # one device: both stages on it
         only = Layout("aggregated", 1, 1)
         return Plan(objective, devices, [(only, simulate(cfg, profile, only, facts, size))])
-    have = {int(t) for t in profile.size(*size)["dit"]}
-    layouts = candidates(devices, profile.device, tuple(t for t in threads if t in have))
+    fig = profile.size(*size)
+    have = {int(t) for t in fig["dit"]}
+    sp = tuple(sorted(int(g) for g in fig.get("dit_group", {})))
+    layouts = candidates(devices, profile.device, tuple(t for t in threads if t in have), sp)
     w2 = w2_size or size
     preds = [(x, simulate(cfg, profile, x, facts, size, w2 if objective == "streams" else None)) for x in layouts]
     preds.sort(key=lambda lp: _key(objective, lp[1]))

@@ -13,10 +13,11 @@ are (a CPU "device" is a core per thread), one measurement at a time so none com
 - on the CPU, the DiT and VAE at 2 threads (the aggregated layouts give a worker two cores);
 - on the CPU, the hybrid probe: a DiT at low priority beside shard 0 of a decoding 2-way group,
   its own time per block there (sharing a core costs more than its work alone);
+- DiT groups of g = 2 .. min(devices, 4, heads) ranks (Ulysses, parallel/dit_group.py) over the
+  real collective: rank 0's time per block, alone and in batches of 2, its own work and its time
+  inside the all-to-alls (the link's cost, and what the planner weighs against 1/g of the work);
 - the encoder (libx264) per block.
 
-The DiT group (Ulysses sequence parallelism) is not built yet, so no all-to-all cost is
-measured: the profile says so (`dit_group: null`) and the planner does not offer it.
 The result is plain JSON (`Profile.to_json`); `docs/profile-cpu.json` is this project's CPU.
 """
 
@@ -78,7 +79,6 @@ class Profile:
     sizes: dict = field(default_factory=dict)
     created: float = 0.0
     version: int = VERSION
-    dit_group: dict | None = None  # Ulysses all-to-all costs; None: not built
 
     def to_json(self) -> str:
         return json.dumps(self.__dict__, indent=1, sort_keys=True)
@@ -154,13 +154,18 @@ def _median(xs: list[float]) -> float:
     return statistics.median(xs) if xs else 0.0
 
 
-def _dit_child(spec, device, cpus, threads, sizes, batches, out) -> None:
+def _dit_child(spec, device, cpus, threads, sizes, batches, rank, world, addr, out) -> None:
     try:
         _pin(device, cpus, threads)
         from ..models.engines import DiTEngine
+        from ..parallel.dit_group import SeqParallel
+        from ..parallel.vae_group import init_group
         from ..workers.stages import Stopwatch, _sync
 
+        if world > 1:
+            init_group(addr, rank, world, device, 120.0)
         eng = DiTEngine(spec, device)
+        sp = eng.model.parallel = SeqParallel(rank, world, eng.model.cfg.num_heads) if world > 1 else None
         fpb = eng.frames_per_block
         clock = Stopwatch(device, threads)
         res = {}
@@ -168,17 +173,19 @@ def _dit_child(spec, device, cpus, threads, sizes, batches, out) -> None:
 
             def timed(fn):
                 _sync(device)
+                waited = sp.wait_s if sp else 0.0
                 clock.start()
                 fn()
                 _sync(device)
-                wall, own = clock.stop()
-                return 1000 * wall, 1000 * own
+                waited = (sp.wait_s if sp else 0.0) - waited
+                wall, own = clock.stop(waited)
+                return 1000 * wall, 1000 * own, 1000 * waited
 
             warm = eng.open_session(w, h, seed=99)  # the first forward at a size is cold
             eng.set_scene(warm, "warm up", cut=True)
             eng.generate_block(warm, fpb)
             sess = eng.open_session(w, h, seed=0)
-            first, _ = timed(lambda s=sess: (eng.set_scene(s, "profile", cut=True), eng.generate_block(s, fpb)))
+            first = timed(lambda s=sess: (eng.set_scene(s, "profile", cut=True), eng.generate_block(s, fpb)))
             steady = [timed(lambda s=sess: eng.generate_block(s, fpb)) for _ in range(STEADY_BLOCKS)]
             batch_ms = {}
             for b in batches:
@@ -190,14 +197,26 @@ def _dit_child(spec, device, cpus, threads, sizes, batches, out) -> None:
                 runs = [timed(lambda g=group: eng.generate_blocks(g, fpb))[0] / b for _ in range(2)]
                 batch_ms[str(b)] = _median(runs)
             res[f"{w}x{h}"] = {
-                "first_ms": first,
+                "first_ms": first[0],
                 "block_ms": _median([x[0] for x in steady]),
                 "own_ms": _median([x[1] for x in steady]),
                 "batch_ms": batch_ms,
             }
-        out.put(("ok", res))
+            if sp:
+                res[f"{w}x{h}"]["collective_ms"] = _median([x[2] for x in steady])
+        out.put(("ok", {"rank": rank, "sizes": res}))
     except Exception:
         out.put(("error", traceback.format_exc()))
+    finally:
+        _leave(world)
+
+
+def _leave(world: int) -> None:
+    if world > 1:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
 
 def _dit_beside_child(spec, device, cpus, size, stop, out) -> None:
@@ -325,11 +344,7 @@ def _vae_child(spec, device, cpus, threads, rank, world, addr, sizes, splits, ba
     except Exception:
         out.put(("error", traceback.format_exc()))
     finally:
-        if world > 1:
-            import torch.distributed as dist
-
-            if dist.is_initialized():
-                dist.destroy_process_group()
+        _leave(world)
 
 
 def _run(targets: list[tuple], timeout_s: float) -> list:
@@ -359,6 +374,12 @@ def _cpus(device: int, threads: int) -> tuple[int, ...]:
     from ..supervisor.topology import _cpus as worker_cpus
 
     return worker_cpus(device, threads, True)
+
+
+def _heads(spec) -> int:
+    from ..models.presets import get_preset
+
+    return get_preset(spec).dit.num_heads
 
 
 def _encode_ms(width: int, height: int, fps: int, blocks: int = 1 + STEADY_BLOCKS) -> dict:
@@ -415,14 +436,23 @@ def _measure_once(cfg, kind: str, n: int, sizes: list[tuple[int, int]], timeout_
     ws = cfg.pipeline.vae_cpu_working_set_bytes
     dev = (lambda i: "cpu") if kind == "cpu" else (lambda i: f"{kind}:{i}")
     threads = [1, 2] if kind == "cpu" and n >= 2 else [1]
-    res: dict[str, dict] = {f"{w}x{h}": {"dit": {}, "vae": {}, "vae_group": {}} for w, h in sizes}
+    res: dict[str, dict] = {f"{w}x{h}": {"dit": {}, "vae": {}, "vae_group": {}, "dit_group": {}} for w, h in sizes}
     for t in threads:
         cpus = _cpus(0, t) if kind == "cpu" else ()
-        (dit,) = _run([(_dit_child, (spec, dev(0), cpus, t, sizes, (2, 4)))], timeout_s)
+        (dit,) = _run([(_dit_child, (spec, dev(0), cpus, t, sizes, (2, 4), 0, 1, ""))], timeout_s)
         (vae,) = _run([(_vae_child, (spec, dev(0), cpus, t, 0, 1, "", sizes, [None], (2,), ws))], timeout_s)
         for key in res:
-            res[key]["dit"][str(t)] = dit[key]
+            res[key]["dit"][str(t)] = dit["sizes"][key]
             res[key]["vae"][str(t)] = vae["sizes"][key]["equal"]
+    for g in range(2, min(n, GROUP_SIZES_MAX, _heads(spec)) + 1):
+        addr = f"tcp://127.0.0.1:{free_port()}"
+        targets = [
+            (_dit_child, (spec, dev(r), _cpus(r, 1) if kind == "cpu" else (), 1, sizes, (2,), r, g, addr))
+            for r in range(g)
+        ]
+        rank0 = next(x for x in _run(targets, timeout_s) if x["rank"] == 0)
+        for key in res:
+            res[key]["dit_group"][str(g)] = rank0["sizes"][key]
     for k in range(2, min(n, GROUP_SIZES_MAX) + 1):
         addr = f"tcp://127.0.0.1:{free_port()}"
         splits = [None, (1.0, 3.0)] if k == 2 else [None]

@@ -68,6 +68,8 @@ class Layout:
             base += f"/sp{self.dit_group}" if self.dit_group > 1 else ""
         elif self.mode == "hybrid":
             base = f"hybrid-{self.dit}+{self.vae}" + (f"/k{k}" if k != self.vae else "")
+        elif self.dit_group > 1:  # one DiT and one VAE group over the same devices, in sequence
+            base = f"agg-sp{self.dit_group}"
         elif self.dit == 1 and self.vae == 1:
             base = "agg-1"
         elif self.dit == self.vae and k == 1:
@@ -101,11 +103,14 @@ class Costs:
     profile: Profile
     size: tuple[int, int]
     threads: int
+    dit_group: int = 1
 
     def __post_init__(self) -> None:
         fig = self.profile.size(*self.size)
         t = str(self.threads) if str(self.threads) in fig["dit"] else "1"
         self.dit, self.vae1, self.enc = fig["dit"][t], fig["vae"][t], fig["encode"]
+        if self.dit_group > 1:  # one DiT over g devices: its rank 0's times, all-to-alls included
+            self.dit = fig["dit_group"][str(self.dit_group)]
         self.groups = fig.get("vae_group", {})
         self.rows = self.size[1] // SPATIAL
         self.beside = self._beside(fig.get("hybrid"))
@@ -250,7 +255,7 @@ class Sim:
     # -- costs --------------------------------------------------------------------------------
     def cost(self, w: int, h: int) -> Costs:
         if (w, h) not in self.costs:
-            self.costs[(w, h)] = Costs(self.profile, (w, h), self.layout.threads)
+            self.costs[(w, h)] = Costs(self.profile, (w, h), self.layout.threads, self.layout.dit_group)
         return self.costs[(w, h)]
 
     def _seed(self, size: tuple[int, int]) -> None:
@@ -312,7 +317,9 @@ class Sim:
         if isinstance(a, s.Send):
             msg = a.msg
             if isinstance(msg, m.GenerateBatch):
-                self._enqueue(Job("dit", msg, [a.worker]))
+                ranks = self.topo.members(self._dit_of(a.worker))
+                if a.worker == ranks[0]:  # one job for a DiT group's ranks together
+                    self._enqueue(Job("dit", msg, ranks))
             elif isinstance(msg, m.DecodeBatch):
                 gi = next(i for i, g in enumerate(self.topo.vae_groups) if a.worker in g)
                 if a.worker == self.topo.vae_groups[gi][0]:  # one job for the whole group
@@ -335,6 +342,9 @@ class Sim:
             self.ended.add(a.session)
         elif isinstance(a, s.WakeAt):
             self.at(a.at, lambda: None)
+
+    def _dit_of(self, worker: str) -> str:
+        return next((lead for lead, ranks in self.topo.dit_groups.items() if worker in ranks), worker)
 
     def _post(self, ev) -> None:
         self.pending.append(ev)
@@ -415,7 +425,9 @@ class Sim:
     def _dit_done(self, p: Proc, version: int) -> None:
         if version != p.version or p.job is None:
             return
-        job, p.job = p.job, None
+        job = p.job
+        for q in job.procs:
+            self.procs[q].job = None
         n = len(job.msg.blocks)
         sess0 = self.sessions[job.msg.blocks[0].session]
         c = self.cost(sess0.width, sess0.height)
@@ -425,7 +437,7 @@ class Sim:
             shape = [16, b.frames, sess.height // SPATIAL, sess.width // SPATIAL]
             done = m.LatentDone(b.session, b.block, b.slot, shape, wall_ms, batch=n, busy_ms=c.dit_own_ms())
             self.at(self.now + HOP_S / 2, self._post, done)
-        self._try_start([p.name])
+        self._try_start(job.procs)
 
     def _vae_done(self, job: Job) -> None:
         n = len(job.msg.blocks)

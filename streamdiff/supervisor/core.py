@@ -106,7 +106,7 @@ class Supervisor:
             p.restart_backoff_reset_s,
         )
         self.scheduler = Scheduler(self.cfg, self.topology, p.latent_slots, p.frame_slots, self.pool.ready, self.facts)
-        self.driver = driver = Driver(self.cfg, self.scheduler, self._send_unit, self.frame_ring)
+        self.driver = driver = Driver(self.cfg, self.scheduler, self._send, self.frame_ring)
         self.pool.on_lost = lambda names, why: driver.post(sch.WorkersLost(frozenset(names), why))
         self.pool.on_worker_ready = lambda name: driver.post(sch.WorkerReady(name, self.pool.workers[name].info))
         self.pool.on_idle = lambda name, since: driver.post(sch.WorkerIdle(name, since))
@@ -186,10 +186,6 @@ class Supervisor:
         except zmq.ZMQError as exc:
             log.warning("could not send %s to %s: %s", msg.type, worker, exc)
             return False
-
-    def _send_unit(self, worker: str, msg: m.Message) -> bool:
-        """To a worker, or to every rank of a DiT group (the scheduler knows it by its rank 0)."""
-        return all([self._send(n, msg) for n in self.topology.members(worker)])
 
     async def _recv_loop(self) -> None:
         handlers = {

@@ -526,7 +526,7 @@ class Scheduler:
         self._out.append(OpenEncoder(sess.id, sess.width, sess.height, sess.fps, keyframes))
 
     def _workers_of(self, sess: Session) -> list[str]:
-        names = [sess.dit] + self.topology.vae_groups[sess.group]
+        names = self.topology.members(sess.dit) + self.topology.vae_groups[sess.group]
         return list(dict.fromkeys(names))  # an aggregated worker runs both stages: once
 
     def _stop_admitting(self, ev: StopAdmitting) -> None:
@@ -681,7 +681,8 @@ class Scheduler:
                     recache=first and scene.recache and not b.shot_start,
                 )
             )
-        self._out.append(Send(dit, m.GenerateBatch(msgs)))
+        for w in self.topology.members(dit):  # a DiT group's ranks all run it (rank 0 answers)
+            self._out.append(Send(w, m.GenerateBatch(msgs)))
 
     def _send_decodes(self, group: int, unit: str, batch: list) -> None:
         bid = self._new_batch(unit, batch)

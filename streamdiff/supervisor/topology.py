@@ -111,7 +111,7 @@ def build_topology(cfg: Config, control_addr: str, latent_ring: RingSpec, frame_
         for rank, name in enumerate(g):
             group_specs[name] = GroupSpec(f"vae{gi}", rank, len(g), addr, t.shard_front, p.collective_timeout_s)
     for gi, g in enumerate(lay.dit_groups):
-        if len(g) > 1:
+        if len(g) > 1 and t.mode != "aggregated":  # aggregated: the VAE group's process group (config.py)
             addr = f"tcp://127.0.0.1:{free_port()}"
             for rank, name in enumerate(g):
                 group_specs[name] = GroupSpec(f"dit{gi}", rank, len(g), addr, False, p.collective_timeout_s)
@@ -127,6 +127,7 @@ def build_topology(cfg: Config, control_addr: str, latent_ring: RingSpec, frame_
             latent_ring=latent_ring,
             frame_ring=frame_ring,
             group=group_specs.get(name),
+            dit_group="dit" in roles and t.dit_group_size > 1,
             heartbeat_interval_s=p.heartbeat_interval_s,
             log_level=cfg.server.log_level,
             vae_working_set_bytes=p.vae_cpu_working_set_bytes,

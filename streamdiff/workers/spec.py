@@ -11,7 +11,8 @@ from .faults import Fault
 
 @dataclass(frozen=True)
 class GroupSpec:
-    """A VAE group: `world` shards split each latent by height; this worker is `rank`."""
+    """A VAE group (`world` shards split each latent by height) or a DiT group (one DiT over
+    `world` devices); this worker is `rank`."""
 
     name: str
     rank: int = 0
@@ -32,7 +33,8 @@ class WorkerSpec:
     control_addr: str  # the supervisor's ROUTER socket
     latent_ring: RingSpec
     frame_ring: RingSpec
-    group: GroupSpec | None = None  # set when this worker is a VAE shard
+    group: GroupSpec | None = None  # this worker's process group: its VAE group's, or its DiT group's
+    dit_group: bool = False  # the DiT stage runs sequence-parallel over `group` (parallel/dit_group.py)
     heartbeat_interval_s: float = 1.0
     log_level: str = "info"
     vae_working_set_bytes: int = 48 * 2**20  # CPU decode: activations per call (see models/wan/kernels.py)

@@ -114,7 +114,7 @@ class DiTStage:
         _select_device(spec.device)
         self.device = spec.device
         self.clock = Stopwatch(spec.device, spec.threads)
-        g = spec.group if spec.roles == ("dit",) else None
+        g = spec.group if spec.dit_group else None
         self.rank, self.world = (g.rank, g.world) if g else (0, 1)
         if self.world > 1:
             from ..parallel.dit_group import SeqParallel
