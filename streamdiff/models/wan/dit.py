@@ -268,8 +268,12 @@ class SelfAttention(Attention):
             # Write this block's keys just past the committed frames (keys are cached after
             # RoPE), then attend over committed + block as one view of the buffer: no copy.
             lo = kv.frames * kv.tpf
-            kv.k[layer][:, :, lo : lo + n] = k[r].transpose(1, 2)
-            kv.v[layer][:, :, lo : lo + n] = v[r].transpose(1, 2)
+            if torch.is_grad_enabled():  # training (streamdiff/train): new buffers, the old stay in the graph
+                kv.k[layer] = torch.cat([kv.k[layer][:, :, :lo], k[r].transpose(1, 2), kv.k[layer][:, :, lo + n :]], 2)
+                kv.v[layer] = torch.cat([kv.v[layer][:, :, :lo], v[r].transpose(1, 2), kv.v[layer][:, :, lo + n :]], 2)
+            else:
+                kv.k[layer][:, :, lo : lo + n] = k[r].transpose(1, 2)
+                kv.v[layer][:, :, lo : lo + n] = v[r].transpose(1, 2)
             outs.append(
                 F.scaled_dot_product_attention(
                     q[r].transpose(1, 2), kv.k[layer][:, :, : lo + n], kv.v[layer][:, :, : lo + n]

@@ -58,6 +58,10 @@ class TinyTextEncoder(nn.Module):
 
     @torch.no_grad()
     def encode(self, prompts: list[str]) -> torch.Tensor:
+        return self(prompts)
+
+    def forward(self, prompts: list[str]) -> torch.Tensor:
+        """`encode` with autograd: what training the embedded default learns the grammar through."""
         ids, mask = self.tokenize(prompts)
         ids, mask = ids.to(self.embed.device), mask.to(self.embed.device)
         x = self.embed[ids] + self.pos  # (B, L, D)

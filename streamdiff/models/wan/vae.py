@@ -189,7 +189,11 @@ class RMSNorm(nn.Module):
         self.gamma = nn.Parameter(torch.ones(dim, *((1, 1) if images else (1, 1, 1))))
 
     def forward(self, x: torch.Tensor, silu: bool = False) -> torch.Tensor:
-        """With silu=True also applies SiLU; three passes over x instead of five."""
+        """With silu=True also applies SiLU; three passes over x instead of five (in place:
+        inference). Under autograd (training the embedded default) the same arithmetic out of place."""
+        if torch.is_grad_enabled():
+            y = F.normalize(x, dim=1, eps=1e-12) * (self.gamma * self.scale)
+            return F.silu(y) if silu else y
         xf = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
         inv = torch.linalg.vector_norm(xf, dim=1, keepdim=True).clamp_min_(1e-12).reciprocal_()
         y = (xf * inv).to(x.dtype).mul_(self.gamma * self.scale)
@@ -423,6 +427,14 @@ class WanVAEDecoder(nn.Module):
         x = self.decoder.back(x, ctx)
         state.latent_frames += z.shape[2]
         return x.clamp_(-1.0, 1.0)
+
+
+def decode_clip(vae: WanVAEDecoder, z: torch.Tensor) -> torch.Tensor:
+    """A whole clip from the start of a shot, with autograd and no clamp: what training the
+    embedded default's decoder backpropagates through (tools/train_default). The same modules
+    and kernels as `decode_rows`, so the trained weights mean the same at inference."""
+    ctx = Ctx(vae.new_state())
+    return vae.decoder.back(vae.decoder.front(vae._prologue(z), ctx), ctx)
 
 
 def to_uint8_frames(x: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,148 @@
+"""Training the embedded default's DiT and text encoder on the synthetic grammar
+(tools/train_default dit).
+
+Clips are encoded once by the trained VAE's encoder (`encode_dataset`): the encoder's means,
+normalised per channel (those statistics become the preset's `latents_mean`/`latents_std`, which
+the decoder de-normalises with). Training is flow matching with block-causal attention and clean
+context, as in Causal Forcing's autoregressive stage, through the model's own streaming path:
+for each block of a clip in order, the block noised to a random shifted sigma is denoised
+against the clean blocks before it (loss: the flow eps - x0), then the clean block is committed
+to the KV cache at t = 0, as the sampler's cache refresh does at inference. The text encoder
+learns with it. Under autograd the cache replaces its buffers instead of writing into them
+(models/wan/dit.py), so the graph holds every block's keys.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ..models.wan.dit import DiTConfig, WanDiT
+from ..models.wan.sampler import SamplerConfig
+from ..models.wan.text import TinyTextEncoder
+from ..models.wan.vae import VAEConfig
+from ..synthetic import Caption, clip
+from .encoder import WanVAEEncoder
+
+
+@dataclass
+class DiTRun:
+    steps: int = 4000
+    batch: int = 4
+    blocks: int = 3  # blocks per training clip
+    clips: int = 768  # clips encoded once
+    lr: float = 5e-4
+    seed: int = 0
+    log_every: int = 25
+    save_every: int = 200
+
+
+def clip_frames(blocks: int, frames_per_block: int, temporal: int = 4) -> int:
+    """Video frames of a shot of `blocks` blocks: the first latent frame is one frame."""
+    return 1 + temporal * (blocks * frames_per_block - 1)
+
+
+@torch.no_grad()
+def encode_dataset(out: Path, vae_cfg: VAEConfig, sampler: SamplerConfig, run: DiTRun, log=print) -> Path:
+    path = out / "latents.pt"
+    if path.exists():
+        return path
+    state = torch.load(out / "vae.pt", weights_only=True)
+    enc = WanVAEEncoder(vae_cfg)
+    enc.load_state_dict(state["encoder"])
+    enc.eval()
+    rng = random.Random(run.seed + 101)
+    n = clip_frames(run.blocks, sampler.frames_per_block)
+    lat, prompts, t0 = [], [], time.time()
+    for i in range(run.clips):
+        c = clip(Caption.random(rng), frames=n, rng=rng)
+        x = torch.from_numpy(c.frames).permute(3, 0, 1, 2)[None].float() / 127.5 - 1.0
+        lat.append(enc(x)[0][0])
+        prompts.append(c.caption.prompt)
+        if (i + 1) % 64 == 0:
+            log(f"encoded {i + 1} of {run.clips} clips ({time.time() - t0:.0f}s)")
+    z = torch.stack(lat)  # (N, C, F, h, w)
+    mean = z.mean(dim=(0, 2, 3, 4))
+    std = z.std(dim=(0, 2, 3, 4)).clamp_min(1e-3)
+    torch.save({"latents": z, "prompts": prompts, "mean": mean, "std": std}, path)
+    return path
+
+
+def shifted_sigma(u: torch.Tensor, shift: float) -> torch.Tensor:
+    """The sampler's timestep warp (sampler.warped_timesteps) applied to uniform u."""
+    return shift * u / (1 + (shift - 1) * u)
+
+
+def train_dit(out: Path, dit_cfg: DiTConfig, sampler: SamplerConfig, run: DiTRun, text_seed: int, log=print) -> None:
+    data = torch.load(out / "latents.pt", weights_only=False)
+    mean, std = data["mean"].view(1, -1, 1, 1, 1), data["std"].view(1, -1, 1, 1, 1)
+    z_all = (data["latents"] - mean) / std
+    prompts = data["prompts"]
+    torch.manual_seed(run.seed)
+    model, text = WanDiT(dit_cfg), TinyTextEncoder(dit_cfg.text_dim, dit_cfg.text_len, seed=text_seed)
+    params = [*model.parameters(), *text.parameters()]
+    opt = torch.optim.AdamW(params, lr=run.lr, weight_decay=0.01)
+    step, ckpt = 0, out / "dit.pt"
+    if ckpt.exists():
+        state = torch.load(ckpt, weights_only=True)
+        model.load_state_dict(state["dit"])
+        text.load_state_dict(state["text"])
+        opt.load_state_dict(state["opt"])
+        step = state["step"]
+        log(f"dit: resumed at step {step}")
+    rng = np.random.default_rng(run.seed * 7919 + step)
+    fpb, h, w = sampler.frames_per_block, z_all.shape[-2], z_all.shape[-1]
+    curve = (out / "dit_curve.jsonl").open("a")
+    t0, acc = time.time(), []
+    model.train()
+    while step < run.steps:
+        lr = run.lr * min(1.0, (step + 1) / 100) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * step / run.steps)))
+        for g in opt.param_groups:
+            g["lr"] = lr
+        idx = rng.choice(len(prompts), size=run.batch, replace=False)
+        x0 = z_all[idx]
+        b = x0.shape[0]
+        state = model.new_state(h, w, sampler.window_frames, sampler.sink_frames, batch=b)
+        ctx = model.text_embedding(text([prompts[i] for i in idx]))
+        state.cross = [blk.cross_attn.project_context(ctx) for blk in model.blocks]
+        losses = []
+        for k in range(run.blocks):
+            xb = x0[:, :, k * fpb : (k + 1) * fpb]
+            sigma = shifted_sigma(torch.rand(b), sampler.shift).view(b, 1, 1, 1, 1)
+            eps = torch.randn_like(xb)
+            xt = (1 - sigma) * xb + sigma * eps
+            t = (1000 * sigma).view(b, 1).expand(b, fpb)
+            v = model._forward(xt, t, [state], commit=False)
+            losses.append((v - (eps - xb)).square().mean())
+            model._forward(xb, torch.full((b, fpb), sampler.context_t), [state], commit=True)
+        loss = torch.stack(losses).mean()
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        step += 1
+        acc.append([x.item() for x in losses])
+        if step % run.log_every == 0 or step == run.steps:
+            per_block = np.mean(acc, axis=0).tolist()
+            row = {"step": step, "loss": float(np.mean(per_block)), "per_block": per_block, "lr": lr}
+            row["elapsed_s"] = time.time() - t0
+            curve.write(json.dumps(row) + "\n")
+            curve.flush()
+            blocks = ", ".join(f"{x:.3f}" for x in per_block)
+            log(f"dit step {step}: loss {row['loss']:.4f} (blocks {blocks}), {row['elapsed_s'] / len(acc):.2f} s/step")
+            acc, t0 = [], time.time()
+        if step % run.save_every == 0 or step == run.steps:
+            tmp = ckpt.with_suffix(".tmp")
+            torch.save(
+                {"dit": model.state_dict(), "text": text.state_dict(), "opt": opt.state_dict(), "step": step}, tmp
+            )
+            tmp.replace(ckpt)
+            (out / "dit_run.json").write_text(json.dumps({**asdict(run), "config": asdict(dit_cfg)}, indent=1))
+    curve.close()

@@ -1,0 +1,128 @@
+"""Training the embedded default's VAE on the synthetic grammar (tools/train_default vae).
+
+The decoder is the shipped `WanVAEDecoder` at the tiny preset's widths, trained through the same
+modules and kernels it decodes with (`decode_clip`); the encoder (`encoder.py`) is thrown away
+after. Clips come from `synthetic.clip`: 1 + 4k frames of a captioned object, cropped. The loss
+is L1 on pixels, with the object's pixels (the ground truth's box) weighted up, since the object
+covers a few percent of a frame and is what the checker reads, plus a small KL term that keeps
+the latents smooth for the DiT. A run resumes from its last checkpoint; every logged step goes to
+`curve.jsonl`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ..models.wan.vae import VAEConfig, WanVAEDecoder, decode_clip
+from ..synthetic import Caption, clip
+from .encoder import WanVAEEncoder
+
+
+@dataclass
+class VAERun:
+    steps: int = 3000
+    batch: int = 2
+    frames: int = 9  # 1 + 4k: the shot's first frame and two 4-frame groups
+    crop: tuple[int, int] = (128, 144)  # (width, height) of the random crop, multiples of 16
+    lr: float = 1e-3
+    kl: float = 1e-5
+    object_weight: float = 8.0
+    seed: int = 0
+    log_every: int = 25
+    save_every: int = 200
+
+
+def batch_of(run: VAERun, rng: random.Random, width: int = 256, height: int = 144) -> tuple[torch.Tensor, torch.Tensor]:
+    """(B, 3, T, h, w) in [-1, 1] and the object mask (B, 1, T, h, w), cropped from full frames
+    around the object's path so it is in the crop in most frames."""
+    cw, ch = run.crop
+    xs, ms = [], []
+    for _ in range(run.batch):
+        c = clip(Caption.random(rng), frames=run.frames, width=width, height=height, rng=rng)
+        boxes = c.boxes
+        cx = int(np.clip((boxes[:, 0].mean() + boxes[:, 2].mean()) / 2 - cw / 2 + rng.uniform(-24, 24), 0, width - cw))
+        cy = int(np.clip((boxes[:, 1].mean() + boxes[:, 3].mean()) / 2 - ch / 2 + rng.uniform(-24, 24), 0, height - ch))
+        f = c.frames[:, cy : cy + ch, cx : cx + cw]
+        mask = np.zeros(f.shape[:3], dtype=np.float32)
+        for i, (x0, y0, x1, y1) in enumerate(boxes):
+            mask[i, max(0, y0 - cy) : max(0, y1 - cy), max(0, x0 - cx) : max(0, x1 - cx)] = 1.0
+        xs.append(torch.from_numpy(f).permute(3, 0, 1, 2).float() / 127.5 - 1.0)
+        ms.append(torch.from_numpy(mask)[None])
+    return torch.stack(xs), torch.stack(ms)
+
+
+def train_vae(out: Path, cfg: VAEConfig, run: VAERun, log=print) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(run.seed)
+    enc, dec = WanVAEEncoder(cfg), WanVAEDecoder(cfg)
+    # The decoder de-normalises with these; training runs in raw latents (set after, from data).
+    dec.mean.zero_()
+    dec.std.fill_(1.0)
+    params = [*enc.parameters(), *dec.parameters()]
+    opt = torch.optim.AdamW(params, lr=run.lr, weight_decay=0.0)
+    step, ckpt = 0, out / "vae.pt"
+    if ckpt.exists():
+        state = torch.load(ckpt, weights_only=True)
+        enc.load_state_dict(state["encoder"])
+        dec.load_state_dict(state["decoder"])
+        opt.load_state_dict(state["opt"])
+        step = state["step"]
+        log(f"vae: resumed at step {step}")
+    rng = random.Random(run.seed * 7919 + step)
+    curve = (out / "vae_curve.jsonl").open("a")
+    t0, acc = time.time(), []
+    while step < run.steps:
+        lr = run.lr * min(1.0, (step + 1) / 100) * 0.5 * (1 + math.cos(math.pi * step / run.steps))
+        for g in opt.param_groups:
+            g["lr"] = lr
+        x, mask = batch_of(run, rng)
+        mu, logvar = enc(x)
+        z = mu + torch.randn_like(mu) * torch.exp(0.5 * logvar)
+        y = decode_clip(dec, z)
+        weight = 1.0 + (run.object_weight - 1.0) * mask
+        rec = ((y - x).abs() * weight).mean() / weight.mean()
+        kl = 0.5 * (mu.square() + logvar.exp() - 1.0 - logvar).mean()
+        loss = rec + run.kl * kl
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        step += 1
+        with torch.no_grad():
+            mse = (y.clamp(-1, 1) - x).square().mean().item()
+            obj = ((y.clamp(-1, 1) - x).abs() * mask).sum().item() / max(1.0, 3 * mask.sum().item())
+        acc.append((rec.item(), kl.item(), mse, obj))
+        if step % run.log_every == 0 or step == run.steps:
+            r, k, e, o = (float(np.mean(v)) for v in zip(*acc, strict=True))
+            rec_row = {
+                "step": step,
+                "rec_l1": r,
+                "kl": k,
+                "psnr_db": 10 * math.log10(4.0 / max(e, 1e-10)),
+                "object_l1": o,
+                "lr": lr,
+                "elapsed_s": time.time() - t0,
+            }
+            curve.write(json.dumps(rec_row) + "\n")
+            curve.flush()
+            log(
+                f"vae step {step}: L1 {r:.4f} (object {o:.3f}), PSNR {rec_row['psnr_db']:.1f} dB, KL {k:.2f}, "
+                f"{(time.time() - t0) / len(acc):.2f} s/step"
+            )
+            acc, t0 = [], time.time()
+        if step % run.save_every == 0 or step == run.steps:
+            tmp = ckpt.with_suffix(".tmp")
+            torch.save(
+                {"encoder": enc.state_dict(), "decoder": dec.state_dict(), "opt": opt.state_dict(), "step": step}, tmp
+            )
+            tmp.replace(ckpt)
+            (out / "vae_run.json").write_text(json.dumps({**asdict(run), "config": asdict(cfg)}, indent=1))
+    curve.close()

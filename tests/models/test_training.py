@@ -1,0 +1,88 @@
+"""Training the embedded default (streamdiff/train, tools/train_default): the paths training
+backpropagates through compute what inference computes, the encoder is causal and shaped for the
+decoder, and a run writes its curve, checkpoints and resumes where it stopped."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+
+from streamdiff.models.wan.dit import DiTConfig, WanDiT
+from streamdiff.models.wan.vae import VAEConfig, WanVAEDecoder, decode_clip
+from streamdiff.train.encoder import WanVAEEncoder
+
+VAE = VAEConfig(base_dim=4, num_res_blocks=0)
+
+
+def test_the_training_decode_is_the_inference_decode_and_backpropagates():
+    torch.manual_seed(0)
+    vae = WanVAEDecoder(VAE)
+    z = torch.randn(1, 16, 3, 4, 6)
+    with torch.no_grad():
+        ref = vae.decode(z, vae.new_state())
+    y = decode_clip(vae, z)
+    assert y.shape == ref.shape == (1, 3, 9, 32, 48)
+    assert (y.clamp(-1, 1) - ref).abs().max().item() < 1e-5
+    y.square().mean().backward()
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in vae.parameters())
+
+
+def test_the_encoder_is_causal_and_gives_the_decoders_latent_shape():
+    torch.manual_seed(0)
+    enc = WanVAEEncoder(VAE)
+    x = torch.randn(1, 3, 9, 32, 48)
+    mu, logvar = enc(x)
+    assert mu.shape == logvar.shape == (1, 16, 3, 4, 6)  # 1 + 4k frames -> 1 + k latent frames
+    later = x.clone()
+    later[:, :, 5:] += 1.0  # frames of the last latent frame only
+    mu2, _ = enc(later)
+    assert torch.equal(mu2[:, :, :2], mu[:, :, :2]) and not torch.equal(mu2[:, :, 2], mu[:, :, 2])
+
+
+def test_the_dit_under_autograd_streams_the_same_blocks_as_inference():
+    """Under autograd the KV cache replaces its buffers instead of writing into them, so the
+    graph keeps every block's keys; the numbers are those of the in-place inference path."""
+    cfg = DiTConfig(dim=24, ffn_dim=48, freq_dim=16, num_heads=2, num_layers=2, text_dim=8, text_len=5)
+    torch.manual_seed(0)
+    model = WanDiT(cfg)
+    ctx = torch.randn(1, 5, 8)
+    blocks = [torch.randn(1, 16, 2, 4, 6) for _ in range(3)]
+
+    def stream(grad: bool):
+        with torch.set_grad_enabled(grad):
+            st = model.new_state(4, 6, window_frames=6)
+            st.cross = [blk.cross_attn.project_context(model.text_embedding(ctx)) for blk in model.blocks]
+            outs = []
+            for x in blocks:
+                outs.append(model._forward(x, torch.full((1, 2), 600.0), [st], commit=False))
+                model._forward(x, torch.zeros(1, 2), [st], commit=True)
+            return outs
+
+    ref, got = stream(False), stream(True)
+    for a, b in zip(got, ref, strict=True):
+        assert (a.detach() - b).abs().max().item() < 1e-5
+    torch.stack(got).square().mean().backward()
+    assert model.blocks[0].self_attn.k.weight.grad.abs().sum() > 0  # through the cached keys too
+
+
+def test_a_training_run_logs_checkpoints_and_resumes(tmp_path):
+    from streamdiff.models.wan.sampler import SamplerConfig
+    from streamdiff.train.dit import DiTRun, encode_dataset, train_dit
+    from streamdiff.train.vae import VAERun, train_vae
+
+    run = VAERun(steps=2, batch=1, frames=5, crop=(64, 48), log_every=1, save_every=1)
+    train_vae(tmp_path, VAE, run, log=lambda s: None)
+    train_vae(tmp_path, VAE, VAERun(**{**run.__dict__, "steps": 3}), log=lambda s: None)  # resumes at 2
+    curve = [json.loads(line) for line in (tmp_path / "vae_curve.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in curve] == [1, 2, 3] and all(r["rec_l1"] > 0 for r in curve)
+    sampler = SamplerConfig(frames_per_block=1, window_frames=4)
+    dit_run = DiTRun(steps=2, batch=2, blocks=2, clips=3, log_every=1, save_every=1)
+    encode_dataset(tmp_path, VAE, sampler, dit_run, log=lambda s: None)
+    data = torch.load(tmp_path / "latents.pt", weights_only=False)
+    assert data["latents"].shape == (3, 16, 2, 18, 32) and len(data["prompts"]) == 3
+    cfg = DiTConfig(dim=24, ffn_dim=48, freq_dim=16, num_heads=2, num_layers=1, text_dim=8, text_len=64)
+    train_dit(tmp_path, cfg, sampler, dit_run, text_seed=1, log=lambda s: None)
+    rows = [json.loads(line) for line in (tmp_path / "dit_curve.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2] and len(rows[0]["per_block"]) == 2
+    assert torch.load(tmp_path / "dit.pt", weights_only=True)["step"] == 2
