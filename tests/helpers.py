@@ -219,6 +219,16 @@ def assert_same_video(got: bytes, ref: bytes, min_psnr_db: float = 30.0) -> None
         assert psnr >= min_psnr_db, f"frame {i}: PSNR {psnr:.1f} dB"
 
 
+def assert_same_as_one_dit_and_vae(got: bytes, body: dict) -> None:
+    """`got` is the video a plain daemon (one DiT worker, one VAE worker) streams for `body`."""
+    ref = Daemon("--dit-gpus", "1", "--vae-gpus", "1")
+    try:
+        want, _, _ = stream_video(ref.url, body)
+    finally:
+        assert ref.stop() == 0, ref.logs()
+    assert_same_video(got, want)
+
+
 def decode(data: bytes, strict: bool = True) -> dict:
     """Decode with PyAV (FFmpeg): frame count, size, rate, keyframe indices, the frames.
     strict=False: stop quietly at the first error, as a player does with a truncated file."""

@@ -14,7 +14,7 @@ import time
 import httpx
 import pytest
 
-from .helpers import ROOT, Daemon, assert_same_video, stream_video
+from .helpers import ROOT, Daemon, assert_same_as_one_dit_and_vae, assert_same_video, stream_video
 from .test_daemon_stream import check_video
 
 STORY = {
@@ -42,12 +42,7 @@ def test_a_dit_group_streams_the_same_video_as_one_dit(sp2):
     assert sorted(health["workers"]) == ["dit0", "dit1", "vae0.0"]
     got, _, _ = stream_video(sp2.url, STORY)
     check_video(got, 48, 256, 144, 16)
-    ref = Daemon("--dit-gpus", "1", "--vae-gpus", "1")
-    try:
-        want, _, _ = stream_video(ref.url, STORY)
-    finally:
-        assert ref.stop() == 0
-    assert_same_video(got, want)
+    assert_same_as_one_dit_and_vae(got, STORY)
 
 
 @pytest.mark.timeout(300)

@@ -29,6 +29,7 @@ from ..models.wan.sampler import SamplerConfig
 from ..models.wan.text import TinyTextEncoder
 from ..models.wan.vae import VAEConfig
 from ..synthetic import Caption, clip
+from . import resume, save
 from .encoder import WanVAEEncoder
 
 
@@ -89,14 +90,8 @@ def train_dit(out: Path, dit_cfg: DiTConfig, sampler: SamplerConfig, run: DiTRun
     model, text = WanDiT(dit_cfg), TinyTextEncoder(dit_cfg.text_dim, dit_cfg.text_len, seed=text_seed)
     params = [*model.parameters(), *text.parameters()]
     opt = torch.optim.AdamW(params, lr=run.lr, weight_decay=0.01)
-    step, ckpt = 0, out / "dit.pt"
-    if ckpt.exists():
-        state = torch.load(ckpt, weights_only=True)
-        model.load_state_dict(state["dit"])
-        text.load_state_dict(state["text"])
-        opt.load_state_dict(state["opt"])
-        step = state["step"]
-        log(f"dit: resumed at step {step}")
+    ckpt, modules = out / "dit.pt", {"dit": model, "text": text}
+    step = resume(ckpt, modules, opt, log)
     rng = np.random.default_rng(run.seed * 7919 + step)
     fpb, h, w = sampler.frames_per_block, z_all.shape[-2], z_all.shape[-1]
     curve = (out / "dit_curve.jsonl").open("a")
@@ -139,10 +134,6 @@ def train_dit(out: Path, dit_cfg: DiTConfig, sampler: SamplerConfig, run: DiTRun
             log(f"dit step {step}: loss {row['loss']:.4f} (blocks {blocks}), {row['elapsed_s'] / len(acc):.2f} s/step")
             acc, t0 = [], time.time()
         if step % run.save_every == 0 or step == run.steps:
-            tmp = ckpt.with_suffix(".tmp")
-            torch.save(
-                {"dit": model.state_dict(), "text": text.state_dict(), "opt": opt.state_dict(), "step": step}, tmp
-            )
-            tmp.replace(ckpt)
+            save(ckpt, modules, opt, step)
             (out / "dit_run.json").write_text(json.dumps({**asdict(run), "config": asdict(dit_cfg)}, indent=1))
     curve.close()
