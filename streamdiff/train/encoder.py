@@ -1,11 +1,14 @@
 """The Wan 2.1 VAE encoder, for training the embedded default's decoder (tools/train_default).
 
 Only the decoder ships (models/wan/vae.py); the encoder exists to give it latents to learn from,
-so it is written for training: whole clips from the start of a shot, standard torch ops, no
-cache. The structure is Wan's `Encoder3d` + `conv1`: a causal 3x3x3 stem, per stage residual
-blocks then a downsampler (zero pad right/bottom, 3x3 stride-2 conv; with a causal stride-2
-temporal conv where the stage downsamples time, the shot's first frame passing alone), a middle
-of residual block, per-frame attention, residual block, and a head to mean and log-variance.
+so it is written for training, in standard torch ops: a whole clip from the start of a shot, or a
+long clip chunk by chunk (`stream`: each causal conv keeps its last input frames for the next
+chunk, as the decoder's cache does, so a chunk's latents equal the whole clip's).
+
+The structure is Wan's `Encoder3d` + `conv1`: a causal 3x3x3 stem, per stage residual blocks
+then a downsampler (zero pad right/bottom, 3x3 stride-2 conv; with a causal stride-2 temporal
+conv where the stage downsamples time, the shot's first frame passing alone), a middle of
+residual block, per-frame attention, residual block, and a head to mean and log-variance.
 1 + 4k frames give 1 + k latent frames, as the decoder expects.
 """
 
@@ -19,15 +22,23 @@ from ..models.wan.vae import VAEConfig
 
 
 class CausalConv3d(nn.Conv3d):
-    """Pads 2 * p_t frames in front (zeros: a shot's start), p_h and p_w on both sides."""
+    """Pads 2 * p_t frames in front (zeros at a shot's start; in a stream, the previous chunk's
+    last frames), p_h and p_w on both sides."""
 
     def __init__(self, cin: int, cout: int, kernel, stride=1, padding=0) -> None:
         super().__init__(cin, cout, kernel, stride=stride, padding=0)
         p = (padding,) * 3 if isinstance(padding, int) else padding
         self._pad = (p[2], p[2], p[1], p[1], 2 * p[0], 0)
+        self.streaming, self.prev = False, None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return super().forward(F.pad(x, self._pad))
+        front = self._pad[4]
+        if not (self.streaming and front):
+            return super().forward(F.pad(x, self._pad))
+        prev = self.prev if self.prev is not None else x.new_zeros(*x.shape[:2], front, *x.shape[3:])
+        x = torch.cat([prev, x], dim=2)
+        self.prev = x[:, :, -front:]
+        return super().forward(F.pad(x, self._pad[:4]))
 
 
 class RMSNorm(nn.Module):
@@ -79,13 +90,22 @@ class Downsample(nn.Module):
         super().__init__()
         self.resample = nn.Conv2d(dim, dim, 3, stride=2)
         self.time_conv = nn.Conv3d(dim, dim, (3, 1, 1), stride=(2, 1, 1)) if temporal else None
+        self.streaming, self.prev = False, None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, c, t, h, w = x.shape
         f = F.pad(x.transpose(1, 2).reshape(b * t, c, h, w), (0, 1, 0, 1))
         y = self.resample(f)
         x = y.view(b, t, c, *y.shape[-2:]).transpose(1, 2)
-        if self.time_conv is not None and t > 1:
+        if self.time_conv is None:
+            return x
+        if self.streaming and self.prev is not None:
+            # A later chunk (an even number of frames): its pairs with the frame before each.
+            x = torch.cat([self.prev, x], dim=2)
+            self.prev = x[:, :, -1:]
+            return self.time_conv(x)
+        self.prev = x[:, :, -1:]
+        if t > 1:
             # The first frame alone; each later pair of frames with the frame before it.
             x = torch.cat([x[:, :, :1], self.time_conv(x)], dim=2)
         return x
@@ -110,6 +130,19 @@ class WanVAEEncoder(nn.Module):
         self.middle = nn.Sequential(ResBlock(d, d), Attention(d), ResBlock(d, d))
         self.head = nn.Sequential(RMSNorm(d), nn.SiLU(), CausalConv3d(d, 2 * cfg.z_dim, 3, padding=1))
         self.quant = CausalConv3d(2 * cfg.z_dim, 2 * cfg.z_dim, 1)
+
+    def stream(self, on: bool = True) -> None:
+        """Start (or end) encoding a clip chunk by chunk: the first chunk 1 + 4k frames, each
+        later one 4k frames; every call continues where the last chunk stopped."""
+        for m in self.modules():
+            if hasattr(m, "streaming"):
+                m.streaming, m.prev = on, None
+
+    def detach_stream(self) -> None:
+        """Cut the graph at the chunk boundary (truncated backpropagation through time)."""
+        for m in self.modules():
+            if getattr(m, "prev", None) is not None:
+                m.prev = m.prev.detach()
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(B, 3, 1 + 4k, H, W) in [-1, 1] -> mean and log-variance, (B, z_dim, 1 + k, H/8, W/8)."""

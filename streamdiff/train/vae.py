@@ -3,7 +3,11 @@
 The decoder is the shipped `WanVAEDecoder` at the tiny preset's widths, trained through the same
 modules and kernels it decodes with (`decode_clip`); the encoder (`encoder.py`) is thrown away
 after. Clips come from `synthetic.clip`: 1 + 4k frames of a captioned object, cropped around the
-object. The loss is L1 + squared error on pixels, the object's pixels (the ground truth's box)
+object. Long clips train chunk by chunk (`chunk`): encoder and decoder carry their causal caches
+from one chunk to the next, detached (truncated backpropagation through time), one optimiser step
+per chunk, so the decoder learns the steady state a streamed video reaches after the first few
+blocks, which clips shorter than its temporal receptive field (about 15 latent frames) never
+show. The loss is L1 + squared error on pixels, the object's pixels (the ground truth's box)
 weighted up, since the object covers a few percent of a frame and is what the checker reads,
 plus a small penalty on the latents that keeps them bounded for the DiT.
 
@@ -37,8 +41,11 @@ class VAERun:
     steps: int = 3000
     batch: int = 4
     frames: int = 9  # 1 + 4k: the shot's first frame and two 4-frame groups
+    chunk: int = 0  # latent frames per chunk of a clip (0: the whole clip at once)
     crop: tuple[int, int] = (64, 48)  # (width, height) of the crop around the object, multiples of 16
     lr: float = 2e-3  # 1e-3 left the background colours unlearnt after 300 steps
+    # The cosine schedule runs from the step a run starts (or resumes) at to `steps`: a run that
+    # continues a checkpoint with other clips is a new phase with its own warmup.
     kl: float = 1e-4  # on the means only: a deterministic autoencoder whose latents stay bounded
     object_weight: float = 8.0
     seed: int = 0
@@ -75,19 +82,33 @@ def train_vae(out: Path, cfg: VAEConfig, run: VAERun, log=print) -> None:
     params = [*enc.parameters(), *dec.parameters()]
     opt = torch.optim.AdamW(params, lr=run.lr, weight_decay=0.0)
     ckpt, modules = out / "vae.pt", {"encoder": enc, "decoder": dec}
-    step = resume(ckpt, modules, opt, log)
+    step = start = resume(ckpt, modules, opt, log)
     rng = random.Random(run.seed * 7919 + step)
     curve = (out / "vae_curve.jsonl").open("a")
     t0, acc = time.time(), []
+    latents = (run.frames - 1) // 4 + 1
+    chunk = run.chunk or latents
+    if latents % chunk:
+        raise ValueError(f"{latents} latent frames do not split into chunks of {chunk}")
+    x = mask = state = None
+    i = latents
     while step < run.steps:
-        lr = run.lr * min(1.0, (step + 1) / 100) * 0.5 * (1 + math.cos(math.pi * step / run.steps))
+        phase = (step - start) / max(1, run.steps - start)
+        lr = run.lr * min(1.0, (step - start + 1) / 100) * 0.5 * (1 + math.cos(math.pi * phase))
         for g in opt.param_groups:
             g["lr"] = lr
-        x, mask = batch_of(run, rng)
-        mu, _ = enc(x)
-        y = decode_clip(dec, mu)
-        weight = 1.0 + (run.object_weight - 1.0) * mask
-        err = y - x
+        if i >= latents:  # a new clip: both caches start at a shot's start
+            x, mask = batch_of(run, rng)
+            i, state = 0, dec.new_state()
+            enc.stream(chunk < latents)
+        # Frames of latent frames [i, i + chunk): the first latent frame is one frame, later ones 4.
+        f0, f1 = (0 if i == 0 else 1 + 4 * (i - 1)), 1 + 4 * (i + chunk - 1)
+        xc, mc = x[:, :, f0:f1], mask[:, :, f0:f1]
+        i += chunk
+        mu, _ = enc(xc)
+        y = decode_clip(dec, mu, state)
+        weight = 1.0 + (run.object_weight - 1.0) * mc
+        err = y - xc
         rec = ((err.abs() + err.square()) * weight).mean() / weight.mean()
         kl = 0.5 * mu.square().mean()
         loss = rec + run.kl * kl
@@ -95,10 +116,12 @@ def train_vae(out: Path, cfg: VAEConfig, run: VAERun, log=print) -> None:
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
+        enc.detach_stream()
+        state.cache = [None if c is None else c.detach() for c in state.cache]
         step += 1
         with torch.no_grad():
-            mse = (y.clamp(-1, 1) - x).square().mean().item()
-            obj = ((y.clamp(-1, 1) - x).abs() * mask).sum().item() / max(1.0, 3 * mask.sum().item())
+            mse = (y.clamp(-1, 1) - xc).square().mean().item()
+            obj = ((y.clamp(-1, 1) - xc).abs() * mc).sum().item() / max(1.0, 3 * mc.sum().item())
         acc.append((rec.item(), kl.item(), mse, obj))
         if step % run.log_every == 0 or step == run.steps:
             r, k, e, o = (float(np.mean(v)) for v in zip(*acc, strict=True))

@@ -40,6 +40,26 @@ def test_the_encoder_is_causal_and_gives_the_decoders_latent_shape():
     assert torch.equal(mu2[:, :, :2], mu[:, :, :2]) and not torch.equal(mu2[:, :, 2], mu[:, :, 2])
 
 
+def test_a_long_clip_chunk_by_chunk_is_the_whole_clip():
+    """Truncated backpropagation through time: encoder and decoder carry their causal caches
+    across chunks (the first 1 + 4k frames, then 4k each), and the chunks' latents and frames
+    equal the whole clip's, so training on chunks trains what a streamed video computes."""
+    torch.manual_seed(0)
+    enc, dec = WanVAEEncoder(VAE), WanVAEDecoder(VAE)
+    x = torch.randn(1, 3, 1 + 4 * 7, 32, 48)
+    with torch.no_grad():
+        mu = enc(x)[0]
+        ref = decode_clip(dec, mu)
+        enc.stream()
+        state, mus, ys = dec.new_state(), [], []
+        for f0, f1 in ((0, 9), (9, 17), (17, 29)):  # 3 + 2 + 3 latent frames
+            mus.append(enc(x[:, :, f0:f1])[0])
+            ys.append(decode_clip(dec, mus[-1], state))
+            enc.detach_stream()
+    assert (torch.cat(mus, 2) - mu).abs().max().item() < 1e-5
+    assert (torch.cat(ys, 2) - ref).abs().max().item() < 1e-5 and ref.shape[2] == 29
+
+
 def test_the_dit_under_autograd_streams_the_same_blocks_as_inference():
     """Under autograd the KV cache replaces its buffers instead of writing into them, so the
     graph keeps every block's keys; the numbers are those of the in-place inference path."""
@@ -71,7 +91,7 @@ def test_a_training_run_logs_checkpoints_and_resumes(tmp_path):
     from streamdiff.train.dit import DiTRun, encode_dataset, train_dit
     from streamdiff.train.vae import VAERun, train_vae
 
-    run = VAERun(steps=2, batch=1, frames=5, crop=(64, 48), log_every=1, save_every=1)
+    run = VAERun(steps=2, batch=1, frames=9, chunk=1, crop=(64, 48), log_every=1, save_every=1)
     train_vae(tmp_path, VAE, run, log=lambda s: None)
     train_vae(tmp_path, VAE, VAERun(**{**run.__dict__, "steps": 3}), log=lambda s: None)  # resumes at 2
     curve = [json.loads(line) for line in (tmp_path / "vae_curve.jsonl").read_text().splitlines()]

@@ -429,12 +429,15 @@ class WanVAEDecoder(nn.Module):
         return x.clamp_(-1.0, 1.0)
 
 
-def decode_clip(vae: WanVAEDecoder, z: torch.Tensor) -> torch.Tensor:
-    """A whole clip from the start of a shot, with autograd and no clamp: what training the
-    embedded default's decoder backpropagates through (tools/train_default). The same modules
-    and kernels as `decode_rows`, so the trained weights mean the same at inference."""
-    ctx = Ctx(vae.new_state())
-    return vae.decoder.back(vae.decoder.front(vae._prologue(z), ctx), ctx)
+def decode_clip(vae: WanVAEDecoder, z: torch.Tensor, state: VAEState | None = None) -> torch.Tensor:
+    """A clip from the start of a shot (or, given `state`, its next chunk), with autograd and no
+    clamp: what training the embedded default's decoder backpropagates through
+    (tools/train_default). The same modules and kernels as `decode_rows`, so the trained weights
+    mean the same at inference."""
+    ctx = Ctx(state or vae.new_state())
+    out = vae.decoder.back(vae.decoder.front(vae._prologue(z), ctx), ctx)
+    ctx.state.latent_frames += z.shape[2]
+    return out
 
 
 def to_uint8_frames(x: torch.Tensor) -> torch.Tensor:
