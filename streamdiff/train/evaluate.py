@@ -1,6 +1,8 @@
 """What a training run draws (tools/train_default eval): videos generated from its checkpoints by
 the sampler and decoder the daemon runs, judged by the checker (synthetic.check) against prompts
-no training clip was drawn from, and a contact sheet of sample frames."""
+no training clip was drawn from, and a contact sheet of sample frames. `reconstruct` (tools/
+train_default recon) judges the VAE alone the same way: clips through encoder and decoder, the
+decoder streaming block by block as the daemon's VAE workers do."""
 
 from __future__ import annotations
 
@@ -52,6 +54,51 @@ def generate(dit, text, vae, sampler: SamplerConfig, prompt: str, seed: int, blo
         x0 = denoise_block(dit, st, noise, steps, renoise, sampler.context_t)
         out.append(to_uint8_frames(vae.decode(x0, vs)).numpy())
     return np.concatenate(out)
+
+
+@torch.no_grad()
+def reconstruct(out: Path, vae_cfg: VAEConfig, n: int = 24, frames: int = 61, latents_per_block: int = 3, log=print):
+    """The checker on `n` held-out clips of `frames` frames put through the VAE's encoder and
+    decoder: a DiT cannot draw better than this. Writes recon_STEP.json and recon_STEP.png
+    (input above output, first, middle and last frame, for the first four clips)."""
+    from ..synthetic import clip
+    from .encoder import WanVAEEncoder
+
+    state = torch.load(out / "vae.pt", weights_only=True)
+    enc, dec = WanVAEEncoder(vae_cfg), WanVAEDecoder(vae_cfg)
+    enc.load_state_dict(state["encoder"])
+    dec.load_state_dict(state["decoder"])
+    dec.mean.zero_()  # the checkpoint's decoder works in raw latents until the DiT's data sets them
+    dec.std.fill_(1.0)
+    rng, rows, sheet = random.Random(77), [], []
+    for cap in held_out_prompts(n):
+        c = clip(cap, frames=frames, rng=rng)
+        z = enc(torch.from_numpy(c.frames).permute(3, 0, 1, 2)[None].float() / 127.5 - 1.0)[0]
+        vs = dec.new_state()
+        y = np.concatenate(
+            [
+                to_uint8_frames(dec.decode(z[:, :, i : i + latents_per_block], vs)).numpy()
+                for i in range(0, z.shape[2], latents_per_block)
+            ]
+        )
+        got = check(y)
+        rows.append(
+            {"prompt": cap.prompt, "colour": got.colour, "direction": got.direction, "background": got.background}
+        )
+        rows[-1].update({f"{k}_ok": rows[-1][k] == getattr(cap, k) for k in ("colour", "direction", "background")})
+        rows[-1]["psnr_db"] = float(10 * np.log10(255.0**2 / max(1e-6, ((y.astype(float) - c.frames) ** 2).mean())))
+        if len(sheet) < 4:
+            idx = (0, frames // 2, frames - 1)
+            sheet.append(np.concatenate([np.concatenate([c.frames[i], y[i]]) for i in idx], axis=1))
+    summary = {"step": state["step"], "clips": n, "frames": frames}
+    summary.update({k: sum(r[f"{k}_ok"] for r in rows) / n for k in ("colour", "direction", "background")})
+    summary["psnr_db"] = float(np.mean([r["psnr_db"] for r in rows]))
+    (out / f"recon_{state['step']}.json").write_text(json.dumps({**summary, "clips_checked": rows}, indent=1))
+    from PIL import Image
+
+    Image.fromarray(np.concatenate(sheet, axis=0)).save(out / f"recon_{state['step']}.png")
+    log(json.dumps(summary))
+    return summary
 
 
 def held_out_prompts(n: int, seed: int = 4242) -> list[Caption]:

@@ -106,3 +106,11 @@ def test_a_training_run_logs_checkpoints_and_resumes(tmp_path):
     rows = [json.loads(line) for line in (tmp_path / "dit_curve.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2] and len(rows[0]["per_block"]) == 2
     assert torch.load(tmp_path / "dit.pt", weights_only=True)["step"] == 2
+    from streamdiff.train.evaluate import evaluate, reconstruct
+
+    rec = reconstruct(tmp_path, VAE, n=2, frames=9, latents_per_block=1, log=lambda s: None)
+    assert rec["step"] == 3 and (tmp_path / "recon_3.json").exists() and (tmp_path / "recon_3.png").exists()
+    assert 0.0 <= rec["colour"] <= 1.0 and rec["psnr_db"] > 0
+    got = evaluate(tmp_path, cfg, VAE, sampler, text_seed=1, n=2, blocks=2, log=lambda s: None)
+    report = json.loads((tmp_path / "eval_2.json").read_text())
+    assert got["prompts"] == 2 and len(report["videos"]) == 2 and (tmp_path / "sheet_2.png").exists()
