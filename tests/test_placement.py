@@ -214,6 +214,9 @@ def test_a_measured_cost_of_sharing_a_core_slows_the_predicted_hybrid():
     costly = predict(prof, Layout("hybrid", 1, 2)).w1_steady_fps
     assert costly < 0.9 * free
     assert costly > 0.95 * predict(prof, Layout("disaggregated", 1, 1)).w1_steady_fps
+    # The probe's DiT timed alone just before it: the share is taken against that minute's speed.
+    prof.sizes["256x144"]["hybrid"]["dit"]["alone_ms"] = 160.0
+    assert Costs(prof, (256, 144), 1).beside == pytest.approx(160 / (400 * 0.5))
 
 
 def test_the_planner_ranks_by_objective_and_follows_the_balance():
@@ -361,6 +364,7 @@ def test_streamdiffd_profile_measures_this_machine(tmp_path):
         assert "DiT group of 2" in r.stdout
         probe = fig["hybrid"]  # a DiT below shard 0 on its core while the group decodes
         assert probe["dit"]["own_ms"] > 0 and probe["dit"]["wall_ms"] >= probe["dit"]["own_ms"] * 0.9
+        assert probe["dit"]["alone_ms"] > 0
         assert [x["rows"] for x in probe["group"]] == [1, 3]
     assert "DiT/VAE" in r.stdout
 

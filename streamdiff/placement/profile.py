@@ -37,6 +37,7 @@ VERSION = 1
 FRESH_S = 30 * 86400  # a cached profile older than this is measured again
 STEADY_BLOCKS = 6  # steady blocks timed per measurement (after a shot's first): the DiT's window fills
 GROUP_SIZES_MAX = 4
+ALONE_BLOCKS = 3  # the hybrid probe's DiT: blocks timed alone just before the shards start
 
 
 def cpu_model() -> str:
@@ -237,15 +238,22 @@ def _dit_beside_child(spec, device, cpus, size, stop, out) -> None:
         eng.set_scene(sess, "profile", cut=True)
         for _ in range(-(-sess.state.kv.window // fpb)):  # a full window, as in a stream
             eng.generate_block(sess, fpb)
-        out.put(("ok", {"ready": True}))
+        # Its time alone on the core, seconds before the shards start: the reference the probe's
+        # share is taken against, at this minute's speed (the machine's drifts between rounds).
         clock = Stopwatch(device, 1)
+        clock.start()
+        for _ in range(ALONE_BLOCKS):
+            eng.generate_block(sess, fpb)
+        alone_ms = 1000 * clock.stop()[0] / ALONE_BLOCKS
+        out.put(("ok", {"ready": True}))
         clock.start()
         blocks = 0
         while not stop.is_set():
             eng.generate_block(sess, fpb)
             blocks += 1
         wall, own = clock.stop()
-        out.put(("ok", {"own_ms": 1000 * own / max(1, blocks), "wall_ms": 1000 * wall / max(1, blocks)}))
+        res = {"own_ms": 1000 * own / max(1, blocks), "wall_ms": 1000 * wall / max(1, blocks), "alone_ms": alone_ms}
+        out.put(("ok", res))
     except Exception:
         out.put(("error", traceback.format_exc()))
 

@@ -119,14 +119,16 @@ class Costs:
     def _beside(self, probe: dict | None) -> float:
         """How much of the time a decoding shard leaves free on its core a low-priority DiT turns
         into work (the profile's hybrid probe): the two switch at every halo exchange, and the
-        DiT's caches go cold. 1 when not measured."""
+        DiT's caches go cold. 1 when not measured. The DiT's time alone is the probe's own, taken
+        seconds before it (profiles from before it was recorded: the DiT's measurement)."""
         if not probe:
             return 1.0
         shard0 = probe["group"][0]
         free = 1.0 - shard0["own_ms"] / shard0["block_ms"]
         if free <= 0 or probe["dit"]["wall_ms"] <= 0:
             return 1.0
-        return min(1.0, max(0.05, self.dit["block_ms"] / (probe["dit"]["wall_ms"] * free)))
+        alone = probe["dit"].get("alone_ms", self.dit["block_ms"])
+        return min(1.0, max(0.05, alone / (probe["dit"]["wall_ms"] * free)))
 
     def _fit(self) -> None:
         """own(rows) = front + rows * per_row, least squares over the profile's bands."""
