@@ -6,7 +6,7 @@ after. Clips come from `synthetic.clip`: 1 + 4k frames of a captioned object, cr
 object. Long clips train chunk by chunk (`chunk`): encoder and decoder carry their causal caches
 from one chunk to the next, detached (truncated backpropagation through time), one optimiser step
 per chunk, so the decoder learns the steady state a streamed video reaches after the first few
-blocks, which clips shorter than its temporal receptive field (about 15 latent frames) never
+blocks, which clips shorter than its temporal receptive field (about 21 latent frames) never
 show. The loss is L1 + squared error on pixels, the object's pixels (the ground truth's box)
 weighted up, since the object covers a few percent of a frame and is what the checker reads,
 plus a small penalty on the latents that keeps them bounded for the DiT.
