@@ -30,7 +30,7 @@ from ..models.wan.text import TinyTextEncoder
 from ..models.wan.vae import VAEConfig
 from ..synthetic import Caption, clip
 from . import resume, save
-from .encoder import WanVAEEncoder
+from .vae import load_vae
 
 
 @dataclass
@@ -55,10 +55,7 @@ def encode_dataset(out: Path, vae_cfg: VAEConfig, sampler: SamplerConfig, run: D
     path = out / "latents.pt"
     if path.exists():
         return path
-    state = torch.load(out / "vae.pt", weights_only=True)
-    enc = WanVAEEncoder(vae_cfg)
-    enc.load_state_dict(state["encoder"])
-    enc.eval()
+    enc, _, _ = load_vae(out, vae_cfg)
     rng = random.Random(run.seed + 101)
     n = clip_frames(run.blocks, sampler.frames_per_block)
     lat, prompts, t0 = [], [], time.time()

@@ -17,8 +17,9 @@ import torch
 from ..models.wan.dit import DiTConfig, WanDiT
 from ..models.wan.sampler import SamplerConfig, denoise_block, warped_timesteps
 from ..models.wan.text import TinyTextEncoder
-from ..models.wan.vae import VAEConfig, WanVAEDecoder, to_uint8_frames
+from ..models.wan.vae import VAEConfig, to_uint8_frames
 from ..synthetic import Caption, check
+from .vae import load_vae
 
 
 def load_trained(out: Path, dit_cfg: DiTConfig, vae_cfg: VAEConfig, text_seed: int):
@@ -27,8 +28,7 @@ def load_trained(out: Path, dit_cfg: DiTConfig, vae_cfg: VAEConfig, text_seed: i
     state = torch.load(out / "dit.pt", weights_only=True)
     dit.load_state_dict(state["dit"])
     text.load_state_dict(state["text"])
-    vae = WanVAEDecoder(vae_cfg)
-    vae.load_state_dict(torch.load(out / "vae.pt", weights_only=True)["decoder"])
+    _, vae, _ = load_vae(out, vae_cfg)
     vae.mean.copy_(data["mean"].view(1, -1, 1, 1, 1))
     vae.std.copy_(data["std"].view(1, -1, 1, 1, 1))
     for m in (dit, text, vae):
@@ -62,14 +62,8 @@ def reconstruct(out: Path, vae_cfg: VAEConfig, n: int = 24, frames: int = 61, la
     decoder: a DiT cannot draw better than this. Writes recon_STEP.json and recon_STEP.png
     (input above output, first, middle and last frame, for the first four clips)."""
     from ..synthetic import clip
-    from .encoder import WanVAEEncoder
 
-    state = torch.load(out / "vae.pt", weights_only=True)
-    enc, dec = WanVAEEncoder(vae_cfg), WanVAEDecoder(vae_cfg)
-    enc.load_state_dict(state["encoder"])
-    dec.load_state_dict(state["decoder"])
-    dec.mean.zero_()  # the checkpoint's decoder works in raw latents until the DiT's data sets them
-    dec.std.fill_(1.0)
+    enc, dec, step = load_vae(out, vae_cfg)
     rng, rows, sheet = random.Random(77), [], []
     for cap in held_out_prompts(n):
         c = clip(cap, frames=frames, rng=rng)
@@ -90,13 +84,13 @@ def reconstruct(out: Path, vae_cfg: VAEConfig, n: int = 24, frames: int = 61, la
         if len(sheet) < 4:
             idx = (0, frames // 2, frames - 1)
             sheet.append(np.concatenate([np.concatenate([c.frames[i], y[i]]) for i in idx], axis=1))
-    summary = {"step": state["step"], "clips": n, "frames": frames}
+    summary = {"step": step, "clips": n, "frames": frames}
     summary.update({k: sum(r[f"{k}_ok"] for r in rows) / n for k in ("colour", "direction", "background")})
     summary["psnr_db"] = float(np.mean([r["psnr_db"] for r in rows]))
-    (out / f"recon_{state['step']}.json").write_text(json.dumps({**summary, "clips_checked": rows}, indent=1))
+    (out / f"recon_{step}.json").write_text(json.dumps({**summary, "clips_checked": rows}, indent=1))
     from PIL import Image
 
-    Image.fromarray(np.concatenate(sheet, axis=0)).save(out / f"recon_{state['step']}.png")
+    Image.fromarray(np.concatenate(sheet, axis=0)).save(out / f"recon_{step}.png")
     log(json.dumps(summary))
     return summary
 

@@ -72,6 +72,20 @@ def batch_of(run: VAERun, rng: random.Random, width: int = 256, height: int = 14
     return torch.stack(xs), torch.stack(ms)
 
 
+def load_vae(out: Path, cfg: VAEConfig) -> tuple[WanVAEEncoder, WanVAEDecoder, int]:
+    """A run's trained encoder and decoder (eval mode, no grad) and the step they reached. The
+    decoder de-normalises with mean 0 and std 1 (raw latents) until the DiT's data sets them."""
+    state = torch.load(out / "vae.pt", weights_only=True)
+    enc, dec = WanVAEEncoder(cfg), WanVAEDecoder(cfg)
+    enc.load_state_dict(state["encoder"])
+    dec.load_state_dict(state["decoder"])
+    dec.mean.zero_()
+    dec.std.fill_(1.0)
+    for m in (enc, dec):
+        m.eval().requires_grad_(False)
+    return enc, dec, state["step"]
+
+
 def train_vae(out: Path, cfg: VAEConfig, run: VAERun, log=print) -> None:
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(run.seed)
