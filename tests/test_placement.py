@@ -219,6 +219,23 @@ def test_a_measured_cost_of_sharing_a_core_slows_the_predicted_hybrid():
     assert Costs(prof, (256, 144), 1).beside == pytest.approx(160 / (400 * 0.5))
 
 
+def test_the_hosts_work_beside_the_dit_slows_the_aggregated_worker_not_the_disaggregated_pipeline():
+    """On the CPU the supervisor encodes on the DiT workers' cores. The profile measured each
+    DiT beside that work: 30 ms a block more. disagg-1+1 hides it in the DiT's slack (VAE-bound
+    at 200 ms); agg-1x2t's worker runs DiT then VAE, so every block takes it on."""
+    from streamdiff.placement.sim import Layout
+
+    layouts = {"disagg-1+1": Layout("disaggregated", 1, 1), "agg-1x2t": Layout("aggregated", 1, 1, threads=2)}
+    prof = synthetic(100.0, 200.0, dit2=60.0, vae2=110.0)
+    before = {name: predict(prof, lay).w1_steady_fps for name, lay in layouts.items()}
+    for t in ("1", "2"):
+        prof.sizes["256x144"]["dit"][t]["host_block_ms"] = prof.sizes["256x144"]["dit"][t]["block_ms"] + 30.0
+    after = {name: predict(prof, lay).w1_steady_fps for name, lay in layouts.items()}
+    assert after["disagg-1+1"] == pytest.approx(before["disagg-1+1"], rel=0.01)
+    assert before["agg-1x2t"] == pytest.approx(w1_steady_fps(0.170), rel=0.03)
+    assert after["agg-1x2t"] == pytest.approx(w1_steady_fps(0.200), rel=0.03)
+
+
 def test_the_planner_ranks_by_objective_and_follows_the_balance():
     from streamdiff.config import Config
     from streamdiff.models.spec import PRESET_FACTS
@@ -354,6 +371,7 @@ def test_streamdiffd_profile_measures_this_machine(tmp_path):
     fig = prof.sizes["64x32"]
     assert fig["dit"]["1"]["block_ms"] > 0 and fig["vae"]["1"]["block_ms"] > 0 and fig["encode"]["block_ms"] > 0
     assert set(fig["dit"]["1"]["batch_ms"]) == {"2", "4"}
+    assert all(d["host_block_ms"] > 0 for d in fig["dit"].values())  # beside the host's encoding
     if prof.devices >= 2:
         assert set(fig["dit"]) == {"1", "2"}
         shards = fig["vae_group"]["2"]["equal"]
@@ -365,6 +383,9 @@ def test_streamdiffd_profile_measures_this_machine(tmp_path):
         probe = fig["hybrid"]  # a DiT below shard 0 on its core while the group decodes
         assert probe["dit"]["own_ms"] > 0 and probe["dit"]["wall_ms"] >= probe["dit"]["own_ms"] * 0.9
         assert probe["dit"]["alone_ms"] > 0
+        # its CPU time over the group's steady blocks only: it ran at most all of that time
+        seen = probe["dit"]["window"]
+        assert 0 < seen["cpu_ms"] <= seen["wall_ms"] * 1.05 and "watched" not in probe["group"][0]
         assert [x["rows"] for x in probe["group"]] == [1, 3]
     assert "DiT/VAE" in r.stdout
 

@@ -5,7 +5,8 @@ Every figure is measured by the engines the workers run, in processes pinned as 
 are (a CPU "device" is a core per thread), one measurement at a time so none competes:
 
 - DiT: a shot's first block (prompt encoding, the first block's steps) and steady blocks, alone
-  and per block in batches of 2 and 4 sessions;
+  and per block in batches of 2 and 4 sessions; on the CPU also beside the host's work per
+  block (the supervisor encodes on the DiT workers' cores);
 - VAE: the same, whole height (k = 1);
 - VAE groups of k = 2 .. min(devices, 4) shards over the real collective (gloo, nccl, xccl): the
   group's time per block, each shard's own work and its waits for neighbours, with equal bands
@@ -155,7 +156,10 @@ def _median(xs: list[float]) -> float:
     return statistics.median(xs) if xs else 0.0
 
 
-def _dit_child(spec, device, cpus, threads, sizes, batches, rank, world, addr, out) -> None:
+def _dit_child(spec, device, cpus, threads, sizes, batches, rank, world, addr, host, out) -> None:
+    """`host`: a queue to the host probe (`_host_child`), which encodes a block each time the
+    DiT starts one, on the DiT's cores (on the CPU the supervisor shares the DiT workers' cores,
+    supervisor/core.py `_pin_self`): the DiT's time per block beside the encoder."""
     try:
         _pin(device, cpus, threads)
         from ..models.engines import DiTEngine
@@ -187,7 +191,15 @@ def _dit_child(spec, device, cpus, threads, sizes, batches, rank, world, addr, o
             eng.generate_block(warm, fpb)
             sess = eng.open_session(w, h, seed=0)
             first = timed(lambda s=sess: (eng.set_scene(s, "profile", cut=True), eng.generate_block(s, fpb)))
-            steady = [timed(lambda s=sess: eng.generate_block(s, fpb)) for _ in range(STEADY_BLOCKS)]
+            # Blocks alone and beside the host alternate, so a machine whose speed drifts
+            # within seconds slows both alike.
+            steady, beside = [], []
+            for i in range(STEADY_BLOCKS * (2 if host is not None else 1)):
+                by_host = host is not None and i % 2 == 1
+                if by_host:
+                    host.put((w, h))
+                (beside if by_host else steady).append(timed(lambda s=sess: eng.generate_block(s, fpb)))
+            beside = [x[0] for x in beside]
             batch_ms = {}
             for b in batches:
                 group = [eng.open_session(w, h, seed=10 + i) for i in range(b)]
@@ -203,13 +215,39 @@ def _dit_child(spec, device, cpus, threads, sizes, batches, rank, world, addr, o
                 "own_ms": _median([x[1] for x in steady]),
                 "batch_ms": batch_ms,
             }
+            if beside:
+                res[f"{w}x{h}"]["host_block_ms"] = _median(beside)
             if sp:
                 res[f"{w}x{h}"]["collective_ms"] = _median([x[2] for x in steady])
         out.put(("ok", {"rank": rank, "sizes": res}))
     except Exception:
         out.put(("error", traceback.format_exc()))
     finally:
+        if host is not None:
+            host.put(None)
         _leave(world)
+
+
+def _host_child(cpus, sizes, fps, jobs, out) -> None:
+    """The host probe: the supervisor's work per block (encoding a block of frames into a
+    fragment) each time a (width, height) arrives on `jobs`, on the cores it is given."""
+    try:
+        if cpus and hasattr(os, "sched_setaffinity"):
+            os.sched_setaffinity(0, cpus)
+        import numpy as np
+
+        from ..media.encoder import FragmentWriter, PyAVEncoder
+
+        rng = np.random.default_rng(0)
+        frames = {(w, h): rng.integers(0, 256, (12, h, w, 3), dtype=np.uint8) for w, h in sizes}
+        writers = {(w, h): FragmentWriter(PyAVEncoder(w, h, fps), w, h, fps) for w, h in sizes}
+        blocks = 0
+        while (job := jobs.get()) is not None:
+            writers[job].fragment(frames[job], idr_first=False)
+            blocks += 1
+        out.put(("ok", {"host_blocks": blocks}))
+    except Exception:
+        out.put(("error", traceback.format_exc()))
 
 
 def _leave(world: int) -> None:
@@ -261,8 +299,9 @@ def _dit_beside_child(spec, device, cpus, size, stop, out) -> None:
 def _hybrid_probe(spec, sizes, ws, timeout_s: float) -> dict:
     """A 2-way VAE group decoding with a 1:3 split while a DiT runs beside shard 0 at low
     priority, as the hybrid layout runs: the DiT's own time per block there (sharing a core
-    costs it more than its own work alone: the two switch at every halo exchange) and the
-    group's time per block."""
+    costs it more than its own work alone: the two switch at every halo exchange), its time per
+    block at the rate it ran while the group decoded (`wall_ms`, from its CPU time over the
+    group's steady blocks: `window`) and the group's time per block."""
     from ..supervisor.topology import free_port
 
     ctx = mp.get_context("spawn")
@@ -277,7 +316,8 @@ def _hybrid_probe(spec, sizes, ws, timeout_s: float) -> dict:
                 raise RuntimeError(f"profiling failed:\n{value}")
             addr = f"tcp://127.0.0.1:{free_port()}"
             targets = [
-                (_vae_child, (spec, "cpu", _cpus(r, 1), 1, r, 2, addr, [size], [(1.0, 3.0)], (), ws)) for r in range(2)
+                (_vae_child, (spec, "cpu", _cpus(r, 1), 1, r, 2, addr, [size], [(1.0, 3.0)], (), ws, dit.pid))
+                for r in range(2)
             ]
             shards = [s["sizes"] for s in sorted(_run(targets, timeout_s), key=lambda s: s["rank"])]
             stop.set()
@@ -290,11 +330,31 @@ def _hybrid_probe(spec, sizes, ws, timeout_s: float) -> dict:
             if dit.is_alive():
                 dit.kill()
         key = f"{size[0]}x{size[1]}"
-        res[key] = {"dit": value, "group": [s[key]["1:3"] for s in shards]}
+        group = [s[key]["1:3"] for s in shards]
+        # The DiT's time per block at the rate it ran while the group decoded its steady
+        # blocks: its CPU time there over its own CPU time per block.
+        seen = group[0].pop("watched")
+        value["window"] = seen
+        value["wall_ms"] = value["own_ms"] * seen["wall_ms"] / max(seen["cpu_ms"], 1e-3)
+        res[key] = {"dit": value, "group": group}
     return res
 
 
-def _vae_child(spec, device, cpus, threads, rank, world, addr, sizes, splits, batches, working_set, out) -> None:
+def _cpu_s(pid: int) -> float:
+    """CPU seconds another process has run so far (its threads' scheduler run times, in ns)."""
+    total = 0
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            total += int((task / "schedstat").read_text().split()[0])
+        except (OSError, ValueError, IndexError):  # a thread gone since the listing
+            continue
+    return total / 1e9
+
+
+def _vae_child(spec, device, cpus, threads, rank, world, addr, sizes, splits, batches, working_set, watch, out) -> None:
+    """`watch`: a process beside rank 0 (the hybrid probe's DiT), whose CPU time rank 0 reads at
+    the start and end of its steady blocks: what that process ran while the group decoded, and
+    not while the shards started (which a timing over the shards' whole life would take in)."""
     try:
         _pin(device, cpus, threads)
         import torch
@@ -331,6 +391,8 @@ def _vae_child(spec, device, cpus, threads, rank, world, addr, sizes, splits, ba
                 decode([eng.open_session()])  # cold
                 state = eng.open_session()
                 first = decode([state])
+                if watch and rank == 0:
+                    t0, c0 = time.perf_counter(), _cpu_s(watch)
                 steady = [decode([state]) for _ in range(STEADY_BLOCKS)]
                 entry = {
                     "first_ms": first[0],
@@ -339,6 +401,11 @@ def _vae_child(spec, device, cpus, threads, rank, world, addr, sizes, splits, ba
                     "wait_ms": _median([x[2] for x in steady]),
                     "rows": steady[0][3],
                 }
+                if watch and rank == 0:
+                    entry["watched"] = {
+                        "wall_ms": 1000 * (time.perf_counter() - t0),
+                        "cpu_ms": 1000 * (_cpu_s(watch) - c0),
+                    }
                 if weights is None and batches:
                     entry["batch_ms"] = {}
                     for b in batches:
@@ -447,15 +514,23 @@ def _measure_once(cfg, kind: str, n: int, sizes: list[tuple[int, int]], timeout_
     res: dict[str, dict] = {f"{w}x{h}": {"dit": {}, "vae": {}, "vae_group": {}, "dit_group": {}} for w, h in sizes}
     for t in threads:
         cpus = _cpus(0, t) if kind == "cpu" else ()
-        (dit,) = _run([(_dit_child, (spec, dev(0), cpus, t, sizes, (2, 4), 0, 1, ""))], timeout_s)
-        (vae,) = _run([(_vae_child, (spec, dev(0), cpus, t, 0, 1, "", sizes, [None], (2,), ws))], timeout_s)
+        if kind == "cpu":  # the DiT beside the host's work per block, on the same cores
+            jobs = mp.get_context("spawn").Queue()
+            targets = [
+                (_dit_child, (spec, dev(0), cpus, t, sizes, (2, 4), 0, 1, "", jobs)),
+                (_host_child, (cpus, sizes, 16, jobs)),
+            ]
+        else:
+            targets = [(_dit_child, (spec, dev(0), cpus, t, sizes, (2, 4), 0, 1, "", None))]
+        dit = next(x for x in _run(targets, timeout_s) if "sizes" in x)
+        (vae,) = _run([(_vae_child, (spec, dev(0), cpus, t, 0, 1, "", sizes, [None], (2,), ws, 0))], timeout_s)
         for key in res:
             res[key]["dit"][str(t)] = dit["sizes"][key]
             res[key]["vae"][str(t)] = vae["sizes"][key]["equal"]
     for g in range(2, min(n, GROUP_SIZES_MAX, _heads(spec)) + 1):
         addr = f"tcp://127.0.0.1:{free_port()}"
         targets = [
-            (_dit_child, (spec, dev(r), _cpus(r, 1) if kind == "cpu" else (), 1, sizes, (2,), r, g, addr))
+            (_dit_child, (spec, dev(r), _cpus(r, 1) if kind == "cpu" else (), 1, sizes, (2,), r, g, addr, None))
             for r in range(g)
         ]
         rank0 = next(x for x in _run(targets, timeout_s) if x["rank"] == 0)
@@ -465,7 +540,7 @@ def _measure_once(cfg, kind: str, n: int, sizes: list[tuple[int, int]], timeout_
         addr = f"tcp://127.0.0.1:{free_port()}"
         splits = [None, (1.0, 3.0)] if k == 2 else [None]
         targets = [
-            (_vae_child, (spec, dev(r), _cpus(r, 1) if kind == "cpu" else (), 1, r, k, addr, sizes, splits, (), ws))
+            (_vae_child, (spec, dev(r), _cpus(r, 1) if kind == "cpu" else (), 1, r, k, addr, sizes, splits, (), ws, 0))
             for r in range(k)
         ]
         shards = [s["sizes"] for s in sorted(_run(targets, timeout_s), key=lambda s: s["rank"])]

@@ -13,7 +13,10 @@ processes whose service times come from the profile (profile.py):
   group decodes, the DiT runs at the rate the shard leaves free, times the share of that time
   the profile's hybrid probe saw a DiT turn into work (processor sharing);
 - each session's encoder is a thread of its own (libx264's measured time per block); the
-  client takes every fragment at once.
+  client takes every fragment at once. On the CPU the supervisor shares the DiT workers' cores,
+  so each block's DiT work also carries what the encoder took from the DiT (the profile's DiT
+  beside the host probe): an aggregated worker's two threads both stall while one shares its
+  core;
 
 `simulate` returns the figures `tools/bench` measures: W1 frames/s (from the request to the last
 fragment), steady frames/s, time to first fragment, and W2 goodput (concurrent streams that
@@ -111,6 +114,9 @@ class Costs:
         self.dit, self.vae1, self.enc = fig["dit"][t], fig["vae"][t], fig["encode"]
         if self.dit_group > 1:  # one DiT over g devices: its rank 0's times, all-to-alls included
             self.dit = fig["dit_group"][str(self.dit_group)]
+        # On the CPU the supervisor (the encoder threads) shares the DiT workers' cores: what
+        # encoding a block takes from the DiT, measured beside it (0 where not measured).
+        self.host_ms = max(0.0, self.dit.get("host_block_ms", self.dit["block_ms"]) - self.dit["block_ms"])
         self.groups = fig.get("vae_group", {})
         self.rows = self.size[1] // SPATIAL
         self.beside = self._beside(fig.get("hybrid"))
@@ -156,7 +162,8 @@ class Costs:
         d = self.dit
         per = self._batch(d, n, d["block_ms"])
         # A shot's first block: its prompt, its own steps, an empty cache (cheaper on the CPU).
-        return (per * n + shot_starts * (d["first_ms"] - d["block_ms"]) * per / d["block_ms"]) / 1000
+        first = shot_starts * (d["first_ms"] - d["block_ms"]) * per / d["block_ms"]
+        return (per * n + first + self.host_ms * n) / 1000
 
     def dit_own_ms(self) -> float:
         return self.dit["own_ms"]
