@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from streamdiff.models.wan.vae import to_uint8_frames
+from streamdiff.models.wan.vae import decode_stages, decoder_stages, to_uint8_frames
 
 
 def reference_decode(ref, ours, z):
@@ -58,3 +58,19 @@ def test_uint8_frames_layout(vae_pair):
     assert frames.dtype == torch.uint8 and frames.shape == (5, 32, 48, 3)
     expected = ((x[0, :, 3].permute(1, 2, 0) + 1) * 127.5).round().to(torch.uint8)
     assert torch.equal(frames[3], expected)
+
+
+def test_a_decode_cut_between_stages_equals_the_whole(vae_pair):
+    """Stages [0, c) then [c, end), each with a state of its own (as two processes would run
+    them), block by block from a shot's start, equal the whole decode at every cut."""
+    _, ours = vae_pair
+    z = torch.randn(1, 16, 7, 4, 6, generator=torch.Generator().manual_seed(10))
+    whole = ours.decode(z, ours.new_state())
+    n = len(decoder_stages(ours))
+    for cut in range(n + 1):
+        front, back, out = ours.new_state(), ours.new_state(), []
+        for start, frames in ((0, 1), (1, 3), (4, 3)):
+            x = decode_stages(ours, z[:, :, start : start + frames], front, 0, cut, frames)
+            out.append(decode_stages(ours, x, back, cut, n, frames))
+        assert (torch.cat(out, dim=2) - whole).abs().max().item() <= 1e-6, cut
+        assert front.latent_frames == back.latent_frames == 7

@@ -429,6 +429,41 @@ class WanVAEDecoder(nn.Module):
         return x.clamp_(-1.0, 1.0)
 
 
+def decoder_stages(vae: WanVAEDecoder) -> list:
+    """The decoder as a sequence of stages a decode can be cut between: the prologue with conv1
+    and the middle (stage 0), each upsampler module, the head (last). Each stage touches only
+    its own cache slots, so two processes can each run a range of stages of the same sessions
+    with their own `VAEState`s (a stage-cut layout; tools/bench_vae_cut)."""
+    d = vae.decoder
+
+    def first(x, ctx):
+        x = d.conv1(vae._prologue(x), ctx)
+        for m in d.middle:
+            x = m(x, ctx)
+        return x
+
+    def head(x, ctx):
+        return d.head[2](d.head[0](x, silu=True), ctx)
+
+    return [first, *d.upsamples, head]
+
+
+@torch.no_grad()
+def decode_stages(
+    vae: WanVAEDecoder, x: torch.Tensor, state: VAEState, lo: int, hi: int, latent_frames: int
+) -> torch.Tensor:
+    """Stages [lo, hi) of one block of one session: x is stage lo's input (normalised latents
+    for lo = 0), the result stage hi - 1's output (frames in [-1, 1] when hi is the last).
+    `latent_frames`: the block's latent frames, which the state counts. Running [0, c) and then
+    [c, end) equals `decode` exactly."""
+    stages = decoder_stages(vae)
+    ctx = Ctx(state)
+    for stage in stages[lo:hi]:
+        x = stage(x, ctx)
+    state.latent_frames += latent_frames
+    return x.clamp_(-1.0, 1.0) if hi == len(stages) else x
+
+
 def decode_clip(vae: WanVAEDecoder, z: torch.Tensor, state: VAEState | None = None) -> torch.Tensor:
     """A clip from the start of a shot (or, given `state`, its next chunk), with autograd and no
     clamp: what training the embedded default's decoder backpropagates through
