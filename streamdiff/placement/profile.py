@@ -340,8 +340,8 @@ def _hybrid_probe(spec, sizes, ws, timeout_s: float) -> dict:
     return res
 
 
-def _cpu_s(pid: int) -> float:
-    """CPU seconds another process has run so far (its threads' scheduler run times, in ns)."""
+def cpu_seconds(pid: int) -> float:
+    """CPU seconds a process has run so far, all its threads (their scheduler run times, in ns)."""
     total = 0
     for task in Path(f"/proc/{pid}/task").iterdir():
         try:
@@ -392,7 +392,7 @@ def _vae_child(spec, device, cpus, threads, rank, world, addr, sizes, splits, ba
                 state = eng.open_session()
                 first = decode([state])
                 if watch and rank == 0:
-                    t0, c0 = time.perf_counter(), _cpu_s(watch)
+                    t0, c0 = time.perf_counter(), cpu_seconds(watch)
                 steady = [decode([state]) for _ in range(STEADY_BLOCKS)]
                 entry = {
                     "first_ms": first[0],
@@ -404,7 +404,7 @@ def _vae_child(spec, device, cpus, threads, rank, world, addr, sizes, splits, ba
                 if watch and rank == 0:
                     entry["watched"] = {
                         "wall_ms": 1000 * (time.perf_counter() - t0),
-                        "cpu_ms": 1000 * (_cpu_s(watch) - c0),
+                        "cpu_ms": 1000 * (cpu_seconds(watch) - c0),
                     }
                 if weights is None and batches:
                     entry["batch_ms"] = {}
