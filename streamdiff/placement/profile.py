@@ -341,14 +341,10 @@ def _hybrid_probe(spec, sizes, ws, timeout_s: float) -> dict:
 
 
 def cpu_seconds(pid: int) -> float:
-    """CPU seconds a process has run so far, all its threads (their scheduler run times, in ns)."""
-    total = 0
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        try:
-            total += int((task / "schedstat").read_text().split()[0])
-        except (OSError, ValueError, IndexError):  # a thread gone since the listing
-            continue
-    return total / 1e9
+    """CPU seconds a process has used so far, every thread of it, those that have exited too
+    (/proc/PID/stat's utime + stime, in clock ticks: 10 ms here)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def _vae_child(spec, device, cpus, threads, rank, world, addr, sizes, splits, batches, working_set, watch, out) -> None:
