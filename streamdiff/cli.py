@@ -57,6 +57,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"))
     p.add_argument("--threads-per-worker", type=int, metavar="T", help="CPU threads per worker (default 1)")
     p.add_argument(
+        "--vae-cut",
+        type=int,
+        metavar="N",
+        help="disaggregated: the DiT workers also run the VAE decoder's first N stages (default 0)",
+    )
+    p.add_argument(
         "--objective",
         choices=("throughput", "latency", "streams"),
         help="with no layout flags the layout is planned for this (default throughput)",
@@ -94,6 +100,7 @@ def overrides_from_args(a: argparse.Namespace) -> dict[str, dict]:
         ("device", "topology", "device"),
         ("mode", "topology", "mode"),
         ("threads_per_worker", "topology", "threads_per_worker"),
+        ("vae_cut", "topology", "vae_cut"),
         ("objective", "topology", "objective"),
         ("devices", "topology", "devices"),
         ("dit_checkpoint", "model", "dit_checkpoint"),

@@ -79,6 +79,7 @@ class TopologyConfig:
     shard_front: bool = False  # VAE groups: also shard the low-resolution front (all-gather attention)
     vae_band_weights: tuple[float, ...] = ()  # rows per shard of a group in these proportions (empty: placed)
     rebalance: bool = True  # band weights follow the shards' measured times while running
+    vae_cut: int = 0  # disaggregated, VAE groups of one: the DiT workers also run the decoder's first N stages
 
 
 @dataclass(frozen=True)
@@ -349,6 +350,14 @@ def validate(cfg: Config) -> None:
         list(t.vae_band_weights),
     )
     _check(1 <= t.threads_per_worker <= 256, "topology.threads_per_worker", "must be 1-256", t.threads_per_worker)
+    _check(0 <= t.vae_cut <= 64, "topology.vae_cut", "must be 0-64 (0: the VAE workers decode whole)", t.vae_cut)
+    _check(
+        t.vae_cut == 0 or (not planned(t) and t.mode == "disaggregated" and group == 1 and t.dit_group_size == 1),
+        "topology.vae_cut",
+        "needs an explicit layout (--dit-gpus, --vae-gpus) in mode disaggregated with VAE groups of one shard "
+        "(--vae-group-size 1) and no DiT group",
+        t.vae_cut,
+    )
     _check(p.max_blocks_in_flight >= 1, "pipeline.max_blocks_in_flight", "must be >= 1", p.max_blocks_in_flight)
     _check(p.latent_slots >= 2, "pipeline.latent_slots", "must be >= 2", p.latent_slots)
     _check(p.frame_slots >= 2, "pipeline.frame_slots", "must be >= 2", p.frame_slots)

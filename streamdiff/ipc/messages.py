@@ -59,7 +59,9 @@ class GenerateBatch(Message, tag="genb"):
 
 class DecodeBlock(Message, tag="dec"):
     """VAE shard: decode latent slot `latent_slot` (shape C, f, h, w) into frame slot
-    `frame_slot` (frames_out, H, W, 3), its own rows only; `reset`: a new shot starts here."""
+    `frame_slot` (frames_out, H, W, 3), its own rows only; `reset`: a new shot starts here.
+    `data_shape`: what the slot holds when the DiT ran the decoder's first stages on it
+    (topology.vae_cut): that activation's shape (empty: the latent itself)."""
 
     session: str
     block: int
@@ -68,6 +70,7 @@ class DecodeBlock(Message, tag="dec"):
     shape: list[int]
     frames_out: int
     reset: bool = False
+    data_shape: list[int] = []
 
 
 class DecodeBatch(Message, tag="decb"):
@@ -116,6 +119,7 @@ class LatentDone(Message, tag="latent"):
     skipped: bool = False  # the session was cancelled: nothing was written
     batch: int = 1  # blocks computed together in that forward
     busy_ms: float = 0.0  # of compute_ms, the stage's own work (on the CPU: its CPU time per thread)
+    data_shape: list[int] = []  # the slot holds the decoder's first stages' output of this shape (vae_cut)
 
 
 class FramesDone(Message, tag="frames"):

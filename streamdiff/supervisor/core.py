@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import os
 import shutil
 import tempfile
@@ -21,7 +22,7 @@ import time
 import zmq
 import zmq.asyncio
 
-from ..config import Config
+from ..config import Config, ConfigError
 from ..ipc import messages as m
 from ..ipc.shm import Ring, sweep_stale
 from ..models.spec import PRESET_FACTS
@@ -70,9 +71,26 @@ class Supervisor:
     def _ring_sizes(self) -> tuple[int, int]:
         f, lim = self.facts, self.cfg.limits
         sf, fpb = f["spatial_factor"], f["frames_per_block"]
-        latent = f["latent_channels"] * fpb * (lim.max_height // sf) * (lim.max_width // sf) * 4
+        h, w = lim.max_height // sf, lim.max_width // sf
+        latent = f["latent_channels"] * fpb * h * w * 4
+        if cut := self.cfg.topology.vae_cut:  # the latent slot carries the first stages' output
+            latent = max(latent, 4 * math.prod(self._cut_shape(cut, fpb, h, w)))
         frames = fpb * f["temporal_factor"] * lim.max_height * lim.max_width * 3
         return latent, frames
+
+    def _cut_shape(self, cut: int, frames: int, h: int, w: int) -> tuple[int, ...]:
+        """What the decoder's first `cut` stages make of a block (the preset's VAE config: the
+        one written next to the weights, else the release's; the DiT worker checks each block)."""
+        from ..models.presets import get_preset
+        from ..models.wan.vae import stage_shapes
+        from .topology import model_spec
+
+        shapes = stage_shapes(get_preset(model_spec(self.cfg)).vae, frames, h, w)
+        if cut >= len(shapes):
+            raise ConfigError(
+                f"topology.vae_cut: this VAE decoder has {len(shapes)} stages; a cut is 1-{len(shapes) - 1}, got {cut}"
+            )
+        return shapes[cut - 1]
 
     async def start(self) -> None:
         instance = self.cfg.server.instance

@@ -267,6 +267,7 @@ class Ticket:
     latent_slot: int | None = None
     frame_slot: int | None = None
     shape: list[int] | None = None  # the latent's, once made
+    data_shape: list[int] | None = None  # what its slot holds, when not the latent (topology.vae_cut)
     sent_at: float = 0.0  # when it went to its current worker(s)
     batch: int | None = None  # the DiT batch it went in
     reported: set[int] = field(default_factory=set)  # VAE ranks that answered
@@ -691,7 +692,9 @@ class Scheduler:
             b = t.block
             t.frame_slot = self.frame_pool.take()
             t.state, t.sent_at, t.batch, t.reported, t.skipped = T_VAE, self.now, bid, set(), False
-            item = m.DecodeBlock(sess.id, b.index, t.latent_slot, t.frame_slot, t.shape, b.frames_out, b.shot_start)
+            item = m.DecodeBlock(
+                sess.id, b.index, t.latent_slot, t.frame_slot, t.shape, b.frames_out, b.shot_start, t.data_shape or []
+            )
             msgs.append(item)
         head = batch[0][0]
         weights = list(self.balance.weights(group, self._latent_hw(head.width, head.height)))
@@ -752,7 +755,7 @@ class Scheduler:
         if predicted:
             self.metrics.block_cost_ratio.labels("dit").observe(msg.compute_ms / predicted)
         self.balance.observe_dit(sess.dit, msg.busy_ms, self._latent_hw(sess.width, sess.height))
-        t.state, t.shape = T_LATENT, list(msg.shape)
+        t.state, t.shape, t.data_shape = T_LATENT, list(msg.shape), list(msg.data_shape)
 
     def _frames_done(self, msg: m.FramesDone) -> None:
         sess, t = self._ticket(msg.session, msg.block, T_VAE)

@@ -135,6 +135,7 @@ def build_topology(cfg: Config, control_addr: str, latent_ring: RingSpec, frame_
             cpu_memory_budget_bytes=p.cpu_memory_budget_bytes,
             faults=faults,
             low_priority=t.mode == "hybrid" and roles == ("dit",),
+            vae_cut=t.vae_cut,
         )
         for name, roles, i in lay.procs
     ]

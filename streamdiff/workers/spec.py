@@ -42,4 +42,5 @@ class WorkerSpec:
     max_batch: int = 4  # blocks of different sessions in one DiT forward or VAE call, at most this many
     incarnation: int = 0  # 0 for the first start, +1 at each restart
     low_priority: bool = False  # hybrid DiT: yields its device's CPU to the VAE shard beside it
+    vae_cut: int = 0  # the DiT runs the VAE decoder's first vae_cut stages, the VAE the rest (topology.vae_cut)
     faults: tuple[Fault, ...] = ()  # deliberate faults (tests and drills only; see workers/faults.py)

@@ -98,6 +98,17 @@ def in_order(next_block: dict[str, int], msg) -> None:
     next_block[msg.session] = due + 1
 
 
+def _check_cut(vae, cut: int) -> int:
+    """topology.vae_cut against this decoder: its number of stages (the cut must leave both
+    sides at least one)."""
+    from ..models.wan.vae import decoder_stages
+
+    n = len(decoder_stages(vae))
+    if not 0 < cut < n:
+        raise ValueError(f"topology.vae_cut: this VAE decoder has {n} stages; a cut is 1-{n - 1}, got {cut}")
+    return n
+
+
 # A VAE group's verdict on a block, agreed by an all-reduce MAX: a cancel wins over a refusal.
 RUN, REFUSE, SKIP = 0, 1, 2
 
@@ -132,6 +143,14 @@ class DiTStage:
         self.next_block: dict[str, int] = {}  # session -> the block index due next
         self.cpu_budget = spec.cpu_memory_budget_bytes
         self.max_batch = spec.max_batch
+        # topology.vae_cut: the VAE decoder's first stages run here on each block, each session
+        # with its own cache for them; the latent slot carries their output to the VAE worker.
+        self.cut, self.vae, self.vae_states = spec.vae_cut, None, {}
+        if self.cut:
+            from ..models.engines import VAEEngine
+
+            self.vae = VAEEngine(spec.model, spec.device, spec.vae_working_set_bytes).model
+            _check_cut(self.vae, self.cut)
         self.calibration = self.calibrate()
 
     def info(self) -> dict:
@@ -160,11 +179,16 @@ class DiTStage:
         self.engine.generate_block(sess, p.sampler.frames_per_block)  # the first block has its own steps
         # Steady state: a full attention window behind the timed block, as in most of a stream
         # (timed after one block, the cost came out 30-40% low and a hybrid's first bands too wide).
-        for _ in range(-(-sess.state.kv.window // p.sampler.frames_per_block) - 1):
-            self.engine.generate_block(sess, p.sampler.frames_per_block)
+        # With a cut, the block's first VAE stages are part of its cost here (warmed like the DiT).
+        fpb = p.sampler.frames_per_block
+        for i in range(-(-sess.state.kv.window // fpb) - 1):
+            self._cut_stages(sess, "calibration", i == 0, self.engine.generate_block(sess, fpb)[0])
         self.clock.start()
-        ms = _timed(self.device, lambda: self.engine.generate_block(sess, p.sampler.frames_per_block))
+        ms = _timed(
+            self.device, lambda: self._cut_stages(sess, "calibration", False, self.engine.generate_block(sess, fpb)[0])
+        )
         _, own_s = self.clock.stop()
+        self.vae_states.pop("calibration", None)
         kv = sess.state.kv
         tokens = kv.k[0].shape[2]  # window * tokens per frame
         per_token = sum(t.numel() * t.element_size() for t in (*kv.k, *kv.v)) // tokens
@@ -204,6 +228,19 @@ class DiTStage:
         self.sessions.pop(session, None)
         self.seeds.pop(session, None)
         self.next_block.pop(session, None)
+        self.vae_states.pop(session, None)
+
+    def _cut_stages(self, sess, key: str, shot_start: bool, latent: torch.Tensor) -> torch.Tensor:
+        """The latent (C, f, h, w), or with a cut its first stages' output (float32, CPU): what
+        goes into the ring slot."""
+        if not self.cut:
+            return latent
+        from ..models.wan.vae import decode_stages
+
+        if shot_start or key not in self.vae_states:
+            self.vae_states[key] = self.vae.new_state()
+        x = decode_stages(self.vae, latent[None], self.vae_states[key], 0, self.cut, latent.shape[1])
+        return x[0].float().cpu()
 
     def check(self, msg: m.GenerateBlock, sess) -> None:
         seed = self.seeds.get(msg.session)
@@ -218,6 +255,14 @@ class DiTStage:
             raise RequestError(f"{rows} rows of patches cannot be split over a DiT group of {self.world}")
         if np.prod(shape) * 4 > self.ring.spec.slot_bytes:
             raise RequestError(f"a latent block of shape {shape} does not fit a ring slot")
+        if self.cut:
+            from ..models.wan.vae import stage_shapes
+
+            out = stage_shapes(self.vae.cfg, msg.frames, *sess.latent_hw)[self.cut - 1]
+            if np.prod(out) * 4 > self.ring.spec.slot_bytes:
+                raise RequestError(
+                    f"the VAE's first {self.cut} stages make {list(out)} of a block: not a ring slot's fit"
+                )
 
     def run_batch(self, msgs: list[m.GenerateBlock], closed: set[str]) -> tuple[list, list]:
         """The next block of each message's session (the supervisor's batch: one block per
@@ -256,16 +301,27 @@ class DiTStage:
         for group in groups.values():
             outs = self.engine.generate_blocks([sess for _, sess in group], group[0][0].frames)
             latents.update({msg.session: out[0] for (msg, _), out in zip(group, outs, strict=True)})
+        data = {msg.session: self._cut_stages(sess, msg.session, msg.cut, latents[msg.session]) for msg, sess in run}
         wall, own = self.clock.stop()
         if self.rank > 0:
             return [], refusals
         n = max(1, len(run))
         ms, busy = 1000 * wall / n, 1000 * own / n  # each block's share
         for msg, _ in run:
-            latent = latents[msg.session]  # (C, f, h, w) float32, CPU
-            self.ring.array(msg.slot, latent.shape, np.float32)[...] = latent.numpy()
+            latent, out = latents[msg.session], data[msg.session]  # (C, f, h, w) float32, CPU; or a cut's
+            self.ring.array(msg.slot, out.shape, np.float32)[...] = out.numpy()
+            cut_shape = list(out.shape) if self.cut else []
             replies.append(
-                m.LatentDone(msg.session, msg.block, msg.slot, list(latent.shape), ms, batch=len(run), busy_ms=busy)
+                m.LatentDone(
+                    msg.session,
+                    msg.block,
+                    msg.slot,
+                    list(latent.shape),
+                    ms,
+                    batch=len(run),
+                    busy_ms=busy,
+                    data_shape=cut_shape,
+                )
             )
         return replies, refusals
 
@@ -301,6 +357,9 @@ class VAEStage:
         self.next_block: dict[str, int] = {}  # session -> the block index due next
         self.weights: dict[str, tuple[float, ...] | None] = {}  # session -> the band weights its cache holds
         self.slots = self.engine.model.band_slots(self.shard_front)
+        # topology.vae_cut: the DiT ran the decoder's first stages; this worker runs the rest.
+        self.cut = spec.vae_cut
+        self.stages = _check_cut(self.engine.model, self.cut) if self.cut else 0
         self.cpu_budget = spec.cpu_memory_budget_bytes
         self.max_batch = spec.max_batch
         self.calibration = self.calibrate()
@@ -399,6 +458,8 @@ class VAEStage:
             raise RequestError(f"a latent block of shape {msg.shape} does not fit a ring slot")
         if msg.frames_out * h * sf * w * sf * 3 > self.frames.spec.slot_bytes:
             raise RequestError(f"{msg.frames_out} frames of {w * sf}x{h * sf} do not fit a frame slot")
+        if self.cut and (len(msg.data_shape) != 4 or np.prod(msg.data_shape) * 4 > self.latents.spec.slot_bytes):
+            raise RequestError(f"the first stages' output of shape {msg.data_shape} is not a block's")
         try:
             return self.engine.plan((c, f, h, w), self.world, 1, weights)
         except ValueError as exc:  # e.g. fewer latent rows than shards or bad weights
@@ -465,6 +526,8 @@ class VAEStage:
         spent waiting for neighbours and this shard's band height."""
         c, f, h, w = msgs[0].shape
         sf = self.engine.preset.vae.spatial_factor
+        if self.cut:
+            return self._decode_rest(msgs), h
         plan = self.engine.plan((c, f, h, w), self.world, len(msgs), weights)
         latents = torch.stack(
             [torch.from_numpy(self.latents.array(msg.latent_slot, msg.shape, np.float32)) for msg in msgs]
@@ -478,6 +541,20 @@ class VAEStage:
             out = self.frames.array(msg.frame_slot, (msg.frames_out, h * sf, w * sf, 3), np.uint8)
             out[:, r0 * sf : r1 * sf] = strip.numpy()  # this shard's row strip, in place: no gather copy
         return (halo.wait_s if halo else 0.0), r1 - r0
+
+    def _decode_rest(self, msgs: list[m.DecodeBlock]) -> float:
+        """With a cut: the decoder's stages after it, on each block's first-stages output, one
+        session at a time (a group of one shard: no neighbours to wait for)."""
+        from ..models.wan.vae import decode_stages, to_uint8_frames
+
+        sf = self.engine.preset.vae.spatial_factor
+        for msg in msgs:
+            _, f, h, w = msg.shape
+            x = torch.from_numpy(self.latents.array(msg.latent_slot, msg.data_shape, np.float32))
+            y = decode_stages(self.engine.model, x[None], self.sessions[msg.session], self.cut, self.stages, f)
+            out = self.frames.array(msg.frame_slot, (msg.frames_out, h * sf, w * sf, 3), np.uint8)
+            out[...] = to_uint8_frames(y).numpy()
+        return 0.0
 
     def shutdown(self) -> None:
         self.latents.close()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from streamdiff.models.wan.vae import decode_stages, decoder_stages, to_uint8_frames
+from streamdiff.models.wan.vae import Ctx, decode_stages, decoder_stages, stage_shapes, to_uint8_frames
 
 
 def reference_decode(ref, ours, z):
@@ -74,3 +74,15 @@ def test_a_decode_cut_between_stages_equals_the_whole(vae_pair):
             out.append(decode_stages(ours, x, back, cut, n, frames))
         assert (torch.cat(out, dim=2) - whole).abs().max().item() <= 1e-6, cut
         assert front.latent_frames == back.latent_frames == 7
+
+
+def test_stage_shapes_are_what_the_stages_output(vae_pair):
+    """The supervisor sizes a cut's ring from `stage_shapes` before any model exists."""
+    _, ours = vae_pair
+    state, x = ours.new_state(), torch.randn(1, 16, 1, 4, 6)
+    decode_stages(ours, x, state, 0, len(decoder_stages(ours)), 1)  # a shot's first block
+    x, ctx, got = torch.randn(1, 16, 3, 4, 6), Ctx(state), []
+    for stage in decoder_stages(ours):
+        x = stage(x, ctx)
+        got.append(tuple(x.shape[1:]))
+    assert got == stage_shapes(ours.cfg, 3, 4, 6)

@@ -448,6 +448,23 @@ def decoder_stages(vae: WanVAEDecoder) -> list:
     return [first, *d.upsamples, head]
 
 
+def stage_shapes(cfg: VAEConfig, latent_frames: int, h: int, w: int) -> list[tuple[int, int, int, int]]:
+    """The output shape (C, T, H, W) of each of `decoder_stages` on a steady block of
+    `latent_frames` latent frames of h x w (a shot's first block has fewer frames): what a cut
+    after that stage hands over, which the supervisor sizes its ring with before any model is
+    built. Mirrors `Decoder3d`'s construction."""
+    dims = [cfg.base_dim * u for u in (cfg.dim_mult[-1], *cfg.dim_mult[::-1])]
+    temporal_up = cfg.temporal_downsample[::-1]
+    t = latent_frames
+    out = [(dims[0], t, h, w)]
+    for i, cout in enumerate(dims[1:]):
+        out += [(cout, t, h, w)] * (cfg.num_res_blocks + 1)
+        if i != len(cfg.dim_mult) - 1:
+            t, h, w = t * (2 if temporal_up[i] else 1), 2 * h, 2 * w
+            out.append((cout // 2, t, h, w))
+    return [*out, (3, t, h, w)]
+
+
 @torch.no_grad()
 def decode_stages(
     vae: WanVAEDecoder, x: torch.Tensor, state: VAEState, lo: int, hi: int, latent_frames: int
@@ -458,6 +475,8 @@ def decode_stages(
     [c, end) equals `decode` exactly."""
     stages = decoder_stages(vae)
     ctx = Ctx(state)
+    if lo > 0:  # an activation from another process: this decoder's device and dtype
+        x = x.to(device=vae.conv2.weight.device, dtype=vae.conv2.weight.dtype)
     for stage in stages[lo:hi]:
         x = stage(x, ctx)
     state.latent_frames += latent_frames

@@ -1,0 +1,82 @@
+"""The daemon with the VAE decoder cut between stages (`--vae-cut N`): the DiT worker runs the
+decoder's first N stages on each block and the VAE worker the rest. The video equals one DiT
+and one whole VAE (continue, re-cache and cut included), two sessions at once keep their own
+stage caches on both sides, and cuts it cannot run are refused with the reason."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from .helpers import ROOT, Daemon, assert_same_as_one_dit_and_vae, assert_same_video, stream_video
+from .test_daemon_stream import check_video
+
+STORY = {
+    "scenes": [
+        {"prompt": "a harbour at dawn", "seconds": 1},
+        {"prompt": "boats leave the harbour", "seconds": 1, "transition": "continue", "recache": True},
+        {"prompt": "a desert road", "seconds": 1, "transition": "cut", "seed": 9},
+    ],
+    "size": "256x144",
+    "seed": 4,
+}
+
+
+@pytest.fixture(scope="module")
+def cut4():
+    d = Daemon("--dit-gpus", "1", "--vae-gpus", "1", "--vae-cut", "4")
+    yield d
+    assert d.stop() == 0, d.logs()
+    assert d.segments() == []
+
+
+@pytest.mark.timeout(300)
+def test_a_cut_decoder_streams_the_same_video_as_a_whole_one(cut4):
+    got, _, _ = stream_video(cut4.url, STORY)
+    check_video(got, 48, 256, 144, 16)
+    assert_same_as_one_dit_and_vae(got, STORY)
+
+
+@pytest.mark.timeout(300)
+def test_two_sessions_at_once_keep_their_own_stage_caches(cut4):
+    """Run together (their DiT blocks batched, their stages interleaved on both workers), each
+    session's video equals itself run alone."""
+    bodies = [
+        {"prompt": "a red fox", "num_frames": 33, "size": "128x64", "seed": 1},
+        {"prompt": "a city street", "num_frames": 33, "size": "128x64", "seed": 2},
+    ]
+    alone = [stream_video(cut4.url, b)[0] for b in bodies]
+    with ThreadPoolExecutor(2) as pool:
+        together = list(pool.map(lambda b: stream_video(cut4.url, b)[0], bodies))
+    for a, t in zip(alone, together, strict=True):
+        check_video(t, 33, 128, 64, 16)
+        assert_same_video(t, a)
+    assert all(w["restarts"] == 0 for w in cut4.health()["workers"].values())
+
+
+@pytest.mark.parametrize(
+    "flags,message",
+    [
+        (["--vae-cut", "4"], "needs an explicit layout"),
+        (["--mode", "hybrid", "--dit-gpus", "1", "--vae-gpus", "2", "--vae-cut", "4"], "mode disaggregated"),
+        (["--dit-gpus", "1", "--vae-gpus", "2", "--vae-cut", "4"], "VAE groups of one shard"),
+        (["--dit-gpus", "1", "--vae-gpus", "1", "--vae-cut", "-1"], "must be 0-64"),
+    ],
+)
+def test_cuts_the_layout_cannot_run_are_refused_by_name(flags, message):
+    r = subprocess.run(
+        [sys.executable, "-m", "streamdiff.cli", *flags], cwd=ROOT, capture_output=True, text=True, timeout=60
+    )
+    assert r.returncode == 2, r.stderr
+    assert "topology.vae_cut" in r.stderr and message in r.stderr and "Traceback" not in r.stderr
+
+
+@pytest.mark.timeout(120)
+def test_a_cut_past_the_decoders_stages_fails_at_start_with_the_reason():
+    d = Daemon("--dit-gpus", "1", "--vae-gpus", "1", "--vae-cut", "9", wait=False)
+    code = d.proc.wait(timeout=100)
+    assert code != 0 and "this VAE decoder has 9 stages; a cut is 1-8, got 9" in d.logs()
+    assert "Traceback" not in d.logs()
