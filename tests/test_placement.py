@@ -132,7 +132,9 @@ def test_hybrid_and_band_weight_errors_name_the_key():
 # -- profile, simulator, planner ----------------------------------------------------------------
 
 
-def synthetic(dit_ms: float, vae_ms: float, *, dit2=None, vae2=None, group=None, encode_ms=5.0, devices=2, **kw):
+def synthetic(
+    dit_ms: float, vae_ms: float, *, dit2=None, vae2=None, group=None, encode_ms=5.0, devices=2, stages=None, **kw
+):
     """A profile at 256x144 whose figures are chosen: steady blocks cost `dit_ms` and `vae_ms`
     (a shot's first block the same), no batching gain; `group`: a 2-way VAE group's own time per
     shard at equal bands (wall the same: no waits)."""
@@ -151,6 +153,8 @@ def synthetic(dit_ms: float, vae_ms: float, *, dit2=None, vae2=None, group=None,
         "vae_group": {},
         "encode": {"first_ms": encode_ms, "block_ms": encode_ms},
     }
+    if stages:  # the VAE decoder's stage times (a cut's share of the VAE)
+        fig["vae"]["1"]["stages_ms"] = list(stages)
     if group:
         shard = {"first_ms": group, "block_ms": group, "own_ms": group, "wait_ms": 0.0, "rows": 9}
         fig["vae_group"]["2"] = {"equal": [shard, dict(shard)]}
@@ -234,6 +238,28 @@ def test_the_hosts_work_beside_the_dit_slows_the_aggregated_worker_not_the_disag
     assert after["disagg-1+1"] == pytest.approx(before["disagg-1+1"], rel=0.01)
     assert before["agg-1x2t"] == pytest.approx(w1_steady_fps(0.170), rel=0.03)
     assert after["agg-1x2t"] == pytest.approx(w1_steady_fps(0.200), rel=0.03)
+
+
+def test_a_vae_cut_moves_the_decoders_first_stages_to_the_dit_and_the_planner_offers_it_on_the_cpu():
+    """DiT 100 ms, VAE 200 ms of which the first 3 stages take 40: disagg-1+1 is VAE-bound at
+    200 ms a block, the cut at 3 runs DiT 140 beside VAE 160. Cuts past half the VAE are not
+    offered, nor cuts on accelerators (the activation would cross the host)."""
+    from streamdiff.config import Config
+    from streamdiff.models.spec import PRESET_FACTS
+    from streamdiff.placement.planner import candidates, plan
+    from streamdiff.placement.sim import Layout
+
+    prof = synthetic(100.0, 200.0, stages=[10.0, 10.0, 20.0, 40.0, 60.0, 60.0])
+    assert predict(prof, Layout("disaggregated", 1, 1)).w1_steady_fps == pytest.approx(w1_steady_fps(0.2), rel=0.03)
+    cut = Layout("disaggregated", 1, 1, 1, cut=3)
+    assert cut.name == "disagg-1+1/cut3" and cut.flags()[-2:] == ["--vae-cut", "3"]
+    assert predict(prof, cut).w1_steady_fps == pytest.approx(w1_steady_fps(0.16), rel=0.03)
+    ranked = [
+        lay.name for lay, _ in plan(Config(), prof, 2, "throughput", dict(PRESET_FACTS["tiny"]), (256, 144)).ranked
+    ]
+    assert {n for n in ranked if "/cut" in n} == {f"disagg-1+1/cut{c}" for c in (1, 2, 3, 4)}
+    assert ranked.index("disagg-1+1/cut3") < ranked.index("disagg-1+1")
+    assert not any(x.cut for x in candidates(2, "cuda", cuts=(1, 2)))
 
 
 def test_the_planner_ranks_by_objective_and_follows_the_balance():
@@ -371,6 +397,7 @@ def test_streamdiffd_profile_measures_this_machine(tmp_path):
     fig = prof.sizes["64x32"]
     assert fig["dit"]["1"]["block_ms"] > 0 and fig["vae"]["1"]["block_ms"] > 0 and fig["encode"]["block_ms"] > 0
     assert set(fig["dit"]["1"]["batch_ms"]) == {"2", "4"}
+    assert len(fig["vae"]["1"]["stages_ms"]) == 9 and all(x > 0 for x in fig["vae"]["1"]["stages_ms"])
     assert all(d["host_block_ms"] > 0 for d in fig["dit"].values())  # beside the host's encoding
     if prof.devices >= 2:
         assert set(fig["dit"]) == {"1", "2"}

@@ -49,6 +49,7 @@ def layout_of(cfg: Config) -> Layout:
         t.threads_per_worker,
         t.vae_band_weights,
         t.dit_group_size,
+        t.vae_cut,
     )
 
 

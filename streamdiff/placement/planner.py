@@ -31,9 +31,16 @@ def _divisors(n: int) -> list[int]:
 
 
 def candidates(
-    devices: int, kind: str, threads: tuple[int, ...] = (1, 2), dit_groups: tuple[int, ...] = ()
+    devices: int,
+    kind: str,
+    threads: tuple[int, ...] = (1, 2),
+    dit_groups: tuple[int, ...] = (),
+    cuts: tuple[int, ...] = (),
 ) -> list[Layout]:
-    """`dit_groups`: the DiT group sizes the profile measured (one thread per rank)."""
+    """`dit_groups`: the DiT group sizes the profile measured (one thread per rank); `cuts`:
+    the VAE decoder cuts to offer disaggregated layouts with VAE groups of one (on the CPU: the
+    activation crosses the host's ring, which the simulator charges nothing for, cheap beside a
+    core's compute but not beside a GPU's)."""
     out: list[Layout] = []
     for t in threads if kind == "cpu" else (1,):
         n = devices // t
@@ -43,6 +50,8 @@ def candidates(
             v = n - d
             sp = [1] + [s for s in dit_groups if t == 1 and d % s == 0]
             out += [Layout("disaggregated", d, v, g, t, dit_group=s) for g in _divisors(v) for s in sp]
+            if kind == "cpu":
+                out += [Layout("disaggregated", d, v, 1, t, cut=c) for c in cuts]
         for d in range(1, n + 1):
             out += [Layout("aggregated", d, n, g, t) for g in _divisors(n)]
         if t == 1 and n in dit_groups:  # the DiT and the VAE each over all n devices, in sequence
@@ -117,7 +126,10 @@ def plan(
     fig = profile.size(*size)
     have = {int(t) for t in fig["dit"]}
     sp = tuple(sorted(int(g) for g in fig.get("dit_group", {})))
-    layouts = candidates(devices, profile.device, tuple(t for t in threads if t in have), sp)
+    stages = fig["vae"]["1"].get("stages_ms") or []
+    # Cuts up to half the VAE: past that the DiT's device does more of the decoding than the VAE's.
+    cuts = tuple(c for c in range(1, len(stages)) if sum(stages[:c]) <= 0.5 * sum(stages))
+    layouts = candidates(devices, profile.device, tuple(t for t in threads if t in have), sp, cuts)
     w2 = w2_size or size
     preds = [(x, simulate(cfg, profile, x, facts, size, w2 if objective == "streams" else None)) for x in layouts]
     preds.sort(key=lambda lp: _key(objective, lp[1]))

@@ -402,6 +402,8 @@ def _vae_child(spec, device, cpus, threads, rank, world, addr, sizes, splits, ba
                         "wall_ms": 1000 * (time.perf_counter() - t0),
                         "cpu_ms": 1000 * (cpu_seconds(watch) - c0),
                     }
+                if world == 1 and weights is None:
+                    entry["stages_ms"] = _stage_ms(eng, state, p.dit.in_channels, fpb, h // sf, w // sf, device, g)
                 if weights is None and batches:
                     entry["batch_ms"] = {}
                     for b in batches:
@@ -416,6 +418,30 @@ def _vae_child(spec, device, cpus, threads, rank, world, addr, sizes, splits, ba
         out.put(("error", traceback.format_exc()))
     finally:
         _leave(world)
+
+
+def _stage_ms(eng, state, channels: int, frames: int, h: int, w: int, device: str, g) -> list[float]:
+    """Each decoder stage's own time on a steady block (vae.decoder_stages; the median of 3):
+    what a cut between stages moves to the DiT (topology.vae_cut)."""
+    import torch
+
+    from ..models.wan.vae import Ctx, decoder_stages
+    from ..workers.stages import _sync
+
+    stages = decoder_stages(eng.model)
+    times: list[list[float]] = [[] for _ in stages]
+    cpu = torch.device(device).type == "cpu"
+    with torch.no_grad():
+        for _ in range(3):
+            x, ctx = torch.randn(1, channels, frames, h, w, generator=g), Ctx(state)
+            for i, stage in enumerate(stages):
+                _sync(device)
+                t0 = time.process_time() if cpu else time.perf_counter()
+                x = stage(x, ctx)
+                _sync(device)
+                times[i].append(1000 * ((time.process_time() if cpu else time.perf_counter()) - t0))
+            state.latent_frames += frames
+    return [_median(t) for t in times]
 
 
 def _run(targets: list[tuple], timeout_s: float) -> list:

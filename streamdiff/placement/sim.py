@@ -52,6 +52,7 @@ class Layout:
     threads: int = 1  # per worker (CPU)
     weights: tuple[float, ...] = ()
     dit_group: int = 1  # devices per DiT (Ulysses; disaggregated)
+    cut: int = 0  # the DiT workers also run the VAE decoder's first `cut` stages (topology.vae_cut)
 
     @property
     def group_size(self) -> int:
@@ -69,6 +70,7 @@ class Layout:
         if self.mode == "disaggregated":
             base = f"disagg-{self.dit}+{self.vae}" + (f"/k{k}" if k != self.vae else "")
             base += f"/sp{self.dit_group}" if self.dit_group > 1 else ""
+            base += f"/cut{self.cut}" if self.cut else ""
         elif self.mode == "hybrid":
             base = f"hybrid-{self.dit}+{self.vae}" + (f"/k{k}" if k != self.vae else "")
         elif self.dit_group > 1:  # one DiT and one VAE group over the same devices, in sequence
@@ -91,6 +93,8 @@ class Layout:
             out += ["--dit-group-size", str(self.dit_group)]
         if self.threads > 1:
             out += ["--threads-per-worker", str(self.threads)]
+        if self.cut:
+            out += ["--vae-cut", str(self.cut)]
         return out
 
     def topology(self) -> Topology:
@@ -107,6 +111,7 @@ class Costs:
     size: tuple[int, int]
     threads: int
     dit_group: int = 1
+    cut: int = 0
 
     def __post_init__(self) -> None:
         fig = self.profile.size(*self.size)
@@ -117,6 +122,8 @@ class Costs:
         # On the CPU the supervisor (the encoder threads) shares the DiT workers' cores: what
         # encoding a block takes from the DiT, measured beside it (0 where not measured).
         self.host_ms = max(0.0, self.dit.get("host_block_ms", self.dit["block_ms"]) - self.dit["block_ms"])
+        # A cut moves the decoder's first stages (their share of its measured time) to the DiT.
+        self.cut_ms = self.vae1["block_ms"] * cut_fraction(fig, self.cut)
         self.groups = fig.get("vae_group", {})
         self.rows = self.size[1] // SPATIAL
         self.beside = self._beside(fig.get("hybrid"))
@@ -163,7 +170,7 @@ class Costs:
         per = self._batch(d, n, d["block_ms"])
         # A shot's first block: its prompt, its own steps, an empty cache (cheaper on the CPU).
         first = shot_starts * (d["first_ms"] - d["block_ms"]) * per / d["block_ms"]
-        return (per * n + first + self.host_ms * n) / 1000
+        return (per * n + first + (self.host_ms + self.cut_ms) * n) / 1000
 
     def dit_own_ms(self) -> float:
         return self.dit["own_ms"]
@@ -182,13 +189,24 @@ class Costs:
         if first:
             scale *= v["first_ms"] / v["block_ms"]
         if k == 1:
-            own = v["block_ms"] * scale / 1000
+            own = (v["block_ms"] - self.cut_ms) * scale / 1000
             return own, [own]
         own = [(self.front_ms + r * self.per_row_ms) * scale / 1000 for r in rows]
         return max(own) + self._overhead_ms(k) * scale / 1000, own
 
     def encode_s(self, first: bool) -> float:
         return self.enc["first_ms" if first else "block_ms"] / 1000
+
+
+def cut_fraction(fig: dict, cut: int) -> float:
+    """The share of the VAE's time in its decoder's first `cut` stages (the profile's per-stage
+    times; 0 without a cut)."""
+    if not cut:
+        return 0.0
+    stages = fig["vae"]["1"].get("stages_ms")
+    if not stages or cut >= len(stages):
+        raise ValueError(f"the profile has no VAE stage times for a cut of {cut}")
+    return sum(stages[:cut]) / sum(stages)
 
 
 @dataclass
@@ -233,6 +251,7 @@ class Sim:
             vae_devices=layout.vae,
             vae_group_size=layout.group,
             dit_group_size=layout.dit_group,
+            vae_cut=layout.cut,
             threads_per_worker=layout.threads,
             vae_band_weights=layout.weights,
         )
@@ -264,7 +283,9 @@ class Sim:
     # -- costs --------------------------------------------------------------------------------
     def cost(self, w: int, h: int) -> Costs:
         if (w, h) not in self.costs:
-            self.costs[(w, h)] = Costs(self.profile, (w, h), self.layout.threads, self.layout.dit_group)
+            self.costs[(w, h)] = Costs(
+                self.profile, (w, h), self.layout.threads, self.layout.dit_group, self.layout.cut
+            )
         return self.costs[(w, h)]
 
     def _seed(self, size: tuple[int, int]) -> None:
@@ -276,7 +297,7 @@ class Sim:
         events = []
         for dit in self.topo.dit_workers:
             info = {
-                "dit_cost": {"block_ms": c.dit["block_ms"], "busy_ms": c.dit["own_ms"], "size": [w, h]},
+                "dit_cost": {"block_ms": c.dit["block_ms"] + c.cut_ms, "busy_ms": c.dit["own_ms"], "size": [w, h]},
                 "dit_batch_ms": {"2": c.dit["batch_ms"]["2"]} if "2" in c.dit.get("batch_ms", {}) else {},
                 "dit_memory": None,
             }
