@@ -35,6 +35,7 @@ def cut4():
 
 @pytest.mark.timeout(300)
 def test_a_cut_decoder_streams_the_same_video_as_a_whole_one(cut4):
+    assert cut4.health()["pipeline"]["vae_cut"] == 4
     got, _, _ = stream_video(cut4.url, STORY)
     check_video(got, 48, 256, 144, 16)
     assert_same_as_one_dit_and_vae(got, STORY)

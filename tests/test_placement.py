@@ -441,3 +441,27 @@ def test_a_daemon_with_no_layout_flags_plans_from_its_cached_profile_and_streams
     finally:
         assert d.stop() == 0, d.logs()
     assert_same_as_one_dit_and_vae(got, body)
+
+
+def test_a_daemon_that_plans_a_vae_cut_runs_it(tmp_path):
+    """A cached profile whose VAE is the slower stage and whose 2-way group pays little: the
+    best layout is disagg-1+1 with the decoder's first 3 stages (40 of 200 ms) on the DiT. The
+    daemon starts it as planned and streams the same video as a whole decoder."""
+    from .helpers import Daemon, assert_same_as_one_dit_and_vae, stream_video
+
+    prof = synthetic(100.0, 200.0, group=170.0, dit2=95.0, vae2=190.0, stages=[10.0, 10.0, 20.0, 40.0, 60.0, 60.0])
+    from streamdiff.config import Config
+    from streamdiff.placement.profile import cache_path
+
+    cache_path(str(tmp_path), Config(), (256, 144)).write_text(prof.to_json())
+    body = {"prompt": "a lighthouse", "num_frames": 33, "seed": 3}
+    d = Daemon("--devices", "2", env={"STATE_DIRECTORY": str(tmp_path)})
+    try:
+        placed = d.health()["placement"]
+        assert placed["layout"] == "disagg-1+1/cut3" and placed["flags"][-2:] == ["--vae-cut", "3"]
+        health = d.health()
+        assert sorted(health["workers"]) == ["dit0", "vae0.0"] and health["pipeline"]["vae_cut"] == 3
+        got, _, _ = stream_video(d.url, body)
+    finally:
+        assert d.stop() == 0, d.logs()
+    assert_same_as_one_dit_and_vae(got, body)

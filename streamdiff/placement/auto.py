@@ -99,6 +99,7 @@ def place(cfg: Config, log=print) -> tuple[Config, Placement]:
         vae_group_size=best.group,
         dit_group_size=best.dit_group,
         threads_per_worker=best.threads,
+        vae_cut=best.cut,
     )
     runners_up = p.as_dict(top=4)["ranked"][1:]
     placement = Placement(best.name, best.flags(), True, t.objective, pred.as_dict(), str(path), runners_up)

@@ -5,7 +5,8 @@ profile, ranked for an objective.
 - latency: time to first fragment of that stream, then frames/s;
 - streams: concurrent streams that all play without a stall (W2's goodput), then frames/s.
 
-Layouts use every device given: disaggregated d + v = n (VAE groups of any size dividing v),
+Layouts use every device given: disaggregated d + v = n (VAE groups of any size dividing v;
+on the CPU, with groups of one, also each VAE cut up to half the VAE's measured stage time),
 aggregated (the DiT on d of the n devices, VAE groups over all n), and on the CPU hybrid (the
 DiT on d cores that also hold shards, VAE groups over all n) and 2 threads per worker on n / 2
 workers. Hybrid is not offered on accelerators: there two processes time-slice a device, and

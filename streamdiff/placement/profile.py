@@ -7,7 +7,8 @@ are (a CPU "device" is a core per thread), one measurement at a time so none com
 - DiT: a shot's first block (prompt encoding, the first block's steps) and steady blocks, alone
   and per block in batches of 2 and 4 sessions; on the CPU also beside the host's work per
   block (the supervisor encodes on the DiT workers' cores);
-- VAE: the same, whole height (k = 1);
+- VAE: the same, whole height (k = 1), and each decoder stage's own time (what a cut between
+  stages moves to the DiT, topology.vae_cut);
 - VAE groups of k = 2 .. min(devices, 4) shards over the real collective (gloo, nccl, xccl): the
   group's time per block, each shard's own work and its waits for neighbours, with equal bands
   and, for k = 2, with a 1:3 split, so a shard's cost is known as front + rows x per-row cost;

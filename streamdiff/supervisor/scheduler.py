@@ -1056,6 +1056,7 @@ class Scheduler:
                     tickets[t.state] = tickets.get(t.state, 0) + 1
         return {
             "vae_band_weights": {str(g): list(w) for g, w in self.balance.current.items()},
+            "vae_cut": self.cfg.topology.vae_cut,  # decoder stages the DiT workers run (0: none)
             "running": len(self.running),
             "queued": len(self.queue),
             "tracked": len(self.sessions),
