@@ -261,7 +261,7 @@ class DiTStage:
             out = stage_shapes(self.vae.cfg, msg.frames, *sess.latent_hw)[self.cut - 1]
             if np.prod(out) * 4 > self.ring.spec.slot_bytes:
                 raise RequestError(
-                    f"the VAE's first {self.cut} stages make {list(out)} of a block: not a ring slot's fit"
+                    f"the VAE's first {self.cut} stages make {list(out)} of a block: too big for a ring slot"
                 )
 
     def run_batch(self, msgs: list[m.GenerateBlock], closed: set[str]) -> tuple[list, list]:
