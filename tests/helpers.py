@@ -31,6 +31,29 @@ def free_port() -> int:
 LAYOUT_FLAGS = {"--dit-gpus", "--vae-gpus", "--mode", "--devices", "--objective"}
 
 
+# Three 1-second scenes at 256x144: a continue that re-caches its prompt, then a cut. What a
+# layout must stream exactly as one DiT and one whole VAE do (assert_same_as_one_dit_and_vae).
+SHORT_STORY = {
+    "scenes": [
+        {"prompt": "a harbour at dawn", "seconds": 1},
+        {"prompt": "boats leave the harbour", "seconds": 1, "transition": "continue", "recache": True},
+        {"prompt": "a desert road", "seconds": 1, "transition": "cut", "seed": 9},
+    ],
+    "size": "256x144",
+    "seed": 4,
+}
+
+
+def refused(*flags: str) -> str:
+    """streamdiffd's answer to flags it must refuse: exit status 2, a message and no traceback
+    (returns stderr, the message)."""
+    r = subprocess.run(
+        [sys.executable, "-m", "streamdiff.cli", *flags], cwd=ROOT, capture_output=True, text=True, timeout=60
+    )
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    return r.stderr
+
+
 class Daemon:
     """streamdiffd in a subprocess on a free port with a unique instance name."""
 
