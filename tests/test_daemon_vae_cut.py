@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
 
+import httpx
 import pytest
 
 from .helpers import SHORT_STORY, Daemon, assert_same_as_one_dit_and_vae, assert_same_video, refused, stream_video
@@ -44,6 +45,28 @@ def test_two_sessions_at_once_keep_their_own_stage_caches(cut4):
         check_video(t, 33, 128, 64, 16)
         assert_same_video(t, a)
     assert all(w["restarts"] == 0 for w in cut4.health()["workers"].values())
+
+
+@pytest.mark.timeout(300)
+def test_a_session_cancelled_mid_stream_leaves_no_stage_cache_behind(cut4):
+    """A client leaves mid-stream: its session's stage caches go on both workers, and the next
+    stream with the same request equals the same request made before, byte for byte or frame
+    by frame."""
+    body = {"prompt": "a quiet lake", "num_frames": 49, "size": "128x64", "seed": 5}
+    before, _, _ = stream_video(cut4.url, body)
+    with httpx.Client(timeout=120) as client:
+        leaving = {"prompt": "leaving early", "num_frames": 97, "size": "128x64", "stream": True}
+        with client.stream("POST", cut4.url + "/v1/videos", json=leaving) as r:
+            got = 0
+            for chunk in r.iter_raw():
+                got += len(chunk)
+                if got > 5_000:
+                    break  # closes the connection: the session is cancelled
+    after, _, _ = stream_video(cut4.url, body)
+    assert_same_video(after, before)
+    health = cut4.health()
+    assert all(w["restarts"] == 0 for w in health["workers"].values())
+    assert health["pipeline"]["latent_slots_used"] == 0
 
 
 @pytest.mark.parametrize(
