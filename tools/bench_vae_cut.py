@@ -146,31 +146,23 @@ def run(cores: list[int], cut: int, size: tuple[int, int], blocks: int, max_elem
     return 1000 * (done[-1] - done[skip]) / (len(done) - 1 - skip)
 
 
-def stage_costs(cpu: int, size: tuple[int, int], repeats: int = 5) -> tuple[list[float], list[list[int]]]:
-    """Each stage's own time (ms, median) on one core for a steady block, and its output shape."""
+def stage_costs(cpu: int, size: tuple[int, int]) -> tuple[list[float], list[list[int]]]:
+    """Each stage's own time (ms) on one core for a steady block, as the profiler measures it,
+    and its output shape."""
     _pin(cpu)
     import torch
 
     from streamdiff.models.engines import VAEEngine
-    from streamdiff.models.wan.vae import Ctx, decoder_stages
+    from streamdiff.models.wan.vae import decode_stages, decoder_stages, stage_shapes
+    from streamdiff.placement.profile import stage_times
 
-    vae = VAEEngine(_spec(), "cpu").model
-    stages, state, (w, h) = decoder_stages(vae), vae.new_state(), size
-    g = torch.Generator().manual_seed(0)
-    times: list[list[float]] = [[] for _ in stages]
-    shapes = []
-    with torch.no_grad():
-        for r in range(2 + repeats):
-            x = torch.randn(1, 16, 1 if r == 0 else 3, h // 8, w // 8, generator=g)
-            ctx, shapes = Ctx(state), []
-            for i, stage in enumerate(stages):
-                t0 = time.process_time()
-                x = stage(x, ctx)
-                if r >= 2:
-                    times[i].append(1000 * (time.process_time() - t0))
-                shapes.append(list(x.shape[1:]))
-            state.latent_frames += x.shape[2]
-    return [statistics.median(t) for t in times], shapes
+    eng = VAEEngine(_spec(), "cpu")
+    vae, (w, h), n = eng.model, size, len(decoder_stages(eng.model))
+    state, g = vae.new_state(), torch.Generator().manual_seed(0)
+    decode_stages(vae, torch.randn(1, 16, 1, h // 8, w // 8, generator=g), state, 0, n, 1)  # a shot's first block
+    decode_stages(vae, torch.randn(1, 16, 3, h // 8, w // 8, generator=g), state, 0, n, 3)  # steady, cold
+    times = stage_times(eng, state, 16, 3, h // 8, w // 8, "cpu", g)
+    return times, [list(s) for s in stage_shapes(vae.cfg, 3, h // 8, w // 8)]
 
 
 def main() -> None:

@@ -404,7 +404,7 @@ def _vae_child(spec, device, cpus, threads, rank, world, addr, sizes, splits, ba
                         "cpu_ms": 1000 * (cpu_seconds(watch) - c0),
                     }
                 if world == 1 and weights is None:
-                    entry["stages_ms"] = _stage_ms(eng, state, p.dit.in_channels, fpb, h // sf, w // sf, device, g)
+                    entry["stages_ms"] = stage_times(eng, state, p.dit.in_channels, fpb, h // sf, w // sf, device, g)
                 if weights is None and batches:
                     entry["batch_ms"] = {}
                     for b in batches:
@@ -421,7 +421,7 @@ def _vae_child(spec, device, cpus, threads, rank, world, addr, sizes, splits, ba
         _leave(world)
 
 
-def _stage_ms(eng, state, channels: int, frames: int, h: int, w: int, device: str, g) -> list[float]:
+def stage_times(eng, state, channels: int, frames: int, h: int, w: int, device: str, g) -> list[float]:
     """Each decoder stage's own time on a steady block (vae.decoder_stages; the median of 3):
     what a cut between stages moves to the DiT (topology.vae_cut)."""
     import torch
