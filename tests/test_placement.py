@@ -260,6 +260,10 @@ def test_a_vae_cut_moves_the_decoders_first_stages_to_the_dit_and_the_planner_of
     assert {n for n in ranked if "/cut" in n} == {f"disagg-1+1/cut{c}" for c in (1, 2, 3, 4)}
     assert ranked.index("disagg-1+1/cut3") < ranked.index("disagg-1+1")
     assert not any(x.cut for x in candidates(2, "cuda", cuts=(1, 2)))
+    # The same 40 ms of stages took 70 in the DiT's process, after its block: the DiT side is
+    # charged 170 while the VAE loses only its own 40, so the cut is DiT-bound at 170 ms.
+    prof.sizes["256x144"]["dit"]["1"]["cut_stages_ms"] = [15.0, 20.0, 35.0, 50.0, 70.0, 70.0]
+    assert predict(prof, cut).w1_steady_fps == pytest.approx(w1_steady_fps(0.17), rel=0.03)
 
 
 def test_the_planner_ranks_by_objective_and_follows_the_balance():
@@ -399,6 +403,8 @@ def test_streamdiffd_profile_measures_this_machine(tmp_path):
     assert set(fig["dit"]["1"]["batch_ms"]) == {"2", "4"}
     assert len(fig["vae"]["1"]["stages_ms"]) == 9 and all(x > 0 for x in fig["vae"]["1"]["stages_ms"])
     assert all(d["host_block_ms"] > 0 for d in fig["dit"].values())  # beside the host's encoding
+    # and each decoder stage in the DiT's process, after its block: what a cut adds there
+    assert all(len(d["cut_stages_ms"]) == 9 and all(x > 0 for x in d["cut_stages_ms"]) for d in fig["dit"].values())
     if prof.devices >= 2:
         assert set(fig["dit"]) == {"1", "2"}
         shards = fig["vae_group"]["2"]["equal"]

@@ -161,7 +161,7 @@ def stage_costs(cpu: int, size: tuple[int, int]) -> tuple[list[float], list[list
     state, g = vae.new_state(), torch.Generator().manual_seed(0)
     decode_stages(vae, torch.randn(1, 16, 1, h // 8, w // 8, generator=g), state, 0, n, 1)  # a shot's first block
     decode_stages(vae, torch.randn(1, 16, 3, h // 8, w // 8, generator=g), state, 0, n, 3)  # steady, cold
-    times = stage_times(eng, state, 16, 3, h // 8, w // 8, "cpu", g)
+    times = stage_times(vae, state, lambda: torch.randn(1, 16, 3, h // 8, w // 8, generator=g), "cpu")
     return times, [list(s) for s in stage_shapes(vae.cfg, 3, h // 8, w // 8)]
 
 

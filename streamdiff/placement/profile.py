@@ -33,6 +33,7 @@ import statistics
 import time
 import traceback
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
 VERSION = 1
@@ -174,6 +175,11 @@ def _dit_child(spec, device, cpus, threads, sizes, batches, rank, world, addr, h
         sp = eng.model.parallel = SeqParallel(rank, world, eng.model.cfg.num_heads) if world > 1 else None
         fpb = eng.frames_per_block
         clock = Stopwatch(device, threads)
+        vae = None
+        if host is not None:  # one DiT on the CPU, where a cut's decoder stages run (topology.vae_cut)
+            from ..models.engines import VAEEngine
+
+            vae = VAEEngine(spec, device).model
         res = {}
         for w, h in sizes:
 
@@ -201,6 +207,7 @@ def _dit_child(spec, device, cpus, threads, sizes, batches, rank, world, addr, h
                     host.put((w, h))
                 (beside if by_host else steady).append(timed(lambda s=sess: eng.generate_block(s, fpb)))
             beside = [x[0] for x in beside]
+            cut_stages = _cut_stages(vae, eng, sess, fpb, device) if vae is not None else None
             batch_ms = {}
             for b in batches:
                 group = [eng.open_session(w, h, seed=10 + i) for i in range(b)]
@@ -218,6 +225,8 @@ def _dit_child(spec, device, cpus, threads, sizes, batches, rank, world, addr, h
             }
             if beside:
                 res[f"{w}x{h}"]["host_block_ms"] = _median(beside)
+            if cut_stages:
+                res[f"{w}x{h}"]["cut_stages_ms"] = cut_stages
             if sp:
                 res[f"{w}x{h}"]["collective_ms"] = _median([x[2] for x in steady])
         out.put(("ok", {"rank": rank, "sizes": res}))
@@ -227,6 +236,20 @@ def _dit_child(spec, device, cpus, threads, sizes, batches, rank, world, addr, h
         if host is not None:
             host.put(None)
         _leave(world)
+
+
+def _cut_stages(vae, eng, sess, fpb: int, device: str) -> list[float]:
+    """Each decoder stage's time in the DiT's process, on the block its DiT has just made, so
+    with its caches as the DiT leaves them: what a cut (the first c stages) adds to a DiT
+    block, in this process, not in a VAE process that does nothing else."""
+    import torch
+
+    from ..models.wan.vae import decode_stages, decoder_stages
+
+    state = vae.new_state()
+    with torch.no_grad():  # the stages' first block of a shot (cold, and a frame fewer): untimed
+        decode_stages(vae, eng.generate_block(sess, fpb), state, 0, len(decoder_stages(vae)), fpb)
+    return stage_times(vae, state, lambda: eng.generate_block(sess, fpb), device)
 
 
 def _host_child(cpus, sizes, fps, jobs, out) -> None:
@@ -404,7 +427,8 @@ def _vae_child(spec, device, cpus, threads, rank, world, addr, sizes, splits, ba
                         "cpu_ms": 1000 * (cpu_seconds(watch) - c0),
                     }
                 if world == 1 and weights is None:
-                    entry["stages_ms"] = stage_times(eng, state, p.dit.in_channels, fpb, h // sf, w // sf, device, g)
+                    z = (1, p.dit.in_channels, fpb, h // sf, w // sf)
+                    entry["stages_ms"] = stage_times(eng.model, state, partial(torch.randn, z, generator=g), device)
                 if weights is None and batches:
                     entry["batch_ms"] = {}
                     for b in batches:
@@ -421,26 +445,30 @@ def _vae_child(spec, device, cpus, threads, rank, world, addr, sizes, splits, ba
         _leave(world)
 
 
-def stage_times(eng, state, channels: int, frames: int, h: int, w: int, device: str, g) -> list[float]:
-    """Each decoder stage's own time on a steady block (vae.decoder_stages; the median of 3):
-    what a cut between stages moves to the DiT (topology.vae_cut)."""
+def stage_times(vae, state, next_input, device: str, runs: int = 3) -> list[float]:
+    """Each decoder stage's own time on a steady block (vae.decoder_stages; the median of
+    `runs`), on the stage-0 input `next_input()` gives (not timed): what a cut between stages
+    moves to the DiT (topology.vae_cut). On the CPU the process's CPU time per thread, as
+    `Stopwatch` counts a stage's own work."""
     import torch
 
     from ..models.wan.vae import Ctx, decoder_stages
     from ..workers.stages import _sync
 
-    stages = decoder_stages(eng.model)
+    stages = decoder_stages(vae)
     times: list[list[float]] = [[] for _ in stages]
     cpu = torch.device(device).type == "cpu"
+    threads = torch.get_num_threads() if cpu else 1
     with torch.no_grad():
-        for _ in range(3):
-            x, ctx = torch.randn(1, channels, frames, h, w, generator=g), Ctx(state)
+        for _ in range(runs):
+            x, ctx = next_input(), Ctx(state)
+            frames = x.shape[2]
             for i, stage in enumerate(stages):
                 _sync(device)
                 t0 = time.process_time() if cpu else time.perf_counter()
                 x = stage(x, ctx)
                 _sync(device)
-                times[i].append(1000 * ((time.process_time() if cpu else time.perf_counter()) - t0))
+                times[i].append(1000 * ((time.process_time() if cpu else time.perf_counter()) - t0) / threads)
             state.latent_frames += frames
     return [_median(t) for t in times]
 

@@ -122,8 +122,12 @@ class Costs:
         # On the CPU the supervisor (the encoder threads) shares the DiT workers' cores: what
         # encoding a block takes from the DiT, measured beside it (0 where not measured).
         self.host_ms = max(0.0, self.dit.get("host_block_ms", self.dit["block_ms"]) - self.dit["block_ms"])
-        # A cut moves the decoder's first stages (their share of its measured time) to the DiT.
-        self.cut_ms = self.vae1["block_ms"] * cut_fraction(fig, self.cut)
+        # A cut moves the decoder's first stages off the VAE (their share of its measured time)
+        # and onto the DiT, at what they took in the DiT's process after its block where the
+        # profile measured that (profiles from before it: the time they leave the VAE).
+        self.cut_vae_ms = self.vae1["block_ms"] * cut_fraction(fig, self.cut)
+        beside_dit = self.dit.get("cut_stages_ms")
+        self.cut_ms = sum(beside_dit[: self.cut]) if beside_dit and self.cut else self.cut_vae_ms
         self.groups = fig.get("vae_group", {})
         self.rows = self.size[1] // SPATIAL
         self.beside = self._beside(fig.get("hybrid"))
@@ -189,7 +193,7 @@ class Costs:
         if first:
             scale *= v["first_ms"] / v["block_ms"]
         if k == 1:
-            own = (v["block_ms"] - self.cut_ms) * scale / 1000
+            own = (v["block_ms"] - self.cut_vae_ms) * scale / 1000
             return own, [own]
         own = [(self.front_ms + r * self.per_row_ms) * scale / 1000 for r in rows]
         return max(own) + self._overhead_ms(k) * scale / 1000, own
