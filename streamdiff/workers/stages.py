@@ -81,6 +81,11 @@ def _leave_group(world: int) -> None:
             dist.destroy_process_group()
 
 
+def _phase(state) -> tuple:
+    """A VAE state's cache shapes: sessions whose caches agree decode their blocks in one call."""
+    return tuple(None if c is None else tuple(c.shape) for c in state.cache)
+
+
 def _sync(device: str) -> None:
     t = torch.device(device).type
     if t == "cuda":
@@ -182,10 +187,10 @@ class DiTStage:
         # With a cut, the block's first VAE stages are part of its cost here (warmed like the DiT).
         fpb = p.sampler.frames_per_block
         for i in range(-(-sess.state.kv.window // fpb) - 1):
-            self._cut_stages(sess, "calibration", i == 0, self.engine.generate_block(sess, fpb)[0])
+            self._cut_stages([("calibration", i == 0, self.engine.generate_block(sess, fpb)[0])])
         self.clock.start()
         ms = _timed(
-            self.device, lambda: self._cut_stages(sess, "calibration", False, self.engine.generate_block(sess, fpb)[0])
+            self.device, lambda: self._cut_stages([("calibration", False, self.engine.generate_block(sess, fpb)[0])])
         )
         _, own_s = self.clock.stop()
         self.vae_states.pop("calibration", None)
@@ -230,17 +235,26 @@ class DiTStage:
         self.next_block.pop(session, None)
         self.vae_states.pop(session, None)
 
-    def _cut_stages(self, sess, key: str, shot_start: bool, latent: torch.Tensor) -> torch.Tensor:
-        """The latent (C, f, h, w), or with a cut its first stages' output (float32, CPU): what
-        goes into the ring slot."""
+    def _cut_stages(self, blocks: list[tuple[str, bool, torch.Tensor]]) -> dict[str, torch.Tensor]:
+        """blocks: (session, starts a shot, latent (C, f, h, w)). Each session's latent, or with
+        a cut its first stages' output (float32, CPU): what goes into its ring slot. Blocks of
+        one shape whose stage caches are at the same phase run their stages in one call."""
         if not self.cut:
-            return latent
-        from ..models.wan.vae import decode_stages
+            return {key: latent for key, _, latent in blocks}
+        from ..models.wan.vae import decode_stages_sessions
 
-        if shot_start or key not in self.vae_states:
-            self.vae_states[key] = self.vae.new_state()
-        x = decode_stages(self.vae, latent[None], self.vae_states[key], 0, self.cut, latent.shape[1])
-        return x[0].float().cpu()
+        groups: dict[tuple, list] = {}
+        for key, shot_start, latent in blocks:
+            if shot_start or key not in self.vae_states:
+                self.vae_states[key] = self.vae.new_state()
+            groups.setdefault((tuple(latent.shape), _phase(self.vae_states[key])), []).append((key, latent))
+        out = {}
+        for group in groups.values():
+            x = torch.stack([latent for _, latent in group])
+            states = [self.vae_states[key] for key, _ in group]
+            y = decode_stages_sessions(self.vae, x, states, 0, self.cut, x.shape[2]).float().cpu()
+            out.update({key: y[i] for i, (key, _) in enumerate(group)})
+        return out
 
     def check(self, msg: m.GenerateBlock, sess) -> None:
         seed = self.seeds.get(msg.session)
@@ -301,7 +315,7 @@ class DiTStage:
         for group in groups.values():
             outs = self.engine.generate_blocks([sess for _, sess in group], group[0][0].frames)
             latents.update({msg.session: out[0] for (msg, _), out in zip(group, outs, strict=True)})
-        data = {msg.session: self._cut_stages(sess, msg.session, msg.cut, latents[msg.session]) for msg, sess in run}
+        data = self._cut_stages([(msg.session, msg.cut, latents[msg.session]) for msg, _ in run])
         wall, own = self.clock.stop()
         if self.rank > 0:
             return [], refusals
@@ -506,8 +520,7 @@ class VAEStage:
                 self.sessions[msg.session] = self.engine.open_session()
             state = self.sessions[msg.session]
             self._rebalance(msg, state, weights)
-            phase = tuple(None if c is None else tuple(c.shape) for c in state.cache)
-            groups.setdefault((tuple(msg.shape), msg.frames_out, phase), []).append(msg)
+            groups.setdefault((tuple(msg.shape), tuple(msg.data_shape), msg.frames_out, _phase(state)), []).append(msg)
         waited, rows = 0.0, 0
         for group in groups.values():
             w, rows = self._decode(group, weights)
@@ -543,17 +556,21 @@ class VAEStage:
         return (halo.wait_s if halo else 0.0), r1 - r0
 
     def _decode_rest(self, msgs: list[m.DecodeBlock]) -> float:
-        """With a cut: the decoder's stages after it, on each block's first-stages output, one
-        session at a time (a group of one shard: no neighbours to wait for)."""
-        from ..models.wan.vae import decode_stages, to_uint8_frames
+        """With a cut: the decoder's stages after it on the blocks' first-stages outputs, in one
+        call (`run_batch` grouped them by shape and cache phase; a group of one shard: no
+        neighbours to wait for)."""
+        from ..models.wan.vae import decode_stages_sessions, to_uint8_frames
 
         sf = self.engine.preset.vae.spatial_factor
-        for msg in msgs:
-            _, f, h, w = msg.shape
-            x = torch.from_numpy(self.latents.array(msg.latent_slot, msg.data_shape, np.float32))
-            y = decode_stages(self.engine.model, x[None], self.sessions[msg.session], self.cut, self.stages, f)
+        _, f, h, w = msgs[0].shape
+        x = torch.stack(
+            [torch.from_numpy(self.latents.array(msg.latent_slot, msg.data_shape, np.float32)) for msg in msgs]
+        )
+        states = [self.sessions[msg.session] for msg in msgs]
+        y = decode_stages_sessions(self.engine.model, x, states, self.cut, self.stages, f)
+        for i, msg in enumerate(msgs):
             out = self.frames.array(msg.frame_slot, (msg.frames_out, h * sf, w * sf, 3), np.uint8)
-            out[...] = to_uint8_frames(y).numpy()
+            out[...] = to_uint8_frames(y[i : i + 1]).numpy()
         return 0.0
 
     def shutdown(self) -> None:

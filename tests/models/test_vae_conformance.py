@@ -5,7 +5,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from streamdiff.models.wan.vae import Ctx, decode_stages, decoder_stages, stage_shapes, to_uint8_frames
+from streamdiff.models.wan.vae import (
+    Ctx,
+    decode_stages,
+    decode_stages_sessions,
+    decoder_stages,
+    stage_shapes,
+    to_uint8_frames,
+)
 
 
 def reference_decode(ref, ours, z):
@@ -74,6 +81,27 @@ def test_a_decode_cut_between_stages_equals_the_whole(vae_pair):
             out.append(decode_stages(ours, x, back, cut, n, frames))
         assert (torch.cat(out, dim=2) - whole).abs().max().item() <= 1e-6, cut
         assert front.latent_frames == back.latent_frames == 7
+
+
+def test_two_sessions_cut_in_one_call_each_equal_their_own_decode(vae_pair):
+    """Both sides of a cut batch sessions (as the DiT and VAE workers do): two sessions' blocks
+    through stages [0, c) and then [c, end) in one call each, each with its own caches, equal
+    each session decoded whole alone, block after block from a shot's start."""
+    _, ours = vae_pair
+    g = torch.Generator().manual_seed(11)
+    z = [torch.randn(1, 16, 7, 4, 6, generator=g) for _ in range(2)]
+    whole = [ours.decode(x, ours.new_state()) for x in z]
+    n, cut = len(decoder_stages(ours)), 4
+    fronts, backs, out = [ours.new_state() for _ in z], [ours.new_state() for _ in z], []
+    for start, frames in ((0, 1), (1, 3), (4, 3)):
+        x = torch.cat([x[:, :, start : start + frames] for x in z])
+        x = decode_stages_sessions(ours, x, fronts, 0, cut, frames)
+        out.append(decode_stages_sessions(ours, x, backs, cut, n, frames))
+    for i in range(2):
+        assert (torch.cat([o[i : i + 1] for o in out], dim=2) - whole[i]).abs().max().item() <= 1e-5
+        assert fronts[i].latent_frames == backs[i].latent_frames == 7
+    with pytest.raises(ValueError, match="first block and later"):
+        decode_stages_sessions(ours, torch.cat(z)[:, :, :1], [ours.new_state(), fronts[0]], 0, cut, 1)
 
 
 def test_stage_shapes_are_what_the_stages_output(vae_pair):

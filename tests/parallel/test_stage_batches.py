@@ -10,6 +10,7 @@ import os
 import queue
 import traceback
 
+import msgspec
 import numpy as np
 import pytest
 import torch
@@ -52,18 +53,43 @@ SHIFTING = [(1.0, 3.0), (3.0, 1.0), (1.0, 1.0)]
 SHIFTED_ROWS = [(2, 6), (6, 2), (4, 4)]
 
 
-def shard_main(rank, world, addr, latent_spec, frame_spec, out, weights=None):
+CUT = 4  # the cut variant: the slots hold the decoder's first 4 stages' output
+
+
+def cut_inputs() -> dict[tuple[str, int], np.ndarray]:
+    """With a cut, what the DiT worker would put in each block's slot: the first CUT stages of
+    that session's decode (its own stage caches, from the shot's start)."""
+    from streamdiff.models.engines import VAEEngine
+    from streamdiff.models.wan.vae import decode_stages
+
+    vae = VAEEngine(ModelSpec(), "cpu").model
+    fronts = {name: vae.new_state() for name in ("a", "b")}
+    return {
+        (msg.session, msg.block): decode_stages(
+            vae, torch.from_numpy(latent(msg.session, msg.block))[None], fronts[msg.session], 0, CUT, 3
+        )[0].numpy()
+        for batch in batches()
+        for msg in batch
+    }
+
+
+def shard_main(rank, world, addr, latent_spec, frame_spec, out, weights=None, cut=0):
     try:
         from streamdiff.workers.faults import Faults
         from streamdiff.workers.spec import GroupSpec, WorkerSpec
         from streamdiff.workers.stages import VAEStage
 
         group = GroupSpec("g", rank, world, addr, timeout_s=60) if world > 1 else None
-        spec = WorkerSpec(f"vae0.{rank}", ("vae",), "cpu", 1, (), ModelSpec(), "", latent_spec, frame_spec, group)
+        spec = WorkerSpec(
+            f"vae0.{rank}", ("vae",), "cpu", 1, (), ModelSpec(), "", latent_spec, frame_spec, group, vae_cut=cut
+        )
         stage = VAEStage(spec, Faults((), spec.name, 0))
         for name in ("a", "b"):
             stage.open(m.OpenSession(name, W, H, 0))
+        data = cut_inputs() if cut else {}
         for i, batch in enumerate(batches()):
+            if cut:  # each slot holds the first stages' output, as the DiT worker writes it
+                batch = [msgspec.structs.replace(x, data_shape=list(data[x.session, x.block].shape)) for x in batch]
             replies, refusals = stage.run_batch(batch, closed=set(), weights=weights[i] if weights else None)
             out.put(
                 (
@@ -78,20 +104,29 @@ def shard_main(rank, world, addr, latent_spec, frame_spec, out, weights=None):
         out.put((rank, "error", None, traceback.format_exc()))
 
 
-@pytest.mark.parametrize("world,weights", [(1, None), (2, None), (2, SHIFTING)], ids=["k1", "k2", "k2-weighted"])
-def test_a_vae_stage_decodes_the_supervisors_batches_each_equal_to_its_session_alone(world, weights):
-    instance = f"t{os.getpid()}b{world}{weights is not None}"
-    latents = Ring.create(instance, "latent", 6, SLOT_LATENT)
+@pytest.mark.parametrize(
+    "world,weights,cut",
+    [(1, None, 0), (2, None, 0), (2, SHIFTING, 0), (1, None, CUT)],
+    ids=["k1", "k2", "k2-weighted", "k1-cut"],
+)
+def test_a_vae_stage_decodes_the_supervisors_batches_each_equal_to_its_session_alone(world, weights, cut):
+    """k1-cut: the worker runs the stages after a cut (topology.vae_cut) on both sessions'
+    activations in one call, each session with its own caches."""
+    instance = f"t{os.getpid()}b{world}{weights is not None}{cut}"
+    data = cut_inputs() if cut else {}
+    slot = max([SLOT_LATENT, *(x.nbytes for x in data.values())])
+    latents = Ring.create(instance, "latent", 6, slot)
     frames = Ring.create(instance, "frames", 6, SLOT_FRAMES)
     try:
         for batch in batches():
             for msg in batch:
-                latents.array(msg.latent_slot, msg.shape, np.float32)[...] = latent(msg.session, msg.block)
+                x = data[msg.session, msg.block] if cut else latent(msg.session, msg.block)
+                latents.array(msg.latent_slot, x.shape, np.float32)[...] = x
         ctx = mp.get_context("spawn")
         out = ctx.Queue()
         addr = f"tcp://127.0.0.1:{free_port()}"
         procs = [
-            ctx.Process(target=shard_main, args=(r, world, addr, latents.spec, frames.spec, out, weights))
+            ctx.Process(target=shard_main, args=(r, world, addr, latents.spec, frames.spec, out, weights, cut))
             for r in range(world)
         ]
         for p in procs:

@@ -367,18 +367,9 @@ class WanVAEDecoder(nn.Module):
         call and handed back each its own row after, so each result equals its session decoded
         alone. All must be at the same phase of a shot (all at its first block, or none): the
         first latent frame of a shot decodes to 1 frame, later ones to 4."""
-        if len(states) != z.shape[0]:
-            raise ValueError(f"{z.shape[0]} blocks for {len(states)} sessions")
-        if len({st.latent_frames == 0 for st in states}) > 1:
-            raise ValueError("sessions at a shot's first block and later ones cannot decode together")
-        merged = VAEState(
-            [None if c is None else torch.cat([st.cache[i] for st in states]) for i, c in enumerate(states[0].cache)],
-            states[0].latent_frames,
-        )
+        merged = stack_states(states, z.shape[0])
         out = self.decode_rows(z, merged, plan, rank, halo, shard_front)
-        for i, st in enumerate(states):
-            st.cache = [None if c is None else c[i : i + 1] for c in merged.cache]
-            st.latent_frames += z.shape[2]
+        unstack_states(merged, states, z.shape[2])
         return out
 
     def decode(self, z: torch.Tensor, state: VAEState) -> torch.Tensor:
@@ -427,6 +418,27 @@ class WanVAEDecoder(nn.Module):
         x = self.decoder.back(x, ctx)
         state.latent_frames += z.shape[2]
         return x.clamp_(-1.0, 1.0)
+
+
+def stack_states(states: list[VAEState], blocks: int) -> VAEState:
+    """Several sessions' caches stacked along the batch, for one call on `blocks` blocks (row i
+    the session of `states[i]`). All must be at the same phase of a shot: the first latent frame
+    of a shot decodes to 1 frame, later ones to 4."""
+    if len(states) != blocks:
+        raise ValueError(f"{blocks} blocks for {len(states)} sessions")
+    if len({st.latent_frames == 0 for st in states}) > 1:
+        raise ValueError("sessions at a shot's first block and later ones cannot decode together")
+    return VAEState(
+        [None if c is None else torch.cat([st.cache[i] for st in states]) for i, c in enumerate(states[0].cache)],
+        states[0].latent_frames,
+    )
+
+
+def unstack_states(merged: VAEState, states: list[VAEState], latent_frames: int) -> None:
+    """Each session its own row of the stacked caches back, after a call on `latent_frames`."""
+    for i, st in enumerate(states):
+        st.cache = [None if c is None else c[i : i + 1] for c in merged.cache]
+        st.latent_frames += latent_frames
 
 
 def decoder_stages(vae: WanVAEDecoder) -> list:
@@ -482,6 +494,18 @@ def decode_stages(
         x = stage(x, ctx)
     state.latent_frames += latent_frames
     return x.clamp_(-1.0, 1.0) if hi == len(stages) else x
+
+
+def decode_stages_sessions(
+    vae: WanVAEDecoder, x: torch.Tensor, states: list[VAEState], lo: int, hi: int, latent_frames: int
+) -> torch.Tensor:
+    """`decode_stages` for several sessions in one call: row i of x is a block of the session
+    whose stage caches are `states[i]`; each result equals its session's alone (to the
+    batched kernels' summation order)."""
+    merged = stack_states(states, x.shape[0])
+    out = decode_stages(vae, x, merged, lo, hi, latent_frames)
+    unstack_states(merged, states, latent_frames)
+    return out
 
 
 def decode_clip(vae: WanVAEDecoder, z: torch.Tensor, state: VAEState | None = None) -> torch.Tensor:
