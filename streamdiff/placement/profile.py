@@ -565,19 +565,19 @@ def _measure_once(cfg, kind: str, n: int, sizes: list[tuple[int, int]], timeout_
     res: dict[str, dict] = {f"{w}x{h}": {"dit": {}, "vae": {}, "vae_group": {}, "dit_group": {}} for w, h in sizes}
     for t in threads:
         cpus = _cpus(0, t) if kind == "cpu" else ()
-        vae_child = (_vae_child, (spec, dev(0), cpus, t, 0, 1, "", sizes, [None], (2,), ws, 0))
+        # One thread each on a CPU with two cores: the VAE at the same time as the DiT, on the
+        # next core, as disagg-1+1 runs them. Measured minutes apart, a machine whose speed
+        # drifts skewed their ratio, which is what a cut or a hybrid band is chosen by.
+        together = kind == "cpu" and t == 1 and n >= 2
+        vae_cpus = _cpus(1, 1) if together else cpus
+        vae_child = (_vae_child, (spec, dev(0), vae_cpus, t, 0, 1, "", sizes, [None], (2,), ws, 0))
         if kind == "cpu":  # the DiT beside the host's work per block, on the same cores
             jobs = mp.get_context("spawn").Queue()
             targets = [
                 (_dit_child, (spec, dev(0), cpus, t, sizes, (2, 4), 0, 1, "", jobs)),
                 (_host_child, (cpus, sizes, 16, jobs)),
+                *([vae_child] if together else []),
             ]
-            if t == 1 and n >= 2:
-                # One thread each: the VAE at the same time on the next core, as disagg-1+1 runs
-                # them. Measured minutes apart, a machine whose speed drifts skewed their ratio,
-                # which is what a cut or a hybrid band is chosen by.
-                vae_child = (_vae_child, (spec, dev(0), _cpus(1, 1), t, 0, 1, "", sizes, [None], (2,), ws, 0))
-                targets.append(vae_child)
         else:
             targets = [(_dit_child, (spec, dev(0), cpus, t, sizes, (2, 4), 0, 1, "", None))]
         done = {x["stage"]: x for x in _run(targets, timeout_s) if "stage" in x}
