@@ -159,6 +159,18 @@ def stream_video(url: str, body: dict, timeout: float = 300) -> tuple[bytes, lis
     return b"".join(chunks), arrivals, headers
 
 
+def leave_mid_stream(url: str, body: dict, after_bytes: int = 5_000) -> None:
+    """A client that streams `body` and goes away once `after_bytes` have arrived: closing the
+    connection cancels its session."""
+    with httpx.Client(timeout=120) as client:
+        with client.stream("POST", url + "/v1/videos", json={**body, "stream": True}) as r:
+            got = 0
+            for chunk in r.iter_raw():
+                got += len(chunk)
+                if got > after_bytes:
+                    break
+
+
 # ----------------------------------------------------------------------------- MP4 inspection
 
 

@@ -12,7 +12,15 @@ import time
 import httpx
 import pytest
 
-from .helpers import SHORT_STORY, Daemon, assert_same_as_one_dit_and_vae, assert_same_video, refused, stream_video
+from .helpers import (
+    SHORT_STORY,
+    Daemon,
+    assert_same_as_one_dit_and_vae,
+    assert_same_video,
+    leave_mid_stream,
+    refused,
+    stream_video,
+)
 from .test_daemon_stream import check_video
 
 
@@ -57,14 +65,7 @@ def test_a_cancelled_session_leaves_the_group_in_step(sp2):
     are skipped by both ranks together (they agree on every block), so the other stream and
     the next one finish with no restart."""
     before = {n: w["restarts"] for n, w in sp2.health()["workers"].items()}
-    body = {"prompt": "leaving early", "num_frames": 97, "size": "128x64", "stream": True}
-    with httpx.Client(timeout=120) as client:
-        with client.stream("POST", sp2.url + "/v1/videos", json=body) as r:
-            got = 0
-            for chunk in r.iter_raw():
-                got += len(chunk)
-                if got > 5_000:
-                    break  # closes the connection: the session is cancelled
+    leave_mid_stream(sp2.url, {"prompt": "leaving early", "num_frames": 97, "size": "128x64"})
     data, _, _ = stream_video(sp2.url, {"prompt": "staying", "num_frames": 49, "size": "128x64"})
     check_video(data, 49, 128, 64, 16)
     assert {n: w["restarts"] for n, w in sp2.health()["workers"].items()} == before

@@ -7,10 +7,17 @@ from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
 
-import httpx
 import pytest
 
-from .helpers import SHORT_STORY, Daemon, assert_same_as_one_dit_and_vae, assert_same_video, refused, stream_video
+from .helpers import (
+    SHORT_STORY,
+    Daemon,
+    assert_same_as_one_dit_and_vae,
+    assert_same_video,
+    leave_mid_stream,
+    refused,
+    stream_video,
+)
 from .test_daemon_stream import check_video, dit_batch_counts
 
 
@@ -58,14 +65,7 @@ def test_a_session_cancelled_mid_stream_leaves_no_stage_cache_behind(cut4):
     by frame."""
     body = {"prompt": "a quiet lake", "num_frames": 49, "size": "128x64", "seed": 5}
     before, _, _ = stream_video(cut4.url, body)
-    with httpx.Client(timeout=120) as client:
-        leaving = {"prompt": "leaving early", "num_frames": 97, "size": "128x64", "stream": True}
-        with client.stream("POST", cut4.url + "/v1/videos", json=leaving) as r:
-            got = 0
-            for chunk in r.iter_raw():
-                got += len(chunk)
-                if got > 5_000:
-                    break  # closes the connection: the session is cancelled
+    leave_mid_stream(cut4.url, {"prompt": "leaving early", "num_frames": 97, "size": "128x64"})
     after, _, _ = stream_video(cut4.url, body)
     assert_same_video(after, before)
     health = cut4.health()
