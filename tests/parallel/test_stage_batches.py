@@ -18,6 +18,7 @@ import torch
 from streamdiff.ipc import messages as m
 from streamdiff.ipc.shm import Ring
 from streamdiff.models.spec import ModelSpec
+from streamdiff.workers.stages import put_activation
 
 from ..helpers import free_port
 
@@ -67,7 +68,7 @@ def cut_inputs() -> dict[tuple[str, int], np.ndarray]:
     return {
         (msg.session, msg.block): decode_stages(
             vae, torch.from_numpy(latent(msg.session, msg.block))[None], fronts[msg.session], 0, CUT, 3
-        )[0].numpy()
+        )[0]
         for batch in batches()
         for msg in batch
     }
@@ -114,14 +115,17 @@ def test_a_vae_stage_decodes_the_supervisors_batches_each_equal_to_its_session_a
     activations in one call, each session with its own caches."""
     instance = f"t{os.getpid()}b{world}{weights is not None}{cut}"
     data = cut_inputs() if cut else {}
-    slot = max([SLOT_LATENT, *(x.nbytes for x in data.values())])
+    slot = max([SLOT_LATENT, *(4 * x.numel() for x in data.values())])
     latents = Ring.create(instance, "latent", 6, slot)
     frames = Ring.create(instance, "frames", 6, SLOT_FRAMES)
     try:
         for batch in batches():
             for msg in batch:
-                x = data[msg.session, msg.block] if cut else latent(msg.session, msg.block)
-                latents.array(msg.latent_slot, x.shape, np.float32)[...] = x
+                if cut:  # as the DiT worker writes it
+                    put_activation(latents, msg.latent_slot, data[msg.session, msg.block])
+                else:
+                    x = latent(msg.session, msg.block)
+                    latents.array(msg.latent_slot, x.shape, np.float32)[...] = x
         ctx = mp.get_context("spawn")
         out = ctx.Queue()
         addr = f"tcp://127.0.0.1:{free_port()}"

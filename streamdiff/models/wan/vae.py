@@ -489,7 +489,7 @@ def decode_stages(
     ctx = Ctx(state)
     if lo > 0:  # an activation from another process: this decoder's device, dtype and layout
         x = x.to(device=vae.conv2.weight.device, dtype=vae.conv2.weight.dtype)
-        x = x.contiguous(memory_format=layout(x))  # a ring holds it row-major: ~8% slower stages
+        x = x.contiguous(memory_format=layout(x))  # the ring holds it so already; row-major: ~8% slower stages
     for stage in stages[lo:hi]:
         x = stage(x, ctx)
     state.latent_frames += latent_frames
