@@ -63,6 +63,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="disaggregated: the DiT workers also run the VAE decoder's first N stages (default 0)",
     )
     p.add_argument(
+        "--vae-cut-adapt",
+        action="store_const",
+        const=True,
+        help="with --vae-cut: move the cut, at each shot's start, to where the measured stage times balance "
+        "(a planned cut does)",
+    )
+    p.add_argument(
         "--objective",
         choices=("throughput", "latency", "streams"),
         help="with no layout flags the layout is planned for this (default throughput)",
@@ -101,6 +108,7 @@ def overrides_from_args(a: argparse.Namespace) -> dict[str, dict]:
         ("mode", "topology", "mode"),
         ("threads_per_worker", "topology", "threads_per_worker"),
         ("vae_cut", "topology", "vae_cut"),
+        ("vae_cut_adapt", "topology", "vae_cut_adapt"),
         ("objective", "topology", "objective"),
         ("devices", "topology", "devices"),
         ("dit_checkpoint", "model", "dit_checkpoint"),

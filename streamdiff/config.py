@@ -80,6 +80,7 @@ class TopologyConfig:
     vae_band_weights: tuple[float, ...] = ()  # rows per shard of a group in these proportions (empty: placed)
     rebalance: bool = True  # band weights follow the shards' measured times while running
     vae_cut: int = 0  # disaggregated, VAE groups of one: the DiT workers also run the decoder's first N stages
+    vae_cut_adapt: bool = False  # the cut follows the measured stage times (at shots' starts); a planned one does
 
 
 @dataclass(frozen=True)
@@ -360,6 +361,12 @@ def validate(cfg: Config) -> None:
         "needs an explicit layout (--dit-gpus, --vae-gpus) in mode disaggregated with VAE groups of one shard "
         "(--vae-group-size 1) and no DiT group",
         t.vae_cut,
+    )
+    _check(
+        not t.vae_cut_adapt or t.vae_cut > 0,
+        "topology.vae_cut_adapt",
+        "moves a cut: it needs topology.vae_cut (--vae-cut N) to start from",
+        t.vae_cut_adapt,
     )
     _check(p.max_blocks_in_flight >= 1, "pipeline.max_blocks_in_flight", "must be >= 1", p.max_blocks_in_flight)
     _check(p.latent_slots >= 2, "pipeline.latent_slots", "must be >= 2", p.latent_slots)

@@ -266,6 +266,80 @@ def test_a_vae_cut_moves_the_decoders_first_stages_to_the_dit_and_the_planner_of
     assert predict(prof, cut).w1_steady_fps == pytest.approx(w1_steady_fps(0.17), rel=0.03)
 
 
+def test_an_adapting_cut_moves_to_where_the_measured_sides_balance():
+    """Stage shares 5/5/10/20/30/30% of a decode. The VAE measured 200 ms a whole decode and
+    the DiT 110 ms a block with the first stage's 10 ms: its own 100. Cut 3 balances (140
+    against 160); from cut 1 (VAE side 190) the cut moves there, and stays for a gain under 5%.
+    Without adapt, before any timing, or where the cut's activation does not fit, it does not."""
+    from streamdiff.placement.cut import CutBalance
+
+    hw = (18, 32)
+    px = 18 * 32
+    stages = [10.0, 10.0, 20.0, 40.0, 60.0, 60.0]
+    b = CutBalance(1, True)
+    assert b.cut("dit0", "vae-group-0", hw, 3) == 1  # nothing measured yet
+    b.seed(stages)
+    b.observe_dit("dit0", None, 110.0, 1, hw)  # before the VAE's speed is known: kept
+    b.observe_vae("vae-group-0", 190.0, 1, hw)  # stages 1-5: 95% of a 200 ms decode
+    assert b.decode_px["vae-group-0"] * px == pytest.approx(200.0)
+    assert b.cut("dit0", "vae-group-0", hw, 3) == 3 and b.changes == 1
+    assert b.dit_px["dit0"] * px == pytest.approx(100.0)
+    assert b.period_ms("dit0", "vae-group-0", 3, hw) == pytest.approx(160.0)
+    assert b.period_ms("dit0", "vae-group-0", 4, hw) == pytest.approx(180.0)
+    b.observe_dit("dit0", "vae-group-0", 150.0, 3, hw)  # the DiT a little slower: cut 2 by 2.5% only
+    assert b.cut("dit0", "vae-group-0", hw, 3) == 3 and b.changes == 1
+    assert CutBalance(1, False).cut("dit0", "vae-group-0", hw, 3) == 1
+    fixed = CutBalance(1, False)
+    fixed.seed(stages)
+    fixed.observe_vae("vae-group-0", 190.0, 1, hw)
+    fixed.observe_dit("dit0", "vae-group-0", 110.0, 1, hw)
+    assert fixed.cut("dit0", "vae-group-0", hw, 3) == 1
+    small = CutBalance(1, True, fits=lambda cut, latent_hw, frames: cut <= 2)
+    small.seed(stages)
+    small.observe_vae("vae-group-0", 190.0, 1, hw)
+    small.observe_dit("dit0", "vae-group-0", 110.0, 1, hw)
+    assert small.cut("dit0", "vae-group-0", hw, 3) == 2
+
+
+def test_a_cut_moves_only_where_a_shot_starts():
+    from streamdiff.ipc import messages as m
+    from streamdiff.workers.errors import RequestError
+    from streamdiff.workers.stages import check_cut_change, cut_of
+
+    msg = m.DecodeBlock("s", 1, 0, 0, [16, 3, 18, 32], 12, vae_cut=5)
+    assert cut_of(msg, 4) == 5 and cut_of(m.DecodeBlock("s", 1, 0, 0, [16, 3, 18, 32], 12), 4) == 4
+    check_cut_change({"s": 4}, msg, 5, 9, shot_start=True)
+    check_cut_change({}, msg, 5, 9, shot_start=False)  # the session's first block
+    with pytest.raises(RequestError, match="moves from 4 to 5 inside a shot"):
+        check_cut_change({"s": 4}, msg, 5, 9, shot_start=False)
+    with pytest.raises(RequestError, match="this decoder has 9 stages"):
+        check_cut_change({}, msg, 9, 9, shot_start=True)
+
+
+def test_the_simulator_runs_an_adapting_cut_as_the_daemon_does():
+    """The scheduler's own cut balance in the simulator: from cut 1 or 5, W1 runs at the
+    balanced cut 3 from its start (the workers' start-up timings), as fast as cut 3 fixed."""
+    from dataclasses import replace
+
+    from streamdiff.config import Config
+    from streamdiff.models.spec import PRESET_FACTS
+    from streamdiff.placement.sim import Layout, Sim, simulate, storyboard
+
+    prof = synthetic(100.0, 200.0, stages=[10.0, 10.0, 20.0, 40.0, 60.0, 60.0])
+    facts = dict(PRESET_FACTS["tiny"])
+    cfg = Config()
+    adapt = replace(cfg, topology=replace(cfg.topology, vae_cut_adapt=True))
+    best = simulate(cfg, prof, Layout("disaggregated", 1, 1, cut=3), facts, (256, 144)).w1_fps
+    for start in (1, 5):
+        fixed = simulate(cfg, prof, Layout("disaggregated", 1, 1, cut=start), facts, (256, 144)).w1_fps
+        moved = simulate(adapt, prof, Layout("disaggregated", 1, 1, cut=start), facts, (256, 144)).w1_fps
+        assert moved == pytest.approx(best, rel=0.02) and best > 1.05 * fixed
+        sim = Sim(adapt, prof, Layout("disaggregated", 1, 1, cut=start), (256, 144), facts)
+        sim.submit("w1", storyboard(), 256, 144)
+        sim.run()
+        assert sim.sched.snapshot()["vae_cuts"] == {"dit0": 3}
+
+
 def test_the_planner_ranks_by_objective_and_follows_the_balance():
     from streamdiff.config import Config
     from streamdiff.models.spec import PRESET_FACTS

@@ -48,6 +48,7 @@ class GenerateBlock(Message, tag="gen"):
     cut: bool = False
     seed: int | None = None
     recache: bool = False  # with a continuing prompt: recompute the window's keys/values under it
+    vae_cut: int = 0  # topology.vae_cut: the decoder stages to run on it (set at a shot's start; 0: the worker's)
 
 
 class GenerateBatch(Message, tag="genb"):
@@ -60,8 +61,8 @@ class GenerateBatch(Message, tag="genb"):
 class DecodeBlock(Message, tag="dec"):
     """VAE shard: decode latent slot `latent_slot` (shape C, f, h, w) into frame slot
     `frame_slot` (frames_out, H, W, 3), its own rows only; `reset`: a new shot starts here.
-    `data_shape`: what the slot holds when the DiT ran the decoder's first stages on it
-    (topology.vae_cut): that activation's shape (empty: the latent itself)."""
+    `data_shape`: what the slot holds when the DiT ran the decoder's first `vae_cut` stages on
+    it (topology.vae_cut): that activation's shape (empty: the latent itself)."""
 
     session: str
     block: int
@@ -71,6 +72,7 @@ class DecodeBlock(Message, tag="dec"):
     frames_out: int
     reset: bool = False
     data_shape: list[int] = []
+    vae_cut: int = 0  # the stages the DiT ran on it (with data_shape; 0: the worker's cut)
 
 
 class DecodeBatch(Message, tag="decb"):

@@ -100,6 +100,7 @@ def place(cfg: Config, log=print) -> tuple[Config, Placement]:
         dit_group_size=best.dit_group,
         threads_per_worker=best.threads,
         vae_cut=best.cut,
+        vae_cut_adapt=best.cut > 0,  # from there the cut follows the blocks' measured times
     )
     runners_up = p.as_dict(top=4)["ranked"][1:]
     placement = Placement(best.name, best.flags(), True, t.objective, pred.as_dict(), str(path), runners_up)

@@ -111,7 +111,7 @@ class Costs:
     size: tuple[int, int]
     threads: int
     dit_group: int = 1
-    cut: int = 0
+    cut: int = 0  # the layout's; a block may carry its own (an adapting cut, placement/cut.py)
 
     def __post_init__(self) -> None:
         fig = self.profile.size(*self.size)
@@ -122,16 +122,22 @@ class Costs:
         # On the CPU the supervisor (the encoder threads) shares the DiT workers' cores: what
         # encoding a block takes from the DiT, measured beside it (0 where not measured).
         self.host_ms = max(0.0, self.dit.get("host_block_ms", self.dit["block_ms"]) - self.dit["block_ms"])
-        # A cut moves the decoder's first stages off the VAE (their share of its measured time)
-        # and onto the DiT, at what they took in the DiT's process after its block where the
-        # profile measured that (profiles from before it: the time they leave the VAE).
-        self.cut_vae_ms = self.vae1["block_ms"] * cut_fraction(fig, self.cut)
-        beside_dit = self.dit.get("cut_stages_ms")
-        self.cut_ms = sum(beside_dit[: self.cut]) if beside_dit and self.cut else self.cut_vae_ms
+        self.fig = fig
+        self.cut_ms = self.dit_cut_ms(self.cut)
         self.groups = fig.get("vae_group", {})
         self.rows = self.size[1] // SPATIAL
         self.beside = self._beside(fig.get("hybrid"))
         self._fit()
+
+    def vae_cut_ms(self, cut: int) -> float:
+        """What a cut takes off the VAE: its first stages' share of the VAE's measured time."""
+        return self.vae1["block_ms"] * cut_fraction(self.fig, cut)
+
+    def dit_cut_ms(self, cut: int) -> float:
+        """What a cut adds to the DiT's block: the stages as the profile timed them in the DiT's
+        process after its block (profiles from before that: the time they leave the VAE)."""
+        beside_dit = self.dit.get("cut_stages_ms")
+        return sum(beside_dit[:cut]) if beside_dit and cut else self.vae_cut_ms(cut)
 
     def _beside(self, probe: dict | None) -> float:
         """How much of the time a decoding shard leaves free on its core a low-priority DiT turns
@@ -169,12 +175,14 @@ class Costs:
         near = min(sizes, key=lambda k: (abs(k - n), k))
         return fig["batch_ms"][str(near)]
 
-    def dit_s(self, n: int, shot_starts: int) -> float:
+    def dit_s(self, n: int, shot_starts: int, cuts: list[int] | None = None) -> float:
+        """A batch of n blocks; `cuts`: each block's VAE cut (default: the layout's)."""
         d = self.dit
         per = self._batch(d, n, d["block_ms"])
         # A shot's first block: its prompt, its own steps, an empty cache (cheaper on the CPU).
         first = shot_starts * (d["first_ms"] - d["block_ms"]) * per / d["block_ms"]
-        return (per * n + first + (self.host_ms + self.cut_ms) * n) / 1000
+        stages = sum(self.dit_cut_ms(c) for c in cuts) if cuts is not None else self.cut_ms * n
+        return (per * n + first + self.host_ms * n + stages) / 1000
 
     def dit_own_ms(self) -> float:
         return self.dit["own_ms"]
@@ -186,14 +194,15 @@ class Costs:
         two = self.groups.get("2", {}).get("equal")  # not measured at this k: as at 2
         return max(0.0, two[0]["block_ms"] - max(x["own_ms"] for x in two)) if two else 0.0
 
-    def vae(self, k: int, rows: list[int], n: int, first: bool) -> tuple[float, list[float]]:
-        """(seconds for the group's batch, each shard's own seconds)."""
+    def vae(self, k: int, rows: list[int], n: int, first: bool, cut: int | None = None) -> tuple[float, list[float]]:
+        """(seconds for the group's batch, each shard's own seconds); `cut`: the batch's VAE cut
+        (default: the layout's)."""
         v = self.vae1
         scale = self._batch(v, n, v["block_ms"]) / v["block_ms"] * n
         if first:
             scale *= v["first_ms"] / v["block_ms"]
         if k == 1:
-            own = (v["block_ms"] - self.cut_vae_ms) * scale / 1000
+            own = (v["block_ms"] - self.vae_cut_ms(self.cut if cut is None else cut)) * scale / 1000
             return own, [own]
         own = [(self.front_ms + r * self.per_row_ms) * scale / 1000 for r in rows]
         return max(own) + self._overhead_ms(k) * scale / 1000, own
@@ -306,9 +315,11 @@ class Sim:
                 "dit_memory": None,
             }
             events.append(s.WorkerReady(dit, info))
+        stages = c.vae1.get("stages_ms")
         for group in self.topo.vae_groups:
             k = len(group)
-            g_ms, _ = c.vae(k, [r1 - r0 for r0, r1 in split_rows(h // SPATIAL, k)], 1, False)
+            # The worker's start-up block is a whole decode, with a cut too (stages.VAEStage.calibrate).
+            g_ms, _ = c.vae(k, [r1 - r0 for r0, r1 in split_rows(h // SPATIAL, k)], 1, False, 0)
             b2 = c.vae1.get("batch_ms", {}).get("2")
             info = {
                 "vae_rank": 0,
@@ -316,6 +327,8 @@ class Sim:
                 "vae_batch_ms": {"2": b2 * g_ms * 1000 / c.vae1["block_ms"]} if b2 else {},
                 "vae_memory": None,
             }
+            if self.layout.cut and stages:
+                info["vae_stages_ms"] = {"ms": stages, "size": [w, h]}
             events.append(s.WorkerReady(group[0], info))
         self.step(events)
 
@@ -408,7 +421,8 @@ class Sim:
             blocks = job.msg.blocks
             sess = self.sessions[blocks[0].session]
             c = self.cost(sess.width, sess.height)
-            dur = c.dit_s(len(blocks), sum(1 for b in blocks if b.cut))
+            cuts = [b.vae_cut or self.layout.cut for b in blocks]
+            dur = c.dit_s(len(blocks), sum(1 for b in blocks if b.cut), cuts)
             p = self.procs[job.procs[0]]
             p.left_s, p.since, p.rate = dur, self.now, self._free_rate(p)
             self._schedule_dit(p)
@@ -423,7 +437,7 @@ class Sim:
         weights = self.shot_weights.get((job.group, blocks[0].session))
         bands = split_rows(sess.height // SPATIAL, k, weights)
         rows = [r1 - r0 for r0, r1 in bands]
-        dur, own = c.vae(k, rows, len(blocks), blocks[0].reset)
+        dur, own = c.vae(k, rows, len(blocks), blocks[0].reset, blocks[0].vae_cut or self.layout.cut)
         job.own, job.rows, job.dur = own, rows, dur
         self.vae_busy_s += dur
         self.vae_blocks += len(blocks)

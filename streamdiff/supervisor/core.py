@@ -66,31 +66,47 @@ class Supervisor:
         self._tasks: list[asyncio.Task] = []
         self.loop_alive: dict[str, float] = {}  # task -> last time it went round (for /health)
         self.started_at = time.time()
+        self._vae_cfg = None  # the preset's VAE config, for the cut's activation shapes
 
     # -- start --------------------------------------------------------------------------------
     def _ring_sizes(self) -> tuple[int, int]:
-        f, lim = self.facts, self.cfg.limits
+        f, lim, t = self.facts, self.cfg.limits, self.cfg.topology
         sf, fpb = f["spatial_factor"], f["frames_per_block"]
         h, w = lim.max_height // sf, lim.max_width // sf
         latent = f["latent_channels"] * fpb * h * w * 4
-        if cut := self.cfg.topology.vae_cut:  # the latent slot carries the first stages' output
-            latent = max(latent, 4 * math.prod(self._cut_shape(cut, fpb, h, w)))
+        if t.vae_cut:  # the latent slot carries the first stages' output; an adapting cut's one stage further too
+            cuts = range(1, min(t.vae_cut + 1, len(self._stage_shapes(fpb, h, w)) - 1) + 1) if t.vae_cut_adapt else ()
+            latent = max(latent, *(4 * math.prod(self._cut_shape(c, fpb, h, w)) for c in (t.vae_cut, *cuts)))
         frames = fpb * f["temporal_factor"] * lim.max_height * lim.max_width * 3
         return latent, frames
 
-    def _cut_shape(self, cut: int, frames: int, h: int, w: int) -> tuple[int, ...]:
-        """What the decoder's first `cut` stages make of a block (the preset's VAE config: the
-        one written next to the weights, else the release's; the DiT worker checks each block)."""
+    def _stage_shapes(self, frames: int, h: int, w: int) -> list[tuple[int, ...]]:
+        """What each decoder stage makes of a block (the preset's VAE config: the one written next
+        to the weights, else the release's; the DiT worker checks each block)."""
         from ..models.presets import get_preset
         from ..models.wan.vae import stage_shapes
         from .topology import model_spec
 
-        shapes = stage_shapes(get_preset(model_spec(self.cfg)).vae, frames, h, w)
+        if self._vae_cfg is None:
+            self._vae_cfg = get_preset(model_spec(self.cfg)).vae
+        return stage_shapes(self._vae_cfg, frames, h, w)
+
+    def _cut_shape(self, cut: int, frames: int, h: int, w: int) -> tuple[int, ...]:
+        shapes = self._stage_shapes(frames, h, w)
         if cut >= len(shapes):
             raise ConfigError(
                 f"topology.vae_cut: this VAE decoder has {len(shapes)} stages; a cut is 1-{len(shapes) - 1}, got {cut}"
             )
         return shapes[cut - 1]
+
+    def _cut_fits(self, slot_bytes: int):
+        """placement/cut.py's test of a cut at a block's size: its activation fits a latent slot."""
+
+        def fits(cut: int, latent_hw: tuple[int, int], frames: int) -> bool:
+            shapes = self._stage_shapes(frames, *latent_hw)
+            return cut < len(shapes) and 4 * math.prod(shapes[cut - 1]) <= slot_bytes
+
+        return fits
 
     async def start(self) -> None:
         instance = self.cfg.server.instance
@@ -123,7 +139,15 @@ class Supervisor:
             p.ready_timeout_s,
             p.restart_backoff_reset_s,
         )
-        self.scheduler = Scheduler(self.cfg, self.topology, p.latent_slots, p.frame_slots, self.pool.ready, self.facts)
+        self.scheduler = Scheduler(
+            self.cfg,
+            self.topology,
+            p.latent_slots,
+            p.frame_slots,
+            self.pool.ready,
+            self.facts,
+            self._cut_fits(self.latent_ring.spec.slot_bytes),
+        )
         self.driver = driver = Driver(self.cfg, self.scheduler, self._send, self.frame_ring)
         self.pool.on_lost = lambda names, why: driver.post(sch.WorkersLost(frozenset(names), why))
         self.pool.on_worker_ready = lambda name: driver.post(sch.WorkerReady(name, self.pool.workers[name].info))

@@ -54,6 +54,7 @@ from ..ipc import messages as m
 from ..ipc.shm import SlotPool
 from ..metrics import Metrics
 from ..placement.bands import Balance
+from ..placement.cut import CutBalance
 from ..plan import Block, Scene, replan_from
 from .capacity import CapacityModel, Demand
 from .engine import CANCELLED, DONE, FAILED, QUEUED, RUNNING
@@ -268,6 +269,7 @@ class Ticket:
     frame_slot: int | None = None
     shape: list[int] | None = None  # the latent's, once made
     data_shape: list[int] | None = None  # what its slot holds, when not the latent (topology.vae_cut)
+    vae_cut: int = 0  # the decoder stages its DiT runs (topology.vae_cut; its shot's)
     sent_at: float = 0.0  # when it went to its current worker(s)
     batch: int | None = None  # the DiT batch it went in
     reported: set[int] = field(default_factory=set)  # VAE ranks that answered
@@ -290,6 +292,7 @@ class Session:
     dit: str | None = None
     group: int | None = None
     vae_workers: list[str] = field(default_factory=list)  # the shards of its VAE group
+    vae_cut: int = 0  # its shot's VAE cut (topology.vae_cut; chosen at each shot's start)
     tickets: list[Ticket] = field(default_factory=list)
     issued: int = 0  # tickets past queued
     acked: int = 0  # fragments taken by the consumer
@@ -328,7 +331,10 @@ class Scheduler:
         frame_slots: int,
         worker_ready: Callable[[str], bool],
         facts: dict | None = None,
+        cut_fits: Callable[[int, tuple[int, int], int], bool] | None = None,
     ) -> None:
+        """cut_fits(cut, latent_hw, latent_frames): whether a VAE cut's activation of a block fits
+        a latent slot (placement/cut.py; None: any does)."""
         self.cfg = cfg
         self.facts = facts or {"spatial_factor": 8, "size_multiple": 16}
         self.capacity = CapacityModel(cfg.limits.target_utilization)
@@ -337,6 +343,7 @@ class Scheduler:
         self.balance = Balance(
             topology.vae_groups, topology.devices, topology.dit_workers, t.vae_band_weights, t.rebalance
         )
+        self.cuts = CutBalance(t.vae_cut, t.vae_cut_adapt and t.rebalance, cut_fits) if t.vae_cut else None
         self.latent_pool = SlotPool(latent_slots)
         self.frame_pool = SlotPool(frame_slots)
         self.worker_ready = worker_ready
@@ -425,6 +432,9 @@ class Scheduler:
             for b, ms in info.get("dit_batch_ms", {}).items():
                 self.capacity.calibrate_batch(ev.worker, cost["size"], int(b), ms / cost["block_ms"])
             self.balance.seed_dit(ev.worker, cost.get("busy_ms", cost["block_ms"]), self._latent_hw(*cost["size"]))
+            if self.cuts is not None:  # its start-up block ran the configured cut's stages
+                hw = self._latent_hw(*cost["size"])
+                self.cuts.observe_dit(ev.worker, None, cost["block_ms"], self.cuts.start, hw)
         if "vae_cost" in info and info.get("vae_rank") == 0:
             group = next(i for i, g in enumerate(self.topology.vae_groups) if ev.worker in g)
             unit = self._group_unit(group)
@@ -433,6 +443,9 @@ class Scheduler:
             self.balance.seed(group, cost["block_ms"], self._latent_hw(*cost["size"]))
             for b, ms in info.get("vae_batch_ms", {}).items():
                 self.capacity.calibrate_batch(unit, cost["size"], int(b), ms / cost["block_ms"])
+            if self.cuts is not None and "vae_stages_ms" in info:  # its start-up block: a whole decode
+                self.cuts.seed(info["vae_stages_ms"]["ms"])
+                self.cuts.observe_vae(unit, cost["block_ms"], 0, self._latent_hw(*cost["size"]))
 
     def _latent_hw(self, width: int, height: int) -> tuple[int, int]:
         sf = self.facts["spatial_factor"]
@@ -670,6 +683,11 @@ class Scheduler:
             t.latent_slot = self.latent_pool.take()
             t.state, t.sent_at, t.batch = T_DIT, self.now, bid
             sess.issued += 1
+            if self.cuts is not None:
+                if b.shot_start or not sess.vae_cut:  # both sides' stage caches start afresh here
+                    hw = self._latent_hw(sess.width, sess.height)
+                    sess.vae_cut = self.cuts.cut(dit, self._group_unit(sess.group), hw, b.latent_frames)
+                t.vae_cut = sess.vae_cut
             msgs.append(
                 m.GenerateBlock(
                     sess.id,
@@ -680,6 +698,7 @@ class Scheduler:
                     cut=b.shot_start and first,
                     seed=scene.seed if first else None,
                     recache=first and scene.recache and not b.shot_start,
+                    vae_cut=t.vae_cut,
                 )
             )
         for w in self.topology.members(dit):  # a DiT group's ranks all run it (rank 0 answers)
@@ -693,7 +712,15 @@ class Scheduler:
             t.frame_slot = self.frame_pool.take()
             t.state, t.sent_at, t.batch, t.reported, t.skipped = T_VAE, self.now, bid, set(), False
             item = m.DecodeBlock(
-                sess.id, b.index, t.latent_slot, t.frame_slot, t.shape, b.frames_out, b.shot_start, t.data_shape or []
+                sess.id,
+                b.index,
+                t.latent_slot,
+                t.frame_slot,
+                t.shape,
+                b.frames_out,
+                b.shot_start,
+                t.data_shape or [],
+                t.vae_cut,
             )
             msgs.append(item)
         head = batch[0][0]
@@ -755,6 +782,9 @@ class Scheduler:
         if predicted:
             self.metrics.block_cost_ratio.labels("dit").observe(msg.compute_ms / predicted)
         self.balance.observe_dit(sess.dit, msg.busy_ms, self._latent_hw(sess.width, sess.height))
+        if self.cuts is not None:
+            hw = self._latent_hw(sess.width, sess.height)
+            self.cuts.observe_dit(sess.dit, self._group_unit(sess.group), msg.compute_ms, t.vae_cut, hw)
         t.state, t.shape, t.data_shape = T_LATENT, list(msg.shape), list(msg.data_shape)
 
     def _frames_done(self, msg: m.FramesDone) -> None:
@@ -775,6 +805,8 @@ class Scheduler:
             predicted = self.capacity.observe(unit, (sess.width, sess.height), msg.compute_ms, msg.batch)
             if predicted:
                 self.metrics.block_cost_ratio.labels("vae").observe(msg.compute_ms / predicted)
+            if self.cuts is not None:
+                self.cuts.observe_vae(unit, msg.compute_ms, t.vae_cut, self._latent_hw(sess.width, sess.height))
         self._vae_answered(sess, t)
 
     def _vae_answered(self, sess: Session, t: Ticket) -> None:
@@ -1056,7 +1088,11 @@ class Scheduler:
                     tickets[t.state] = tickets.get(t.state, 0) + 1
         return {
             "vae_band_weights": {str(g): list(w) for g, w in self.balance.current.items()},
-            "vae_cut": self.cfg.topology.vae_cut,  # decoder stages the DiT workers run (0: none)
+            # decoder stages the DiT workers run (0: none): each one's cut for its next shots
+            "vae_cut": self.cfg.topology.vae_cut,
+            "vae_cuts": {w: self.cuts.current.get(w, self.cuts.start) for w in self.topology.dit_workers}
+            if self.cuts is not None
+            else {},
             "running": len(self.running),
             "queued": len(self.queue),
             "tracked": len(self.sessions),

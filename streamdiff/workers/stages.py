@@ -118,6 +118,21 @@ def in_order(next_block: dict[str, int], msg) -> None:
     next_block[msg.session] = due + 1
 
 
+def cut_of(msg: m.GenerateBlock | m.DecodeBlock, worker_cut: int) -> int:
+    """The VAE decoder stages a block's DiT runs (topology.vae_cut): the supervisor's choice for
+    its shot, else the worker's own cut."""
+    return msg.vae_cut or worker_cut
+
+
+def check_cut_change(cuts: dict[str, int], msg, cut: int, n: int, shot_start: bool) -> None:
+    """A block's cut against the stages [1, n) and its session's cut so far: a cut moves only
+    where a shot starts, when the stage caches on both sides start afresh."""
+    if not 0 < cut < n:
+        raise RequestError(f"a VAE cut after stage {cut}: this decoder has {n} stages (1-{n - 1})")
+    if not shot_start and cuts.get(msg.session, cut) != cut:
+        raise RequestError(f"the VAE cut moves from {cuts[msg.session]} to {cut} inside a shot")
+
+
 def _check_cut(vae, cut: int) -> int:
     """topology.vae_cut against this decoder: its number of stages (the cut must leave both
     sides at least one)."""
@@ -165,12 +180,13 @@ class DiTStage:
         self.max_batch = spec.max_batch
         # topology.vae_cut: the VAE decoder's first stages run here on each block, each session
         # with its own cache for them; the latent slot carries their output to the VAE worker.
-        self.cut, self.vae, self.vae_states = spec.vae_cut, None, {}
+        # The supervisor may move a session's cut at a shot's start (GenerateBlock.vae_cut).
+        self.cut, self.vae, self.vae_states, self.vae_cuts, self.stages = spec.vae_cut, None, {}, {}, 0
         if self.cut:
             from ..models.engines import VAEEngine
 
             self.vae = VAEEngine(spec.model, spec.device, spec.vae_working_set_bytes).model
-            _check_cut(self.vae, self.cut)
+            self.stages = _check_cut(self.vae, self.cut)
         self.calibration = self.calibrate()
 
     def info(self) -> dict:
@@ -202,13 +218,15 @@ class DiTStage:
         # With a cut, the block's first VAE stages are part of its cost here (warmed like the DiT).
         fpb = p.sampler.frames_per_block
         for i in range(-(-sess.state.kv.window // fpb) - 1):
-            self._cut_stages([("calibration", i == 0, self.engine.generate_block(sess, fpb)[0])])
+            self._cut_stages([("calibration", i == 0, self.engine.generate_block(sess, fpb)[0], self.cut)])
         self.clock.start()
         ms = _timed(
-            self.device, lambda: self._cut_stages([("calibration", False, self.engine.generate_block(sess, fpb)[0])])
+            self.device,
+            lambda: self._cut_stages([("calibration", False, self.engine.generate_block(sess, fpb)[0], self.cut)]),
         )
         _, own_s = self.clock.stop()
         self.vae_states.pop("calibration", None)
+        self.vae_cuts.pop("calibration", None)
         kv = sess.state.kv
         tokens = kv.k[0].shape[2]  # window * tokens per frame
         per_token = sum(t.numel() * t.element_size() for t in (*kv.k, *kv.v)) // tokens
@@ -249,25 +267,28 @@ class DiTStage:
         self.seeds.pop(session, None)
         self.next_block.pop(session, None)
         self.vae_states.pop(session, None)
+        self.vae_cuts.pop(session, None)
 
-    def _cut_stages(self, blocks: list[tuple[str, bool, torch.Tensor]]) -> dict[str, torch.Tensor]:
-        """blocks: (session, starts a shot, latent (C, f, h, w)). Each session's latent, or with
-        a cut its first stages' output (float32, CPU): what goes into its ring slot. Blocks of
-        one shape whose stage caches are at the same phase run their stages in one call."""
+    def _cut_stages(self, blocks: list[tuple[str, bool, torch.Tensor, int]]) -> dict[str, torch.Tensor]:
+        """blocks: (session, starts a shot, latent (C, f, h, w), the block's cut). Each
+        session's latent, or with a cut its first stages' output (float32, CPU): what goes into
+        its ring slot. Blocks of one shape and cut whose stage caches are at the same phase run
+        their stages in one call."""
         if not self.cut:
-            return {key: latent for key, _, latent in blocks}
+            return {key: latent for key, _, latent, _ in blocks}
         from ..models.wan.vae import decode_stages_sessions
 
         groups: dict[tuple, list] = {}
-        for key, shot_start, latent in blocks:
+        for key, shot_start, latent, cut in blocks:
             if shot_start or key not in self.vae_states:
                 self.vae_states[key] = self.vae.new_state()
-            groups.setdefault((tuple(latent.shape), _phase(self.vae_states[key])), []).append((key, latent))
+            self.vae_cuts[key] = cut
+            groups.setdefault((tuple(latent.shape), cut, _phase(self.vae_states[key])), []).append((key, latent))
         out = {}
-        for group in groups.values():
+        for (_, cut, _), group in groups.items():
             x = torch.stack([latent for _, latent in group])
             states = [self.vae_states[key] for key, _ in group]
-            y = decode_stages_sessions(self.vae, x, states, 0, self.cut, x.shape[2]).float().cpu()
+            y = decode_stages_sessions(self.vae, x, states, 0, cut, x.shape[2]).float().cpu()
             out.update({key: y[i] for i, (key, _) in enumerate(group)})
         return out
 
@@ -287,11 +308,11 @@ class DiTStage:
         if self.cut:
             from ..models.wan.vae import stage_shapes
 
-            out = stage_shapes(self.vae.cfg, msg.frames, *sess.latent_hw)[self.cut - 1]
+            cut = cut_of(msg, self.cut)
+            check_cut_change(self.vae_cuts, msg, cut, self.stages, msg.cut or msg.session not in self.vae_states)
+            out = stage_shapes(self.vae.cfg, msg.frames, *sess.latent_hw)[cut - 1]
             if np.prod(out) * 4 > self.ring.spec.slot_bytes:
-                raise RequestError(
-                    f"the VAE's first {self.cut} stages make {list(out)} of a block: too big for a ring slot"
-                )
+                raise RequestError(f"the VAE's first {cut} stages make {list(out)} of a block: too big for a ring slot")
 
     def run_batch(self, msgs: list[m.GenerateBlock], closed: set[str]) -> tuple[list, list]:
         """The next block of each message's session (the supervisor's batch: one block per
@@ -330,7 +351,7 @@ class DiTStage:
         for group in groups.values():
             outs = self.engine.generate_blocks([sess for _, sess in group], group[0][0].frames)
             latents.update({msg.session: out[0] for (msg, _), out in zip(group, outs, strict=True)})
-        data = self._cut_stages([(msg.session, msg.cut, latents[msg.session]) for msg, _ in run])
+        data = self._cut_stages([(msg.session, msg.cut, latents[msg.session], cut_of(msg, self.cut)) for msg, _ in run])
         wall, own = self.clock.stop()
         if self.rank > 0:
             return [], refusals
@@ -390,7 +411,7 @@ class VAEStage:
         self.weights: dict[str, tuple[float, ...] | None] = {}  # session -> the band weights its cache holds
         self.slots = self.engine.model.band_slots(self.shard_front)
         # topology.vae_cut: the DiT ran the decoder's first stages; this worker runs the rest.
-        self.cut = spec.vae_cut
+        self.cut, self.vae_cuts = spec.vae_cut, {}  # the worker's cut; each session's (DecodeBlock.vae_cut)
         self.stages = _check_cut(self.engine.model, self.cut) if self.cut else 0
         self.cpu_budget = spec.cpu_memory_budget_bytes
         self.max_batch = spec.max_batch
@@ -439,7 +460,7 @@ class VAEStage:
             decode([other], fpb)  # the same cache phase as `state`
             decode([state, other], fpb)  # cold: a new shape
             batch_ms["2"] = decode([state, other], fpb) / 2
-        return {
+        out = {
             "vae_cost": {"block_ms": ms, "size": [w, h]},
             "vae_batch_ms": batch_ms,
             "vae_memory": {
@@ -447,6 +468,13 @@ class VAEStage:
                 "budget_bytes": budget,
             },
         }
+        if self.cut:  # each decoder stage's time: what the supervisor moves a cut by (placement/cut.py)
+            from ..placement.profile import stage_times
+
+            z = (1, p.dit.in_channels, fpb, h // sf, w // sf)
+            stages = stage_times(self.engine.model, state, lambda: torch.randn(z, generator=g), self.device, runs=2)
+            out["vae_stages_ms"] = {"ms": stages, "size": [w, h]}
+        return out
 
     def open(self, msg: m.OpenSession) -> None:
         self.seeds[msg.session] = msg.seed
@@ -458,6 +486,7 @@ class VAEStage:
         self.seeds.pop(session, None)
         self.next_block.pop(session, None)
         self.weights.pop(session, None)
+        self.vae_cuts.pop(session, None)
 
     def _rebalance(self, msg: m.DecodeBlock, state, weights: tuple[float, ...] | None) -> None:
         """Decode this block under the batch's band weights: in the middle of a shot whose
@@ -490,8 +519,10 @@ class VAEStage:
             raise RequestError(f"a latent block of shape {msg.shape} does not fit a ring slot")
         if msg.frames_out * h * sf * w * sf * 3 > self.frames.spec.slot_bytes:
             raise RequestError(f"{msg.frames_out} frames of {w * sf}x{h * sf} do not fit a frame slot")
-        if self.cut and (len(msg.data_shape) != 4 or np.prod(msg.data_shape) * 4 > self.latents.spec.slot_bytes):
-            raise RequestError(f"the first stages' output of shape {msg.data_shape} is not a block's")
+        if self.cut:
+            check_cut_change(self.vae_cuts, msg, cut_of(msg, self.cut), self.stages, first)
+            if len(msg.data_shape) != 4 or np.prod(msg.data_shape) * 4 > self.latents.spec.slot_bytes:
+                raise RequestError(f"the first stages' output of shape {msg.data_shape} is not a block's")
         try:
             return self.engine.plan((c, f, h, w), self.world, 1, weights)
         except ValueError as exc:  # e.g. fewer latent rows than shards or bad weights
@@ -538,7 +569,10 @@ class VAEStage:
                 self.sessions[msg.session] = self.engine.open_session()
             state = self.sessions[msg.session]
             self._rebalance(msg, state, weights)
-            groups.setdefault((tuple(msg.shape), tuple(msg.data_shape), msg.frames_out, _phase(state)), []).append(msg)
+            cut = cut_of(msg, self.cut) if self.cut else 0
+            self.vae_cuts[msg.session] = cut
+            key = (tuple(msg.shape), tuple(msg.data_shape), cut, msg.frames_out, _phase(state))
+            groups.setdefault(key, []).append(msg)
         waited, rows = 0.0, 0
         for group in groups.values():
             w, rows = self._decode(group, weights)
@@ -583,7 +617,7 @@ class VAEStage:
         _, f, h, w = msgs[0].shape
         x = take_activations(self.latents, [msg.latent_slot for msg in msgs], msgs[0].data_shape)
         states = [self.sessions[msg.session] for msg in msgs]
-        y = decode_stages_sessions(self.engine.model, x, states, self.cut, self.stages, f)
+        y = decode_stages_sessions(self.engine.model, x, states, cut_of(msgs[0], self.cut), self.stages, f)
         for i, msg in enumerate(msgs):
             out = self.frames.array(msg.frame_slot, (msg.frames_out, h * sf, w * sf, 3), np.uint8)
             out[...] = to_uint8_frames(y[i : i + 1]).numpy()
