@@ -340,6 +340,26 @@ def test_the_simulator_runs_an_adapting_cut_as_the_daemon_does():
         assert sim.sched.snapshot()["vae_cuts"] == {"dit0": 3}
 
 
+def test_a_simulation_leaves_the_daemons_log_as_it_found_it(caplog):
+    """The planner simulates with the daemon's loggers quieted; afterwards their INFO lines (the
+    cut moving) must reach the log again, cached levels included."""
+    import logging
+    from dataclasses import replace
+
+    from streamdiff.config import Config
+    from streamdiff.models.spec import PRESET_FACTS
+    from streamdiff.placement.sim import Layout, simulate
+
+    caplog.set_level(logging.INFO, logger="streamdiff")
+    cfg = Config()
+    adapt = replace(cfg, topology=replace(cfg.topology, vae_cut_adapt=True))
+    prof = synthetic(100.0, 200.0, stages=[10.0, 10.0, 20.0, 40.0, 60.0, 60.0])
+    simulate(adapt, prof, Layout("disaggregated", 1, 1, cut=1), dict(PRESET_FACTS["tiny"]), (256, 144))
+    assert "cut moves" not in caplog.text  # the simulated daemon's own line stays out
+    logging.getLogger("streamdiff.placement").info("dit0: the VAE cut moves from 1 to 3 stages")
+    assert "the VAE cut moves from 1 to 3" in caplog.text
+
+
 def test_the_planner_ranks_by_objective_and_follows_the_balance():
     from streamdiff.config import Config
     from streamdiff.models.spec import PRESET_FACTS

@@ -343,12 +343,16 @@ class Sim:
             self._take(a)
 
     def run(self, until_s: float = 3600.0) -> None:
-        quiet = logging.getLogger("streamdiff")  # the scheduler's log is the daemon's, not the model's
-        level, quiet.level = quiet.level, logging.WARNING
+        # The scheduler's log is the daemon's, not the model's. setLevel, not `.level =`: it also
+        # clears the loggers' cached levels, which would otherwise keep the daemon's own INFO
+        # lines (its cut moving) silent after a plan.
+        quiet = logging.getLogger("streamdiff")
+        level = quiet.level
+        quiet.setLevel(logging.WARNING)
         try:
             self._run(until_s)
         finally:
-            quiet.level = level
+            quiet.setLevel(level)
 
     def _run(self, until_s: float) -> None:
         while self.heap:
