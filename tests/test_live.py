@@ -142,7 +142,7 @@ async def _websocket_flow(url: str) -> None:
         await ws.send_json({"type": "session.start", "prompt": "a red ball", "format": "m4s", "size": "128x64"})
         start = await ws.receive_json(timeout=30)
         assert start["type"] == "video.start" and start["format"] == "m4s" and start["config"]["live"] is True
-        data, binaries, events = bytearray(), 0, []
+        data, binaries, events, stopping = bytearray(), 0, [], False
         while True:
             msg = await ws.receive(timeout=60)
             if msg.type == aiohttp.WSMsgType.BINARY:
@@ -154,8 +154,12 @@ async def _websocket_flow(url: str) -> None:
                     )
                     await ws.send_json({"type": "session.prompt_update", "prompt": ""})  # refused; the session goes on
                     await ws.send_json({"type": "session.ping"})
-                if binaries == 6:
+                # Stop once the update's fragment is in: where it lands depends on how far ahead
+                # the live session ran, so a stop at a fixed count could come before it.
+                landed = [e["start_frame"] for e in events if e["type"] == "session.prompt_updated"]
+                if landed and not stopping and sum(f["samples"] for f in fragments(bytes(data))) > landed[0]:
                     await ws.send_json({"type": "session.stop"})
+                    stopping = True
                 continue
             assert msg.type == aiohttp.WSMsgType.TEXT, msg
             events.append(json.loads(msg.data))
