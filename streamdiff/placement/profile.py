@@ -137,21 +137,8 @@ def load_cached(path: Path, cfg, size: tuple[int, int], devices: int, now: float
         and prof.devices >= devices
         and f"{size[0]}x{size[1]}" in prof.sizes
         and now - prof.created < FRESH_S
-        and _stages_match(prof, cfg)
     )
     return prof if ok else None
-
-
-def _stages_match(prof: Profile, cfg) -> bool:
-    """Whether the profile's VAE stage times are of this decoder's stages (`decoder_stages`
-    splits residual blocks in halves since profiles with whole blocks were cached; a cut's
-    number means a stage boundary)."""
-    from ..models.presets import get_preset
-    from ..models.wan.vae import stage_shapes
-    from ..supervisor.topology import model_spec
-
-    n = len(stage_shapes(get_preset(model_spec(cfg)).vae, 1, 8, 8))
-    return all(len(fig["vae"]["1"].get("stages_ms", [0] * n)) == n for fig in prof.sizes.values() if "1" in fig["vae"])
 
 
 # ----------------------------------------------------------------------------- measuring

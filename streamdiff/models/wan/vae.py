@@ -222,18 +222,6 @@ class ResBlock(nn.Module):
         x = r[6](r[3](x, silu=True), ctx)
         return x + h
 
-    # The block in two halves, for a decoder cut between its convolutions (`decoder_stages`):
-    # the first hands on its conv's output and the shortcut, stacked along the channels.
-    def first_half(self, x: torch.Tensor, ctx: Ctx) -> torch.Tensor:
-        r = self.residual
-        h = self.shortcut(x, ctx) if isinstance(self.shortcut, CausalConv3d) else x
-        return torch.cat([r[2](r[0](x, silu=True), ctx), h], dim=1)
-
-    def second_half(self, y: torch.Tensor, ctx: Ctx) -> torch.Tensor:
-        r = self.residual
-        x, h = (t.contiguous(memory_format=layout(t)) for t in y.split(y.shape[1] // 2, dim=1))
-        return r[6](r[3](x, silu=True), ctx) + h
-
 
 class AttentionBlock(nn.Module):
     """Single-head self-attention over all positions of each frame (global in H*W)."""
@@ -455,11 +443,9 @@ def unstack_states(merged: VAEState, states: list[VAEState], latent_frames: int)
 
 def decoder_stages(vae: WanVAEDecoder) -> list:
     """The decoder as a sequence of stages a decode can be cut between: the prologue with conv1
-    and the middle (stage 0), each upsampler's residual block in two halves (one conv each) and
-    each resample, the head (last). Each stage touches only its own cache slots, so two
-    processes can each run a range of stages of the same sessions with their own `VAEState`s (a
-    stage-cut layout; tools/bench_vae_cut). Halves because whole blocks were too coarse to
-    balance: at 256x144 the one before the last resample was 15% of the decoder."""
+    and the middle (stage 0), each upsampler module, the head (last). Each stage touches only
+    its own cache slots, so two processes can each run a range of stages of the same sessions
+    with their own `VAEState`s (a stage-cut layout; tools/bench_vae_cut)."""
     d = vae.decoder
 
     def first(x, ctx):
@@ -471,10 +457,7 @@ def decoder_stages(vae: WanVAEDecoder) -> list:
     def head(x, ctx):
         return d.head[2](d.head[0](x, silu=True), ctx)
 
-    stages = [first]
-    for m in d.upsamples:
-        stages += [m.first_half, m.second_half] if isinstance(m, ResBlock) else [m]
-    return [*stages, head]
+    return [first, *d.upsamples, head]
 
 
 def stage_shapes(cfg: VAEConfig, latent_frames: int, h: int, w: int) -> list[tuple[int, int, int, int]]:
@@ -487,7 +470,7 @@ def stage_shapes(cfg: VAEConfig, latent_frames: int, h: int, w: int) -> list[tup
     t = latent_frames
     out = [(dims[0], t, h, w)]
     for i, cout in enumerate(dims[1:]):
-        out += [(2 * cout, t, h, w), (cout, t, h, w)] * (cfg.num_res_blocks + 1)  # each block's halves
+        out += [(cout, t, h, w)] * (cfg.num_res_blocks + 1)
         if i != len(cfg.dim_mult) - 1:
             t, h, w = t * (2 if temporal_up[i] else 1), 2 * h, 2 * w
             out.append((cout // 2, t, h, w))
