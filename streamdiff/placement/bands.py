@@ -43,7 +43,12 @@ def block_ms(full_ms: list[float], other_ms: list[float], shares: list[float]) -
 
 
 ALPHA = 0.3  # EWMA weight of a new measurement
-GAIN = 0.05  # new weights replace the group's only if they predict a block this much faster
+GAIN = 0.05  # new weights (or a new cut, cut.py) replace the current only if they predict a block this much faster
+
+
+def ewma(d: dict, key, value: float) -> None:
+    """d[key] follows value: a running average weighing the newest by ALPHA."""
+    d[key] = value if key not in d else (1 - ALPHA) * d[key] + ALPHA * value
 
 
 class Balance:
@@ -76,10 +81,6 @@ class Balance:
         self.current: dict[int, tuple[float, ...]] = {}
         self.changes = 0
 
-    @staticmethod
-    def _ewma(d: dict, key, value: float) -> None:
-        d[key] = value if key not in d else (1 - ALPHA) * d[key] + ALPHA * value
-
     def seed(self, group: int, block_ms: float, latent_hw: tuple[int, int]) -> None:
         """A group's start-up timing (equal bands, whole group): each shard's share of it."""
         for w in self.groups[group]:
@@ -90,11 +91,11 @@ class Balance:
 
     def observe(self, shard: str, busy_ms: float, rows: int, latent_w: int) -> None:
         if busy_ms > 0 and rows > 0:
-            self._ewma(self.px_ms, shard, busy_ms / (rows * latent_w))
+            ewma(self.px_ms, shard, busy_ms / (rows * latent_w))
 
     def observe_dit(self, worker: str, busy_ms: float, latent_hw: tuple[int, int]) -> None:
         if busy_ms > 0:
-            self._ewma(self.dit_px_ms, worker, busy_ms / (latent_hw[0] * latent_hw[1]))
+            ewma(self.dit_px_ms, worker, busy_ms / (latent_hw[0] * latent_hw[1]))
 
     def times(self, group: int, latent_hw: tuple[int, int]) -> tuple[list[float], list[float]] | None:
         """(full_ms, other_ms) per shard at this latent size, or None before any timing."""

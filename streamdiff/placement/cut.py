@@ -21,10 +21,9 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
-log = logging.getLogger("streamdiff.placement")
+from .bands import GAIN, ewma
 
-ALPHA = 0.3  # EWMA weight of a new measurement
-GAIN = 0.05  # a new cut replaces the current one only if it predicts a block this much faster
+log = logging.getLogger("streamdiff.placement")
 
 
 class CutBalance:
@@ -42,10 +41,6 @@ class CutBalance:
         self.pending: dict[str, tuple] = {}  # DiT worker -> a timing taken before the VAE's speed was known
         self.changes = 0
 
-    @staticmethod
-    def _ewma(d: dict, key: str, value: float) -> None:
-        d[key] = value if key not in d else (1 - ALPHA) * d[key] + ALPHA * value
-
     def seed(self, stages_ms: list[float]) -> None:
         """The VAE worker's start-up timing of each decoder stage (READY)."""
         total = sum(stages_ms)
@@ -56,7 +51,7 @@ class CutBalance:
         """A block's time on the VAE's side, which ran the stages from `cut` on."""
         rest = sum(self.shares[cut:])
         if ms > 0 and rest > 0:
-            self._ewma(self.decode_px, unit, ms / rest / (latent_hw[0] * latent_hw[1]))
+            ewma(self.decode_px, unit, ms / rest / (latent_hw[0] * latent_hw[1]))
 
     def observe_dit(self, worker: str, unit: str | None, ms: float, cut: int, latent_hw: tuple[int, int]) -> None:
         """A block's time on the DiT's side, stages before `cut` included (unit None: the
@@ -69,7 +64,7 @@ class CutBalance:
         self.pending.pop(worker, None)
         px = latent_hw[0] * latent_hw[1]
         own = ms - self.decode_px[unit] * px * sum(self.shares[:cut])
-        self._ewma(self.dit_px, worker, max(0.0, own) / px)
+        ewma(self.dit_px, worker, max(0.0, own) / px)
 
     def period_ms(self, worker: str, unit: str, cut: int, latent_hw: tuple[int, int]) -> float:
         """The slower side's time per block at this cut, as measured so far."""
