@@ -294,6 +294,15 @@ def test_an_adapting_cut_moves_to_where_the_measured_sides_balance():
     fixed.observe_vae("vae-group-0", 190.0, 1, hw)
     fixed.observe_dit("dit0", "vae-group-0", 110.0, 1, hw)
     assert fixed.cut("dit0", "vae-group-0", hw, 3) == 1
+    # On the CPU the supervisor's encoding shares the DiT's cores: 50 ms a block of it on the
+    # DiT's side makes cut 3 DiT-bound (190 against 160) and cut 2 the better (170 against 180).
+    for on_dit, want in ((True, 2), (False, 3)):
+        host = CutBalance(1, True, host_on_dit=on_dit)
+        host.seed(stages)
+        host.observe_vae("vae-group-0", 190.0, 1, hw)
+        host.observe_dit("dit0", "vae-group-0", 110.0, 1, hw)
+        host.observe_host(50.0)
+        assert host.cut("dit0", "vae-group-0", hw, 3) == want
     small = CutBalance(1, True, fits=lambda cut, latent_hw, frames: cut <= 2)
     small.seed(stages)
     small.observe_vae("vae-group-0", 190.0, 1, hw)

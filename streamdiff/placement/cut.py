@@ -28,11 +28,18 @@ log = logging.getLogger("streamdiff.placement")
 
 class CutBalance:
     def __init__(
-        self, start: int, adapt: bool, fits: Callable[[int, tuple[int, int], int], bool] | None = None
+        self,
+        start: int,
+        adapt: bool,
+        fits: Callable[[int, tuple[int, int], int], bool] | None = None,
+        host_on_dit: bool = False,
     ) -> None:
         """start: the configured cut; fits(cut, latent_hw, latent_frames): whether that cut's
-        activation fits a latent ring slot (None: every cut does)."""
-        self.start, self.adapt = start, adapt
+        activation fits a latent ring slot (None: every cut does); host_on_dit: the supervisor's
+        encoding shares the DiT's cores (the CPU, supervisor/core.py `_pin_self`), so each
+        block's encoding counts on the DiT's side."""
+        self.start, self.adapt, self.host_on_dit = start, adapt, host_on_dit
+        self.host: dict[str, float] = {}  # "encode" -> ms a block the encoder takes
         self.fits = fits or (lambda cut, latent_hw, frames: True)
         self.shares: list[float] = []  # each decoder stage's share of a whole decode
         self.decode_px: dict[str, float] = {}  # VAE unit -> a whole decode's ms per latent pixel now
@@ -66,10 +73,15 @@ class CutBalance:
         own = ms - self.decode_px[unit] * px * sum(self.shares[:cut])
         ewma(self.dit_px, worker, max(0.0, own) / px)
 
+    def observe_host(self, ms: float) -> None:
+        """A block's encoding (on the CPU it runs on the DiT's cores)."""
+        if self.host_on_dit and ms > 0:
+            ewma(self.host, "encode", ms)
+
     def period_ms(self, worker: str, unit: str, cut: int, latent_hw: tuple[int, int]) -> float:
         """The slower side's time per block at this cut, as measured so far."""
         px = latent_hw[0] * latent_hw[1]
-        decode, dit = self.decode_px[unit] * px, self.dit_px[worker] * px
+        decode, dit = self.decode_px[unit] * px, self.dit_px[worker] * px + self.host.get("encode", 0.0)
         return max(dit + decode * sum(self.shares[:cut]), decode * sum(self.shares[cut:]))
 
     def cut(self, worker: str, unit: str, latent_hw: tuple[int, int], latent_frames: int) -> int:

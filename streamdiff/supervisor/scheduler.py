@@ -343,7 +343,8 @@ class Scheduler:
         self.balance = Balance(
             topology.vae_groups, topology.devices, topology.dit_workers, t.vae_band_weights, t.rebalance
         )
-        self.cuts = CutBalance(t.vae_cut, t.vae_cut_adapt and t.rebalance, cut_fits) if t.vae_cut else None
+        on_dit = t.device == "cpu" and t.pin_cpus  # the supervisor's encoding shares the DiT's cores
+        self.cuts = CutBalance(t.vae_cut, t.vae_cut_adapt and t.rebalance, cut_fits, on_dit) if t.vae_cut else None
         self.latent_pool = SlotPool(latent_slots)
         self.frame_pool = SlotPool(frame_slots)
         self.worker_ready = worker_ready
@@ -853,6 +854,8 @@ class Scheduler:
             return
         self.stage_ms["encode"] += 1000 * ev.seconds
         self.metrics.stage_seconds.labels("encode").observe(ev.seconds)
+        if self.cuts is not None:
+            self.cuts.observe_host(1000 * ev.seconds)
         t.state = T_ENCODED
         self._observe_fragment(sess, t.block)
         t.state = T_EMITTED
