@@ -129,6 +129,24 @@ def test_hybrid_and_band_weight_errors_name_the_key():
         topology(vae_devices=2, vae_band_weights=[1.0, "x"])
 
 
+def test_an_explicit_layout_needs_its_accelerators_visible(monkeypatch):
+    """--dit-gpus 1 --vae-gpus 1 on one GPU is refused by name at start, not left to fail in a
+    worker as an invalid device ordinal; on the CPU the workers share the cores."""
+    from streamdiff.config import Config, ConfigError, TopologyConfig
+    from streamdiff.placement import auto
+
+    monkeypatch.setattr(auto, "device_count", lambda kind: 1)
+
+    def placed(**kw):
+        return auto.place(Config(topology=TopologyConfig(dit_devices=1, vae_devices=1, **kw)), log=lambda _: None)
+
+    with pytest.raises(ConfigError, match="--dit-gpus 1 --vae-gpus 1 needs 2 cuda devices, 1 visible"):
+        placed(device="cuda")
+    cfg, p = placed(device="cuda", mode="aggregated")
+    assert p.layout == "agg-1" and cfg.topology.mode == "aggregated"
+    assert placed(device="cpu")[1].layout == "disagg-1+1"
+
+
 # -- profile, simulator, planner ----------------------------------------------------------------
 
 

@@ -9,7 +9,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..config import Config, explicit_layout, planned
+from ..config import Config, ConfigError, explicit_layout, planned
 from ..models.spec import PRESET_FACTS
 from .planner import plan
 from .profile import Profile, cache_path, device_count, load_cached, measure
@@ -84,6 +84,14 @@ def place(cfg: Config, log=print) -> tuple[Config, Placement]:
     if not planned(t):
         resolved = dataclasses.replace(cfg, topology=explicit_layout(t))
         lay = layout_of(resolved)
+        need = lay.devices // lay.threads  # devices, not cores
+        if t.device != "cpu" and need > (have := device_count(t.device)):
+            # on the CPU the workers share the cores; an accelerator index past the last one
+            # would only fail later, inside a worker, as an invalid device ordinal
+            raise ConfigError(
+                f"{' '.join(lay.flags())} needs {need} {t.device} devices, {have} visible "
+                "(one device runs both stages with --mode aggregated)"
+            )
         return resolved, Placement(lay.name, lay.flags(), planned=False)
     facts = facts_of(cfg)
     size = tuple(facts["default_size"])

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import copy
 import json
-from pathlib import Path
 
 import pytest
 import torch
@@ -20,6 +19,7 @@ from streamdiff.models.presets import ModelSpec, build_dit, build_vae
 from streamdiff.models.wan.loading import CheckpointError, load_into, read_state_dict
 from streamdiff.models.wan.text import UMT5TextEncoder
 
+from ..helpers import write_tokenizer
 from .conftest import SMALL_DIT, perturb_
 from .wan_t5_reference import WanT5Encoder
 
@@ -37,19 +37,6 @@ T5_TINY = dict(
     layer_norm_epsilon=1e-6,
     dropout_rate=0.0,
 )
-WORDS = "a red fox runs through snow blue whale city at night".split()
-
-
-def write_tokenizer(path: Path) -> None:
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {"<pad>": 0, "</s>": 1, "<unk>": 2, **{w: i + 3 for i, w in enumerate(WORDS)}}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    PreTrainedTokenizerFast(
-        tokenizer_object=tok, pad_token="<pad>", eos_token="</s>", unk_token="<unk>"
-    ).save_pretrained(str(path))
 
 
 def wan_t5() -> WanT5Encoder:
