@@ -541,7 +541,39 @@ def test_streamdiffd_profile_measures_this_machine(tmp_path):
         seen = probe["dit"]["window"]
         assert 0 < seen["cpu_ms"] <= seen["wall_ms"] * 1.05 and "watched" not in probe["group"][0]
         assert [x["rows"] for x in probe["group"]] == [1, 3]
+        lv = fig["levels"]  # the interleaved cycles set each thread round's level
+        for role in ("dit", "vae"):
+            for t in ("1", "2"):
+                assert fig[role][t]["block_ms"] == pytest.approx(lv[role][t]) and lv["factors"][role + t] > 0
     assert "DiT/VAE" in r.stdout
+
+
+def test_a_profiles_thread_rounds_take_their_level_from_the_interleaved_cycles():
+    """Rounds measured a minute apart on a drifting machine: the 2-thread VAE came out 2.35x the
+    1-thread one. The cycles' levels replace each round's, every time in it scaled alike."""
+    from streamdiff.placement.profile import _rescale
+
+    res = {
+        "256x144": {
+            "dit": {
+                "1": {"first_ms": 300.0, "block_ms": 200.0, "batch_ms": {"2": 180.0}, "cut_stages_ms": [10.0, 20.0]},
+                "2": {"first_ms": 150.0, "block_ms": 100.0, "batch_ms": {"2": 90.0}},
+            },
+            "vae": {
+                "1": {"block_ms": 340.0, "own_ms": 340.0, "rows": 18, "stages_ms": [34.0, 306.0]},
+                "2": {"block_ms": 144.0, "own_ms": 144.0, "rows": 18, "stages_ms": [14.4, 129.6]},
+            },
+        }
+    }
+    levels = {"256x144": {"dit": {"1": 150.0, "2": 110.0}, "vae": {"1": 255.0, "2": 170.0}}}
+    _rescale(res, levels)
+    fig = res["256x144"]
+    d1, d2 = fig["dit"]["1"], fig["dit"]["2"]
+    assert d1 == {"first_ms": 225.0, "block_ms": 150.0, "batch_ms": {"2": 135.0}, "cut_stages_ms": [7.5, 15.0]}
+    assert d2["block_ms"] == pytest.approx(110.0) and d2["batch_ms"]["2"] == pytest.approx(99.0)
+    assert fig["vae"]["1"]["stages_ms"] == pytest.approx([25.5, 229.5]) and fig["vae"]["1"]["rows"] == 18
+    assert fig["vae"]["2"]["block_ms"] == pytest.approx(170.0) and fig["vae"]["2"]["rows"] == 18
+    assert fig["levels"]["factors"] == {"dit1": 0.75, "dit2": 1.1, "vae1": 0.75, "vae2": 1.181}
 
 
 def test_a_daemon_with_no_layout_flags_plans_from_its_cached_profile_and_streams(tmp_path):

@@ -41,6 +41,10 @@ FRESH_S = 30 * 86400  # a cached profile older than this is measured again
 STEADY_BLOCKS = 6  # steady blocks timed per measurement (after a shot's first): the DiT's window fills
 GROUP_SIZES_MAX = 4
 ALONE_BLOCKS = 3  # the hybrid probe's DiT: blocks timed alone just before the shards start
+# On a CPU of 2+ cores: cycles, each timing the one-thread DiT and VAE side by side, then the
+# two-thread DiT, then the two-thread VAE, each for LEVEL_WINDOW_S (`_levels`).
+LEVEL_CYCLES = 4
+LEVEL_WINDOW_S = 1.2
 
 
 def cpu_model() -> str:
@@ -473,6 +477,138 @@ def stage_times(vae, state, next_input, device: str, runs: int = 3) -> list[floa
     return [_median(t) for t in times]
 
 
+def _level_child(role, spec, sizes, cmds, out) -> None:
+    """One stage's engine with a steady session per size; on each command (threads, cores) it
+    times steady blocks for LEVEL_WINDOW_S per size (after one untimed block: a new thread
+    count is cold) and answers their median."""
+    try:
+        _pin("cpu", (), 1)
+        import torch
+
+        if role == "dit":
+            from ..models.engines import DiTEngine
+
+            eng = DiTEngine(spec, "cpu")
+            fpb, sessions = eng.frames_per_block, {}
+            for w, h in sizes:
+                sess = sessions[(w, h)] = eng.open_session(w, h, seed=0)
+                eng.set_scene(sess, "profile", cut=True)
+                for _ in range(-(-sess.state.kv.window // fpb) + 1):  # a full window behind
+                    eng.generate_block(sess, fpb)
+
+            def block(size):
+                eng.generate_block(sessions[size], fpb)
+        else:
+            from ..models.engines import VAEEngine
+
+            eng = VAEEngine(spec, "cpu")
+            p = eng.preset
+            fpb, sf = p.sampler.frames_per_block, p.vae.spatial_factor
+            g = torch.Generator().manual_seed(0)
+            states = {size: eng.open_session() for size in sizes}
+
+            def block(size):
+                w, h = size
+                z = torch.randn(1, p.dit.in_channels, fpb, h // sf, w // sf, generator=g)
+                eng.decode_blocks([states[size]], z, eng.plan(tuple(z.shape[1:]), 1, 1), 0, None, False)
+
+            for size in sizes:
+                block(size)  # a shot's first block
+        out.put(("ready", role))
+        while (cmd := cmds.get()) is not None:
+            threads, cpus = cmd
+            if cpus:
+                os.sched_setaffinity(0, cpus)
+            torch.set_num_threads(threads)
+            res = {}
+            for size in sizes:
+                block(size)
+                times, t_end = [], time.perf_counter() + LEVEL_WINDOW_S
+                while time.perf_counter() < t_end:
+                    t0 = time.perf_counter()
+                    block(size)
+                    times.append(1000 * (time.perf_counter() - t0))
+                res["{}x{}".format(*size)] = _median(times)
+            out.put(("ok", (role, threads, res)))
+    except Exception:
+        out.put(("error", traceback.format_exc()))
+
+
+def _levels(spec, sizes: list[tuple[int, int]], timeout_s: float) -> dict:
+    """Each stage's steady block at one and two threads, from the same minute.
+
+    The thread rounds of `_measure_once` run one after the other, a minute or so apart, and this
+    VM's speed drifts over such spans: one profile had the VAE 2.35 times as fast on two threads
+    as on one, and planned agg-1x2t, the layout measured slowest. Here the one-thread DiT and VAE
+    (side by side, as disagg-1+1 runs them) and each stage on two threads take turns for
+    LEVEL_CYCLES cycles, so a drift slows all four alike; the medians set each figure's level
+    (`_rescale`)."""
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    cmds = {r: ctx.Queue() for r in ("dit", "vae")}
+    procs = [ctx.Process(target=_level_child, args=(r, spec, sizes, cmds[r], out), daemon=True) for r in cmds]
+    for pr in procs:
+        pr.start()
+    got: dict[tuple[str, int], list[dict]] = {}
+
+    def answers(n: int) -> None:
+        for _ in range(n):
+            status, value = out.get(timeout=timeout_s)
+            if status == "error":
+                raise RuntimeError(f"profiling failed:\n{value}")
+            if status == "ok":
+                role, threads, res = value
+                got.setdefault((role, threads), []).append(res)
+
+    try:
+        answers(2)  # both ready
+        for _ in range(LEVEL_CYCLES):
+            cmds["dit"].put((1, _cpus(0, 1)))  # as disagg-1+1's workers are pinned
+            cmds["vae"].put((1, _cpus(1, 1)))
+            answers(2)
+            for role in ("dit", "vae"):  # as agg-1x2t's worker is
+                cmds[role].put((2, _cpus(0, 2)))
+                answers(1)
+    finally:
+        for q in cmds.values():
+            q.put(None)
+        for pr in procs:
+            pr.join(timeout=30)
+            if pr.is_alive():
+                pr.kill()
+    return {
+        "{}x{}".format(*size): {
+            role: {str(t): _median([r["{}x{}".format(*size)] for r in got[(role, t)]]) for t in (1, 2)}
+            for role in ("dit", "vae")
+        }
+        for size in sizes
+    }
+
+
+def _scaled(x, f: float):
+    """Every time in a profile entry times f (band rows stay as they are)."""
+    if isinstance(x, dict):
+        return {k: v if k == "rows" else _scaled(v, f) for k, v in x.items()}
+    if isinstance(x, list):
+        return [_scaled(v, f) for v in x]
+    return x * f if isinstance(x, float | int) and not isinstance(x, bool) else x
+
+
+def _rescale(res: dict, levels: dict) -> None:
+    """Each thread round's DiT and VAE figures scaled so that their steady block is the level
+    measured in the interleaved cycles: the rounds give each figure's shape (first block,
+    batches, stages, the host beside), the cycles its level. The factors are kept beside."""
+    for key, lv in levels.items():
+        factors = {}
+        for role in ("dit", "vae"):
+            for t, level in lv[role].items():
+                entry = res[key][role][t]
+                f = level / entry["block_ms"]
+                res[key][role][t] = _scaled(entry, f)
+                factors[f"{role}{t}"] = round(f, 3)
+        res[key]["levels"] = {**lv, "factors": factors}
+
+
 def _run(targets: list[tuple], timeout_s: float) -> list:
     """Start one process per (fn, args), wait for each one's result; raise on any error."""
     ctx = mp.get_context("spawn")
@@ -586,6 +722,8 @@ def _measure_once(cfg, kind: str, n: int, sizes: list[tuple[int, int]], timeout_
         for key in res:
             res[key]["dit"][str(t)] = dit["sizes"][key]
             res[key]["vae"][str(t)] = vae["sizes"][key]["equal"]
+    if len(threads) > 1:
+        _rescale(res, _levels(spec, sizes, timeout_s))
     for g in range(2, min(n, GROUP_SIZES_MAX, _heads(spec)) + 1):
         addr = f"tcp://127.0.0.1:{free_port()}"
         targets = [
