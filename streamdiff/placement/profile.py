@@ -477,7 +477,7 @@ def stage_times(vae, state, next_input, device: str, runs: int = 3) -> list[floa
     return [_median(t) for t in times]
 
 
-def _level_child(role, spec, sizes, cmds, out) -> None:
+def _level_child(role, spec, sizes, working_set, cmds, out) -> None:
     """One stage's engine with a steady session per size; on each command (threads, cores) it
     times steady blocks for LEVEL_WINDOW_S per size (after one untimed block: a new thread
     count is cold) and answers their median."""
@@ -501,7 +501,7 @@ def _level_child(role, spec, sizes, cmds, out) -> None:
         else:
             from ..models.engines import VAEEngine
 
-            eng = VAEEngine(spec, "cpu")
+            eng = VAEEngine(spec, "cpu", working_set)  # decoded in the chunks the workers use
             p = eng.preset
             fpb, sf = p.sampler.frames_per_block, p.vae.spatial_factor
             g = torch.Generator().manual_seed(0)
@@ -534,7 +534,7 @@ def _level_child(role, spec, sizes, cmds, out) -> None:
         out.put(("error", traceback.format_exc()))
 
 
-def _levels(spec, sizes: list[tuple[int, int]], timeout_s: float) -> dict:
+def _levels(spec, sizes: list[tuple[int, int]], working_set: int, timeout_s: float) -> dict:
     """Each stage's steady block at one and two threads, from the same minute.
 
     The thread rounds of `_measure_once` run one after the other, a minute or so apart, and this
@@ -546,7 +546,9 @@ def _levels(spec, sizes: list[tuple[int, int]], timeout_s: float) -> dict:
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     cmds = {r: ctx.Queue() for r in ("dit", "vae")}
-    procs = [ctx.Process(target=_level_child, args=(r, spec, sizes, cmds[r], out), daemon=True) for r in cmds]
+    procs = [
+        ctx.Process(target=_level_child, args=(r, spec, sizes, working_set, cmds[r], out), daemon=True) for r in cmds
+    ]
     for pr in procs:
         pr.start()
     got: dict[tuple[str, int], list[dict]] = {}
@@ -723,7 +725,7 @@ def _measure_once(cfg, kind: str, n: int, sizes: list[tuple[int, int]], timeout_
             res[key]["dit"][str(t)] = dit["sizes"][key]
             res[key]["vae"][str(t)] = vae["sizes"][key]["equal"]
     if len(threads) > 1:
-        _rescale(res, _levels(spec, sizes, timeout_s))
+        _rescale(res, _levels(spec, sizes, ws, timeout_s))
     for g in range(2, min(n, GROUP_SIZES_MAX, _heads(spec)) + 1):
         addr = f"tcp://127.0.0.1:{free_port()}"
         targets = [
