@@ -55,6 +55,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--dit-checkpoint", metavar="FILE", help="Causal Forcing / Self-Forcing generator checkpoint")
     p.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"))
+    p.add_argument(
+        "--size",
+        metavar="WxH",
+        help="default frame size: requests without one, the workers' start-up timing, the profile "
+        "(default: the model's, 256x144 tiny, 832x480 wan2.1-t2v-1.3b)",
+    )
     p.add_argument("--threads-per-worker", type=int, metavar="T", help="CPU threads per worker (default 1)")
     p.add_argument(
         "--vae-cut",
@@ -113,6 +119,7 @@ def overrides_from_args(a: argparse.Namespace) -> dict[str, dict]:
         ("devices", "topology", "devices"),
         ("dit_checkpoint", "model", "dit_checkpoint"),
         ("dtype", "model", "dtype"),
+        ("size", "model", "size"),
         ("encoder", "encoder", "kind"),
     ):
         v = getattr(a, flag)

@@ -49,6 +49,8 @@ class ModelConfig:
     dit_vae_ratio: float = 0.74  # tiny only: DiT cost per block relative to the VAE
     seed: int = 1234  # tiny only: weight seed
     name: str = ""  # model id in the API (default: the preset name)
+    size: str = ""  # "WxH": the default frame size (requests without one, the workers' start-up
+    # timing, the profile and the plan); empty: the preset's (tiny 256x144, wan2.1-t2v-1.3b 832x480)
 
 
 @dataclass(frozen=True)
@@ -272,6 +274,12 @@ def explicit_layout(t: TopologyConfig) -> TopologyConfig:
     )
 
 
+def parse_size(text: str) -> tuple[int, int] | None:
+    """ "832x480" -> (832, 480); None if it is not WxH."""
+    mt = re.fullmatch(r"\s*(\d{1,5})x(\d{1,5})\s*", text or "")
+    return (int(mt[1]), int(mt[2])) if mt else None
+
+
 def _check(ok: bool, key: str, msg: str, value) -> None:
     if not ok:
         raise ConfigError(f"{key}: {msg}, got {value!r}")
@@ -431,6 +439,17 @@ def validate(cfg: Config) -> None:
         "max_width and max_height must be multiples of 16",
         (lim.max_width, lim.max_height),
     )
+    if m.size:
+        wh = parse_size(m.size)
+        _check(wh is not None, "model.size", "must look like 832x480", m.size)
+        w, h = wh
+        _check(w % 16 == 0 and h % 16 == 0, "model.size", "width and height must be multiples of 16", m.size)
+        _check(
+            lim.min_size <= w <= lim.max_width and lim.min_size <= h <= lim.max_height,
+            "model.size",
+            f"must be within {lim.min_size}x{lim.min_size} .. {lim.max_width}x{lim.max_height} (limits)",
+            m.size,
+        )
     _check(
         1 <= lim.min_fps <= lim.max_fps <= 240,
         "limits.max_fps",

@@ -36,6 +36,9 @@ def test_shipped_config_has_every_key_with_its_default():
         ("[model]\npreset = 'wan2.1-t2v-1.3b'", "model.path"),
         ("[encoder]\nkind = 'h265'", "encoder.kind"),
         ("[limits]\nmax_width = 833", "limits.max_width"),
+        ("[model]\nsize = '832x48'", "model.size"),  # not a multiple of 16
+        ("[model]\nsize = 'big'", "model.size"),
+        ("[model]\nsize = '1024x576'", "model.size"),  # past limits.max_width
         ("[pipeline]\nheartbeat_timeout_s = 0.5", "pipeline.heartbeat_timeout_s"),
         ("[nonsense]\nx = 1", "nonsense"),
         ("[server\nport = 1", "invalid TOML"),
@@ -55,6 +58,21 @@ def test_flags_override_the_file(tmp_path):
     assert cfg.server.port == 9100 and cfg.topology.dit_devices == 2 and cfg.topology.vae_devices == 2
     with pytest.raises(ConfigError, match="--model"):
         overrides_from_args(parse_args(["--model", "/no/such/dir"]))
+
+
+def test_model_size_sets_the_default_frame_size_everywhere_it_is_read():
+    """The API's default, the supervisor's and planner's facts, and the size the workers build
+    their preset at (their start-up timing and READY)."""
+    from streamdiff.models.presets import get_preset
+    from streamdiff.server.api import parse_video_request
+    from streamdiff.supervisor.topology import model_facts, model_spec
+
+    cfg = load(None, overrides_from_args(parse_args(["--size", "128x64"])))
+    facts = model_facts(cfg)
+    assert facts["default_size"] == (128, 64) and model_facts(Config())["default_size"] == (256, 144)
+    assert get_preset(model_spec(cfg)).default_size == (128, 64)
+    req = parse_video_request({"prompt": "a fox"}, cfg, facts)
+    assert (req.width, req.height) == (128, 64)
 
 
 def test_cli_reports_bad_values_without_a_traceback(capsys):

@@ -32,3 +32,7 @@ def test_device_check_runs_on_the_cpu(tmp_path):
     assert num["dit"]["ok"] and num["vae"]["ok"] and num["dit"]["diffusers_bf16"] > 0
     assert res["vae_group"]["gloo"]["max_abs_diff"] <= 2e-2
     assert res["daemon"]["frames"] == 49 and res["daemon"]["fragments"] >= 4
+    # the daemon serving a release written in the diffusers layout (the real configs, trimmed here)
+    real = res["daemon_real"]
+    assert real["frames"] == 33 and real["fragments"] >= 3 and real["placement"]["layout"] == "disagg-1+1"
+    assert real["stage_block_s"]["dit"]["blocks"] >= 3 and real["stage_block_s"]["vae"]["mean_s"] > 0

@@ -102,6 +102,8 @@ def get_preset(spec: ModelSpec) -> Preset:
         p = replace(p, dit=dit_config_from_json(tcfg, p.dit), vae=vae_config_from_json(read_config(root / "vae")))
     else:
         raise ValueError(f"unknown model preset {spec.preset!r} (known: tiny, wan2.1-t2v-1.3b)")
+    if spec.default_size:
+        p = replace(p, default_size=tuple(spec.default_size))
     if spec.sampler:
         unknown = set(spec.sampler) - set(SamplerConfig.__dataclass_fields__)
         if unknown:

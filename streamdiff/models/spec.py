@@ -17,6 +17,7 @@ class ModelSpec:
     dit_vae_ratio: float = 0.74  # tiny only: DiT cost per block relative to the VAE's
     seed: int = 1234  # tiny only: weight seed
     sampler: dict = field(default_factory=dict)  # overrides of SamplerConfig fields
+    default_size: tuple[int, int] | None = None  # (width, height) instead of the preset's (model.size)
 
 
 # What the supervisor needs to know about each preset before any worker has started (it sizes

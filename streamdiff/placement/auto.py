@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..config import Config, ConfigError, explicit_layout, planned
-from ..models.spec import PRESET_FACTS
+from ..supervisor.topology import model_facts
 from .planner import plan
 from .profile import Profile, cache_path, device_count, load_cached, measure
 from .sim import Layout
@@ -53,13 +53,6 @@ def layout_of(cfg: Config) -> Layout:
     )
 
 
-def facts_of(cfg: Config) -> dict:
-    facts = dict(PRESET_FACTS[cfg.model.preset])
-    if cfg.sampler.frames_per_block:
-        facts["frames_per_block"] = cfg.sampler.frames_per_block
-    return facts
-
-
 def profile_for(cfg: Config, size: tuple[int, int], devices: int, log, rounds: int = 1) -> tuple[Profile, Path]:
     """The cached profile for this device kind, model and size, or a new one (then cached)."""
     path = cache_path(str(state_dir(cfg)), cfg, size)
@@ -93,7 +86,7 @@ def place(cfg: Config, log=print) -> tuple[Config, Placement]:
                 "(one device runs both stages with --mode aggregated)"
             )
         return resolved, Placement(lay.name, lay.flags(), planned=False)
-    facts = facts_of(cfg)
+    facts = model_facts(cfg)
     size = tuple(facts["default_size"])
     n = t.devices or device_count(t.device)
     prof, path = profile_for(cfg, size, n, log)

@@ -58,11 +58,12 @@ def profile_main(argv: list[str]) -> int:
     a = p.parse_args(argv)
     if a.rounds < 1:
         p.error(f"--rounds: {a.rounds} must be at least 1")
-    from .auto import facts_of, state_dir
+    from ..supervisor.topology import model_facts
+    from .auto import state_dir
     from .profile import cache_path, measure
 
     cfg = _config(a)
-    default = tuple(facts_of(cfg)["default_size"])
+    default = tuple(model_facts(cfg)["default_size"])
     sizes = a.sizes or [default]
     prof = measure(cfg, sizes, rounds=a.rounds, log=lambda s: print(s, file=sys.stderr))
     out = Path(a.out) if a.out else cache_path(str(state_dir(cfg)), cfg, sizes[0])
@@ -110,12 +111,13 @@ def plan_main(argv: list[str]) -> int:
     p.add_argument("--top", type=int, default=10)
     p.add_argument("--json", action="store_true")
     a = p.parse_args(argv)
-    from .auto import facts_of, state_dir
+    from ..supervisor.topology import model_facts
+    from .auto import state_dir
     from .planner import plan
     from .profile import Profile, cache_path
 
     cfg = _config(a)
-    facts = facts_of(cfg)
+    facts = model_facts(cfg)
     path = Path(a.profile) if a.profile else cache_path(str(state_dir(cfg)), cfg, tuple(facts["default_size"]))
     try:
         prof = Profile.from_json(path.read_text())

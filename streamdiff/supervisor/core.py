@@ -25,13 +25,12 @@ import zmq.asyncio
 from ..config import Config, ConfigError
 from ..ipc import messages as m
 from ..ipc.shm import Ring, sweep_stale
-from ..models.spec import PRESET_FACTS
 from ..plan import plan_blocks
 from . import scheduler as sch
 from .driver import Driver
 from .engine import SessionHandle
 from .scheduler import Scheduler, Session
-from .topology import Topology, build_topology
+from .topology import Topology, build_topology, model_facts
 from .workers import WorkerPool
 
 log = logging.getLogger("streamdiff.supervisor")
@@ -50,9 +49,7 @@ class Supervisor:
         self.cfg = cfg
         self.placement = placement  # placement.auto.Placement: the layout and why
         self.state = STARTING
-        self.facts = dict(PRESET_FACTS[cfg.model.preset])
-        if cfg.sampler.frames_per_block:
-            self.facts["frames_per_block"] = cfg.sampler.frames_per_block
+        self.facts = model_facts(cfg)
         self.runtime_dir: str | None = None
         self.latent_ring: Ring | None = None
         self.frame_ring: Ring | None = None

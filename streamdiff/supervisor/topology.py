@@ -6,9 +6,9 @@ import os
 import socket
 from dataclasses import dataclass, field
 
-from ..config import Config, ConfigError, explicit_layout, injected_faults, sampler_overrides
+from ..config import Config, ConfigError, explicit_layout, injected_faults, parse_size, sampler_overrides
 from ..ipc.shm import RingSpec
-from ..models.spec import ModelSpec
+from ..models.spec import PRESET_FACTS, ModelSpec
 from ..workers import faults as injected
 from ..workers.spec import GroupSpec, WorkerSpec
 
@@ -43,7 +43,19 @@ def model_spec(cfg: Config) -> ModelSpec:
         dit_vae_ratio=m.dit_vae_ratio,
         seed=m.seed,
         sampler=sampler_overrides(cfg),
+        default_size=parse_size(cfg.model.size),
     )
+
+
+def model_facts(cfg: Config) -> dict:
+    """What the supervisor, the API and the planner know of the model before any worker starts
+    (the workers confirm them in READY): the preset's, with the configured block and size."""
+    facts = dict(PRESET_FACTS[cfg.model.preset])
+    if cfg.sampler.frames_per_block:
+        facts["frames_per_block"] = cfg.sampler.frames_per_block
+    if cfg.model.size:
+        facts["default_size"] = parse_size(cfg.model.size)
+    return facts
 
 
 def _device(kind: str, index: int) -> str:
