@@ -271,9 +271,10 @@ def assert_same_video(got: bytes, ref: bytes, min_psnr_db: float = 30.0) -> None
         assert psnr >= min_psnr_db, f"frame {i}: PSNR {psnr:.1f} dB"
 
 
-def assert_same_as_one_dit_and_vae(got: bytes, body: dict) -> None:
-    """`got` is the video a plain daemon (one DiT worker, one VAE worker) streams for `body`."""
-    ref = Daemon("--dit-gpus", "1", "--vae-gpus", "1")
+def assert_same_as_one_dit_and_vae(got: bytes, body: dict, *flags: str) -> None:
+    """`got` is the video a plain daemon (one DiT worker, one VAE worker; `flags` added) streams
+    for `body`."""
+    ref = Daemon("--dit-gpus", "1", "--vae-gpus", "1", *flags)
     try:
         want, _, _ = stream_video(ref.url, body)
     finally:

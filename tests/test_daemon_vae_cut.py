@@ -74,12 +74,16 @@ def test_a_session_cancelled_mid_stream_leaves_no_stage_cache_behind(cut4):
 
 
 @pytest.mark.timeout(300)
-def test_an_adapting_cut_moves_to_where_the_stages_balance_and_the_video_stays_the_same():
+def test_an_adapting_cut_moves_to_where_the_stages_balance_and_the_video_stays_the_same(tmp_path):
     """Started at cut 1 with --vae-cut-adapt, the VAE's side holds 95% of the decoder. The
     workers' start-up timings (the DiT's block, the VAE's stages) move the cut at the first
     shot's start, and it can move again at the storyboard's `cut` scene (placement/cut.py). The
-    video still equals one DiT and a whole VAE, and a second session starts at the moved cut."""
-    d = Daemon("--dit-gpus", "1", "--vae-gpus", "1", "--vae-cut", "1", "--vae-cut-adapt")
+    video still equals one DiT and a whole VAE, and a second session starts at the moved cut.
+    The tiny DiT is built at a quarter of the VAE's cost, so the move does not hang on a noisy
+    start-up timing: at the default 0.74 one CI run of a slow hour kept cut 1."""
+    cfg = tmp_path / "quarter.toml"
+    cfg.write_text("[model]\ndit_vae_ratio = 0.25\n")
+    d = Daemon("--config", str(cfg), "--dit-gpus", "1", "--vae-gpus", "1", "--vae-cut", "1", "--vae-cut-adapt")
     try:
         assert d.health()["pipeline"]["vae_cut"] == 1
         got, _, _ = stream_video(d.url, SHORT_STORY)
@@ -88,9 +92,9 @@ def test_an_adapting_cut_moves_to_where_the_stages_balance_and_the_video_stays_t
         health = d.health()
     finally:
         assert d.stop() == 0, d.logs()
-    assert moved > 1, moved  # the DiT's block is well under the VAE's on every machine measured here
+    assert moved > 1, moved
     check_video(got, 48, 256, 144, 16)
-    assert_same_as_one_dit_and_vae(got, SHORT_STORY)
+    assert_same_as_one_dit_and_vae(got, SHORT_STORY, "--config", str(cfg))
     assert_same_video(again, got)
     assert all(w["restarts"] == 0 for w in health["workers"].values())
 
