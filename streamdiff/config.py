@@ -274,9 +274,10 @@ def explicit_layout(t: TopologyConfig) -> TopologyConfig:
     )
 
 
-def parse_size(text: str) -> tuple[int, int] | None:
-    """ "832x480" -> (832, 480); None if it is not WxH."""
-    mt = re.fullmatch(r"\s*(\d{1,5})x(\d{1,5})\s*", text or "")
+def parse_size(text) -> tuple[int, int] | None:
+    """ "832x480" (also "832 X 480", "832*480", as the API takes it) -> (832, 480); None if it
+    is not a size."""
+    mt = re.fullmatch(r"\s*(\d{1,5})\s*[xX*]\s*(\d{1,5})\s*", text) if isinstance(text, str) else None
     return (int(mt[1]), int(mt[2])) if mt else None
 
 

@@ -13,7 +13,7 @@ import random
 import re
 from dataclasses import dataclass
 
-from ..config import Config
+from ..config import Config, parse_size
 from ..plan import Scene
 
 KNOWN_FIELDS = {
@@ -195,10 +195,10 @@ def parse_video_request(data, cfg: Config, facts: dict) -> VideoRequest:
     width, height = facts["default_size"]
     if data.get("size") is not None:
         size = data["size"]
-        mt = re.fullmatch(r"\s*(\d{1,5})\s*[xX*]\s*(\d{1,5})\s*", size) if isinstance(size, str) else None
-        if not mt:
+        parsed = parse_size(size)
+        if parsed is None:
             raise bad(f"'size' must look like '{width}x{height}', got {size!r}", "size")
-        width, height = int(mt[1]), int(mt[2])
+        width, height = parsed
     if data.get("width") is not None or data.get("height") is not None:
         if data.get("size") is not None:
             raise bad("give either 'size' or 'width' and 'height', not both", "size")
