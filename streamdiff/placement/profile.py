@@ -506,11 +506,12 @@ def _level_child(role, spec, sizes, working_set, cmds, out) -> None:
             fpb, sf = p.sampler.frames_per_block, p.vae.spatial_factor
             g = torch.Generator().manual_seed(0)
             states = {size: eng.open_session() for size in sizes}
+            shapes = {(w, h): (p.dit.in_channels, fpb, h // sf, w // sf) for w, h in sizes}
+            plans = {size: eng.plan(shape, 1, 1) for size, shape in shapes.items()}
 
             def block(size):
-                w, h = size
-                z = torch.randn(1, p.dit.in_channels, fpb, h // sf, w // sf, generator=g)
-                eng.decode_blocks([states[size]], z, eng.plan(tuple(z.shape[1:]), 1, 1), 0, None, False)
+                z = torch.randn(1, *shapes[size], generator=g)
+                eng.decode_blocks([states[size]], z, plans[size], 0, None, False)
 
             for size in sizes:
                 block(size)  # a shot's first block
