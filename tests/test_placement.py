@@ -189,12 +189,14 @@ def predict(prof, layout):
 
 
 def w1_steady_fps(block_s: float) -> float:
-    """W1's frames after the first fragment over its blocks after the first at one per block_s."""
+    """W1's frames after the first fragment over its blocks after the first, a full block (3
+    latent frames) per block_s and a scene's shorter last block its share of that."""
     from streamdiff.placement.sim import storyboard
     from streamdiff.plan import plan_blocks
 
     blocks = plan_blocks(storyboard(), 3, 4)
-    return sum(b.emit for b in blocks[1:]) / ((len(blocks) - 1) * block_s)
+    assert {b.latent_frames for b in blocks[1:]} == {1, 2, 3}  # the storyboard has short blocks
+    return sum(b.emit for b in blocks[1:]) / (sum(b.latent_frames for b in blocks[1:]) / 3 * block_s)
 
 
 def test_the_simulator_runs_at_the_slower_stage_when_the_stages_overlap():

@@ -175,14 +175,16 @@ class Costs:
         near = min(sizes, key=lambda k: (abs(k - n), k))
         return fig["batch_ms"][str(near)]
 
-    def dit_s(self, n: int, shot_starts: int, cuts: list[int] | None = None) -> float:
-        """A batch of n blocks; `cuts`: each block's VAE cut (default: the layout's)."""
+    def dit_s(self, n: int, shot_starts: int, cuts: list[int] | None = None, frames: float = 1.0) -> float:
+        """A batch of n blocks; `cuts`: each block's VAE cut (default: the layout's); `frames`:
+        the blocks' mean latent frames as a share of a full block's (a scene's last block is
+        shorter, and costs its share: every layer of both stages is linear in the frames)."""
         d = self.dit
         per = self._batch(d, n, d["block_ms"])
         # A shot's first block: its prompt, its own steps, an empty cache (cheaper on the CPU).
         first = shot_starts * (d["first_ms"] - d["block_ms"]) * per / d["block_ms"]
         stages = sum(self.dit_cut_ms(c) for c in cuts) if cuts is not None else self.cut_ms * n
-        return (per * n + first + self.host_ms * n + stages) / 1000
+        return ((per * n + first + stages) * frames + self.host_ms * n) / 1000
 
     def dit_own_ms(self) -> float:
         return self.dit["own_ms"]
@@ -194,11 +196,13 @@ class Costs:
         two = self.groups.get("2", {}).get("equal")  # not measured at this k: as at 2
         return max(0.0, two[0]["block_ms"] - max(x["own_ms"] for x in two)) if two else 0.0
 
-    def vae(self, k: int, rows: list[int], n: int, first: bool, cut: int | None = None) -> tuple[float, list[float]]:
+    def vae(
+        self, k: int, rows: list[int], n: int, first: bool, cut: int | None = None, frames: float = 1.0
+    ) -> tuple[float, list[float]]:
         """(seconds for the group's batch, each shard's own seconds); `cut`: the batch's VAE cut
-        (default: the layout's)."""
+        (default: the layout's); `frames`: as for `dit_s`."""
         v = self.vae1
-        scale = self._batch(v, n, v["block_ms"]) / v["block_ms"] * n
+        scale = self._batch(v, n, v["block_ms"]) / v["block_ms"] * n * frames
         if first:
             scale *= v["first_ms"] / v["block_ms"]
         if k == 1:
@@ -426,7 +430,7 @@ class Sim:
             sess = self.sessions[blocks[0].session]
             c = self.cost(sess.width, sess.height)
             cuts = [b.vae_cut or self.layout.cut for b in blocks]
-            dur = c.dit_s(len(blocks), sum(1 for b in blocks if b.cut), cuts)
+            dur = c.dit_s(len(blocks), sum(1 for b in blocks if b.cut), cuts, self._frames(blocks))
             p = self.procs[job.procs[0]]
             p.left_s, p.since, p.rate = dur, self.now, self._free_rate(p)
             self._schedule_dit(p)
@@ -441,12 +445,20 @@ class Sim:
         weights = self.shot_weights.get((job.group, blocks[0].session))
         bands = split_rows(sess.height // SPATIAL, k, weights)
         rows = [r1 - r0 for r0, r1 in bands]
-        dur, own = c.vae(k, rows, len(blocks), blocks[0].reset, blocks[0].vae_cut or self.layout.cut)
+        dur, own = c.vae(
+            k, rows, len(blocks), blocks[0].reset, blocks[0].vae_cut or self.layout.cut, self._frames(blocks)
+        )
         job.own, job.rows, job.dur = own, rows, dur
         self.vae_busy_s += dur
         self.vae_blocks += len(blocks)
         self._rates_changed()
         self.at(self.now + dur, self._vae_done, job)
+
+    def _frames(self, blocks: list) -> float:
+        """The blocks' (GenerateBlock or DecodeBlock) mean latent frames as a share of a full
+        block's."""
+        f = sum(b.frames if isinstance(b, m.GenerateBlock) else b.shape[1] for b in blocks)
+        return f / (len(blocks) * self.facts["frames_per_block"])
 
     def _free_rate(self, p: Proc) -> float:
         """The share of its device a low-priority process gets now: what running VAE shards on
