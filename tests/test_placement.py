@@ -284,6 +284,20 @@ def test_a_vae_cut_moves_the_decoders_first_stages_to_the_dit_and_the_planner_of
     # charged 170 while the VAE loses only its own 40, so the cut is DiT-bound at 170 ms.
     prof.sizes["256x144"]["dit"]["1"]["cut_stages_ms"] = [15.0, 20.0, 35.0, 50.0, 70.0, 70.0]
     assert predict(prof, cut).w1_steady_fps == pytest.approx(w1_steady_fps(0.17), rel=0.03)
+    # Cuts run side by side in the profile's cycles: cut 3 added 105 to the DiT's block (1.5x its
+    # 70 of stages) and took 30 off the VAE's (0.75x their 40); cut 5, 1.5x and 0.75x as well.
+    # Every cut is charged so: cut 3's sides are 205 and 170, and the cut no longer pays.
+    from streamdiff.placement.sim import Costs
+
+    prof.sizes["256x144"]["levels"] = {
+        "dit": {"1": 100.0},
+        "vae": {"1": 200.0},
+        "cuts": {"3": {"dit": 205.0, "vae": 170.0}, "5": {"dit": 100.0 + 1.5 * 190, "vae": 200.0 - 0.75 * 140}},
+    }
+    assert Costs(prof, (256, 144), 1).factors == pytest.approx((1.5, 0.75))
+    assert Costs(prof, (256, 144), 1).vae_cut_ms(2) == pytest.approx(0.75 * 20)
+    assert predict(prof, cut).w1_steady_fps == pytest.approx(w1_steady_fps(0.205), rel=0.03)
+    assert Costs(prof, (256, 144), 2).factors == (1.0, 1.0)  # probes are of one-thread workers
 
 
 def test_an_adapting_cut_moves_to_where_the_measured_sides_balance():
@@ -547,6 +561,13 @@ def test_streamdiffd_profile_measures_this_machine(tmp_path):
         for role in ("dit", "vae"):
             for t in ("1", "2"):
                 assert fig[role][t]["block_ms"] == pytest.approx(lv[role][t]) and lv["factors"][role + t] > 0
+        # two cuts run side by side as a stage-cut layout runs them: about half, and the most
+        # offered (up to half the VAE's stage time)
+        from streamdiff.placement.profile import offered_cuts
+
+        offered = offered_cuts(fig["vae"]["1"]["stages_ms"])
+        assert set(lv["cuts"]) == {str(offered[-1]), str(offered[(len(offered) - 1) // 2])}
+        assert all(x["dit"] > 0 and x["vae"] > 0 for x in lv["cuts"].values())
     assert "DiT/VAE" in r.stdout
 
 

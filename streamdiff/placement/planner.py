@@ -23,7 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..config import OBJECTIVES, Config
-from .profile import Profile
+from .profile import Profile, offered_cuts
 from .sim import Layout, Prediction, simulate
 
 
@@ -127,9 +127,7 @@ def plan(
     fig = profile.size(*size)
     have = {int(t) for t in fig["dit"]}
     sp = tuple(sorted(int(g) for g in fig.get("dit_group", {})))
-    stages = fig["vae"]["1"].get("stages_ms") or []
-    # Cuts up to half the VAE: past that the DiT's device does more of the decoding than the VAE's.
-    cuts = tuple(c for c in range(1, len(stages)) if sum(stages[:c]) <= 0.5 * sum(stages))
+    cuts = offered_cuts(fig["vae"]["1"].get("stages_ms") or [])
     layouts = candidates(devices, profile.device, tuple(t for t in threads if t in have), sp, cuts)
     w2 = w2_size or size
     preds = [(x, simulate(cfg, profile, x, facts, size, w2 if objective == "streams" else None)) for x in layouts]

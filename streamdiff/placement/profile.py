@@ -478,29 +478,34 @@ def stage_times(vae, state, next_input, device: str, runs: int = 3) -> list[floa
 
 
 def _level_child(role, spec, sizes, working_set, cmds, out) -> None:
-    """One stage's engine with a steady session per size; on each command (threads, cores) it
-    times steady blocks for LEVEL_WINDOW_S per size (after one untimed block: a new thread
-    count is cold) and answers their median."""
+    """One stage's engine with a steady session per size; on each command (threads, cores, cut)
+    it times steady blocks for LEVEL_WINDOW_S per size (after one untimed block: a new thread
+    count is cold) and answers their median. With a cut c > 0, one thread, as a stage-cut
+    layout runs its sides: the DiT its block and the decoder's first c stages, the VAE the
+    stages from c on, from a steady block's activation, and the frames out."""
     try:
         _pin("cpu", (), 1)
         import torch
+
+        from ..models.engines import VAEEngine
+        from ..models.wan.vae import decode_stages, decode_stages_sessions, decoder_stages, to_uint8_frames
 
         if role == "dit":
             from ..models.engines import DiTEngine
 
             eng = DiTEngine(spec, "cpu")
-            fpb, sessions = eng.frames_per_block, {}
+            fpb, sessions, vae, vae_states = eng.frames_per_block, {}, None, {}
             for w, h in sizes:
                 sess = sessions[(w, h)] = eng.open_session(w, h, seed=0)
                 eng.set_scene(sess, "profile", cut=True)
                 for _ in range(-(-sess.state.kv.window // fpb) + 1):  # a full window behind
                     eng.generate_block(sess, fpb)
 
-            def block(size):
-                eng.generate_block(sessions[size], fpb)
+            def block(size, cut):
+                latent = eng.generate_block(sessions[size], fpb)
+                if cut:  # as the DiT worker runs a cut (workers/stages.py `_cut_stages`)
+                    decode_stages_sessions(vae, latent, [vae_states[size]], 0, cut, fpb).float().cpu()
         else:
-            from ..models.engines import VAEEngine
-
             eng = VAEEngine(spec, "cpu", working_set)  # decoded in the chunks the workers use
             p = eng.preset
             fpb, sf = p.sampler.frames_per_block, p.vae.spatial_factor
@@ -508,34 +513,59 @@ def _level_child(role, spec, sizes, working_set, cmds, out) -> None:
             states = {size: eng.open_session() for size in sizes}
             shapes = {(w, h): (p.dit.in_channels, fpb, h // sf, w // sf) for w, h in sizes}
             plans = {size: eng.plan(shape, 1, 1) for size, shape in shapes.items()}
+            acts: dict = {}  # (size, cut) -> a steady block's input to stage `cut`, and its own state
 
-            def block(size):
+            def block(size, cut):
+                if cut:  # as the VAE worker runs a cut (workers/stages.py `_decode_rest`)
+                    x, st = acts[(size, cut)]
+                    y = decode_stages_sessions(eng.model, x, [st], cut, len(decoder_stages(eng.model)), fpb)
+                    to_uint8_frames(y[0:1])
+                    return
                 z = torch.randn(1, *shapes[size], generator=g)
                 eng.decode_blocks([states[size]], z, plans[size], 0, None, False)
 
             for size in sizes:
-                block(size)  # a shot's first block
+                block(size, 0)  # a shot's first block
         out.put(("ready", role))
         while (cmd := cmds.get()) is not None:
-            threads, cpus = cmd
+            threads, cpus, cut = cmd
             if cpus:
                 os.sched_setaffinity(0, cpus)
             torch.set_num_threads(threads)
+            for size in sizes if cut else ():
+                if role == "dit" and vae is None:
+                    vae = VAEEngine(spec, "cpu", working_set).model
+                if role == "dit" and size not in vae_states:
+                    vae_states[size] = vae.new_state()
+                if role == "vae" and (size, cut) not in acts:
+                    # A steady block's input to stage `cut` (the shot's first block decoded first),
+                    # and a state whose caches for the stages from `cut` on are steady.
+                    st, n = eng.open_session(), len(decoder_stages(eng.model))
+                    for _ in range(2):  # both halves of a block see its frame count, then count it
+                        x = decode_stages(eng.model, torch.randn(1, *shapes[size], generator=g), st, 0, cut, 0)
+                        decode_stages(eng.model, x, st, cut, n, fpb)
+                    acts[(size, cut)] = (x, st)
             res = {}
             for size in sizes:
-                block(size)
+                block(size, cut)
                 times, t_end = [], time.perf_counter() + LEVEL_WINDOW_S
                 while time.perf_counter() < t_end:
                     t0 = time.perf_counter()
-                    block(size)
+                    block(size, cut)
                     times.append(1000 * (time.perf_counter() - t0))
                 res["{}x{}".format(*size)] = _median(times)
-            out.put(("ok", (role, threads, res)))
+            out.put(("ok", (role, threads, cut, res)))
     except Exception:
         out.put(("error", traceback.format_exc()))
 
 
-def _levels(spec, sizes: list[tuple[int, int]], working_set: int, timeout_s: float) -> dict:
+def offered_cuts(stages_ms: list[float]) -> tuple[int, ...]:
+    """The VAE cuts worth planning from the decoder's stage times: up to half the VAE (past that
+    the DiT's device does more of the decoding than the VAE's)."""
+    return tuple(c for c in range(1, len(stages_ms)) if sum(stages_ms[:c]) <= 0.5 * sum(stages_ms))
+
+
+def _levels(spec, sizes: list[tuple[int, int]], working_set: int, timeout_s: float, cuts=()) -> dict:
     """Each stage's steady block at one and two threads, from the same minute.
 
     The thread rounds of `_measure_once` run one after the other, a minute or so apart, and this
@@ -543,7 +573,14 @@ def _levels(spec, sizes: list[tuple[int, int]], working_set: int, timeout_s: flo
     as on one, and planned agg-1x2t, the layout measured slowest. Here the one-thread DiT and VAE
     (side by side, as disagg-1+1 runs them) and each stage on two threads take turns for
     LEVEL_CYCLES cycles, so a drift slows all four alike; the medians set each figure's level
-    (`_rescale`)."""
+    (`_rescale`).
+
+    Every other cycle also runs each of `cuts` side by side as a stage-cut layout runs it: the
+    DiT with the decoder's first c stages, the VAE with the rest (`cuts` in the result: each
+    side's block). The stages' own times misjudge a cut's two sides: on the 2-vCPU EPYC, over
+    cuts 1-7, the DiT's side grew by 1.31 times the stages' time in its process and the VAE's
+    fell by 0.80 times their share of a decode (the simulator's `Costs.cut_factors`). Small cuts
+    move less than this VM's noise, so the two largest-signal cuts are run, not all."""
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     cmds = {r: ctx.Queue() for r in ("dit", "vae")}
@@ -552,7 +589,7 @@ def _levels(spec, sizes: list[tuple[int, int]], working_set: int, timeout_s: flo
     ]
     for pr in procs:
         pr.start()
-    got: dict[tuple[str, int], list[dict]] = {}
+    got: dict[tuple[str, int, int], list[dict]] = {}
 
     def answers(n: int) -> None:
         for _ in range(n):
@@ -560,17 +597,18 @@ def _levels(spec, sizes: list[tuple[int, int]], working_set: int, timeout_s: flo
             if status == "error":
                 raise RuntimeError(f"profiling failed:\n{value}")
             if status == "ok":
-                role, threads, res = value
-                got.setdefault((role, threads), []).append(res)
+                role, threads, cut, res = value
+                got.setdefault((role, threads, cut), []).append(res)
 
     try:
         answers(2)  # both ready
-        for _ in range(LEVEL_CYCLES):
-            cmds["dit"].put((1, _cpus(0, 1)))  # as disagg-1+1's workers are pinned
-            cmds["vae"].put((1, _cpus(1, 1)))
-            answers(2)
+        for cycle in range(LEVEL_CYCLES):
+            for cut in (0, *cuts) if cycle % 2 == 0 else (0,):
+                cmds["dit"].put((1, _cpus(0, 1), cut))  # as disagg-1+1's workers are pinned
+                cmds["vae"].put((1, _cpus(1, 1), cut))
+                answers(2)
             for role in ("dit", "vae"):  # as agg-1x2t's worker is
-                cmds[role].put((2, _cpus(0, 2)))
+                cmds[role].put((2, _cpus(0, 2), 0))
                 answers(1)
     finally:
         for q in cmds.values():
@@ -579,12 +617,17 @@ def _levels(spec, sizes: list[tuple[int, int]], working_set: int, timeout_s: flo
             pr.join(timeout=30)
             if pr.is_alive():
                 pr.kill()
+
+    def level(role: str, threads: int, cut: int, key: str) -> float:
+        return _median([r[key] for r in got[(role, threads, cut)]])
+
+    keys = ["{}x{}".format(*size) for size in sizes]
     return {
-        "{}x{}".format(*size): {
-            role: {str(t): _median([r["{}x{}".format(*size)] for r in got[(role, t)]]) for t in (1, 2)}
-            for role in ("dit", "vae")
+        key: {
+            **{role: {str(t): level(role, t, 0, key) for t in (1, 2)} for role in ("dit", "vae")},
+            **({"cuts": {str(c): {r: level(r, 1, c, key) for r in ("dit", "vae")} for c in cuts}} if cuts else {}),
         }
-        for size in sizes
+        for key in keys
     }
 
 
@@ -603,7 +646,7 @@ def _rescale(res: dict, levels: dict) -> None:
     batches, stages, the host beside), the cycles its level. The factors are kept beside."""
     for key, lv in levels.items():
         factors = {}
-        for role in ("dit", "vae"):
+        for role in ("dit", "vae"):  # (the cut probes' blocks are at the level already)
             for t, level in lv[role].items():
                 entry = res[key][role][t]
                 f = level / entry["block_ms"]
@@ -726,7 +769,9 @@ def _measure_once(cfg, kind: str, n: int, sizes: list[tuple[int, int]], timeout_
             res[key]["dit"][str(t)] = dit["sizes"][key]
             res[key]["vae"][str(t)] = vae["sizes"][key]["equal"]
     if len(threads) > 1:
-        _rescale(res, _levels(spec, sizes, ws, timeout_s))
+        offered = sorted({c for key in res for c in offered_cuts(res[key]["vae"]["1"].get("stages_ms") or [])})
+        probes = sorted({offered[-1], offered[(len(offered) - 1) // 2]}) if offered else []  # the most, about half
+        _rescale(res, _levels(spec, sizes, ws, timeout_s, tuple(probes)))
     for g in range(2, min(n, GROUP_SIZES_MAX, _heads(spec)) + 1):
         addr = f"tcp://127.0.0.1:{free_port()}"
         targets = [

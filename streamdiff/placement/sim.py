@@ -123,21 +123,43 @@ class Costs:
         # encoding a block takes from the DiT, measured beside it (0 where not measured).
         self.host_ms = max(0.0, self.dit.get("host_block_ms", self.dit["block_ms"]) - self.dit["block_ms"])
         self.fig = fig
+        self.factors = self.cut_factors()
         self.cut_ms = self.dit_cut_ms(self.cut)
         self.groups = fig.get("vae_group", {})
         self.rows = self.size[1] // SPATIAL
         self.beside = self._beside(fig.get("hybrid"))
         self._fit()
 
-    def vae_cut_ms(self, cut: int) -> float:
-        """What a cut takes off the VAE: its first stages' share of the VAE's measured time."""
+    def _stages_off_vae(self, cut: int) -> float:
+        """A cut's first stages' share of the VAE's measured time."""
         return self.vae1["block_ms"] * cut_fraction(self.fig, cut)
 
-    def dit_cut_ms(self, cut: int) -> float:
-        """What a cut adds to the DiT's block: the stages as the profile timed them in the DiT's
-        process after its block (profiles from before that: the time they leave the VAE)."""
+    def _stages_on_dit(self, cut: int) -> float:
+        """The stages as the profile timed them in the DiT's process after its block (profiles
+        from before that: the time they leave the VAE)."""
         beside_dit = self.dit.get("cut_stages_ms")
-        return sum(beside_dit[:cut]) if beside_dit and cut else self.vae_cut_ms(cut)
+        return sum(beside_dit[:cut]) if beside_dit and cut else self._stages_off_vae(cut)
+
+    def cut_factors(self) -> tuple[float, float]:
+        """(DiT, VAE): what the profile's cuts run side by side (profile.py `_levels`) added to
+        the DiT's block and took off the VAE's, against what the stage times say, over the cuts
+        run; (1, 1) where none was."""
+        probes = self.fig.get("levels", {}).get("cuts", {}) if self.threads == 1 else {}
+        on = sum(self._stages_on_dit(int(c)) for c in probes)
+        off = sum(self._stages_off_vae(int(c)) for c in probes)
+        if not probes or on <= 0 or off <= 0:
+            return 1.0, 1.0
+        grew = sum(p["dit"] for p in probes.values()) - len(probes) * self.dit["block_ms"]
+        fell = len(probes) * self.vae1["block_ms"] - sum(p["vae"] for p in probes.values())
+        return min(4.0, max(0.25, grew / on)), min(4.0, max(0.25, fell / off))
+
+    def vae_cut_ms(self, cut: int) -> float:
+        """What a cut takes off the VAE."""
+        return self.factors[1] * self._stages_off_vae(cut)
+
+    def dit_cut_ms(self, cut: int) -> float:
+        """What a cut adds to the DiT's block."""
+        return self.factors[0] * self._stages_on_dit(cut)
 
     def _beside(self, probe: dict | None) -> float:
         """How much of the time a decoding shard leaves free on its core a low-priority DiT turns
