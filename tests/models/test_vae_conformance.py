@@ -79,7 +79,9 @@ def test_a_decode_cut_between_stages_equals_the_whole(vae_pair):
         for start, frames in ((0, 1), (1, 3), (4, 3)):
             x = decode_stages(ours, z[:, :, start : start + frames], front, 0, cut, frames)
             out.append(decode_stages(ours, x, back, cut, n, frames))
-        assert (torch.cat(out, dim=2) - whole).abs().max().item() <= 1e-6, cut
+        # fp32 exactness as everywhere (1e-5): oneDNN picks its kernels by the CPU and the
+        # input's layout, and on an AVX2 EPYC a cut differed from the whole by 5.4e-6
+        assert (torch.cat(out, dim=2) - whole).abs().max().item() <= 1e-5, cut
         assert front.latent_frames == back.latent_frames == 7
 
 
