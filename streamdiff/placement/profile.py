@@ -45,6 +45,7 @@ ALONE_BLOCKS = 3  # the hybrid probe's DiT: blocks timed alone just before the s
 # two-thread DiT, then the two-thread VAE, each for LEVEL_WINDOW_S (`_levels`).
 LEVEL_CYCLES = 4
 LEVEL_WINDOW_S = 1.2
+PROBE_BLOCKS = 2  # the VAE blocks a window must hold for a cut to be run side by side in it
 
 
 def cpu_model() -> str:
@@ -769,8 +770,11 @@ def _measure_once(cfg, kind: str, n: int, sizes: list[tuple[int, int]], timeout_
             res[key]["dit"][str(t)] = dit["sizes"][key]
             res[key]["vae"][str(t)] = vae["sizes"][key]["equal"]
     if len(threads) > 1:
+        # Cuts are run side by side where a window holds a few of the VAE's blocks: one block
+        # is noise, and the real VAE on a CPU (10 s a block) would add minutes for it.
         offered = sorted({c for key in res for c in offered_cuts(res[key]["vae"]["1"].get("stages_ms") or [])})
-        probes = sorted({offered[-1], offered[(len(offered) - 1) // 2]}) if offered else []  # the most, about half
+        quick = max(res[key]["vae"]["1"]["block_ms"] for key in res) * PROBE_BLOCKS <= 1000 * LEVEL_WINDOW_S
+        probes = sorted({offered[-1], offered[(len(offered) - 1) // 2]}) if offered and quick else []
         _rescale(res, _levels(spec, sizes, ws, timeout_s, tuple(probes)))
     for g in range(2, min(n, GROUP_SIZES_MAX, _heads(spec)) + 1):
         addr = f"tcp://127.0.0.1:{free_port()}"
