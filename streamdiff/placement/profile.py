@@ -515,11 +515,12 @@ def _level_child(role, spec, sizes, working_set, cmds, out) -> None:
             shapes = {(w, h): (p.dit.in_channels, fpb, h // sf, w // sf) for w, h in sizes}
             plans = {size: eng.plan(shape, 1, 1) for size, shape in shapes.items()}
             acts: dict = {}  # (size, cut) -> a steady block's input to stage `cut`, and its own state
+            n_stages = len(decoder_stages(eng.model))
 
             def block(size, cut):
                 if cut:  # as the VAE worker runs a cut (workers/stages.py `_decode_rest`)
                     x, st = acts[(size, cut)]
-                    y = decode_stages_sessions(eng.model, x, [st], cut, len(decoder_stages(eng.model)), fpb)
+                    y = decode_stages_sessions(eng.model, x, [st], cut, n_stages, fpb)
                     to_uint8_frames(y[0:1])
                     return
                 z = torch.randn(1, *shapes[size], generator=g)
@@ -541,10 +542,10 @@ def _level_child(role, spec, sizes, working_set, cmds, out) -> None:
                 if role == "vae" and (size, cut) not in acts:
                     # A steady block's input to stage `cut` (the shot's first block decoded first),
                     # and a state whose caches for the stages from `cut` on are steady.
-                    st, n = eng.open_session(), len(decoder_stages(eng.model))
+                    st = eng.open_session()
                     for _ in range(2):  # both halves of a block see its frame count, then count it
                         x = decode_stages(eng.model, torch.randn(1, *shapes[size], generator=g), st, 0, cut, 0)
-                        decode_stages(eng.model, x, st, cut, n, fpb)
+                        decode_stages(eng.model, x, st, cut, n_stages, fpb)
                     acts[(size, cut)] = (x, st)
             res = {}
             for size in sizes:
