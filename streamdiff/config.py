@@ -83,6 +83,9 @@ class TopologyConfig:
     rebalance: bool = True  # band weights follow the shards' measured times while running
     vae_cut: int = 0  # disaggregated, VAE groups of one: the DiT workers also run the decoder's first N stages
     vae_cut_adapt: bool = False  # the cut follows the measured stage times (at shots' starts); a planned one does
+    # an adapting cut's exchange: per ms of a decode's stages moved to the DiT, what the DiT's block
+    # gains and the VAE's loses (the profile's cut probes measure it; the planner sets it)
+    vae_cut_exchange: tuple[float, ...] = (1.0, 1.0)
 
 
 @dataclass(frozen=True)
@@ -376,6 +379,12 @@ def validate(cfg: Config) -> None:
         "topology.vae_cut_adapt",
         "moves a cut: it needs topology.vae_cut (--vae-cut N) to start from",
         t.vae_cut_adapt,
+    )
+    _check(
+        len(t.vae_cut_exchange) == 2 and all(0.25 <= x <= 4 for x in t.vae_cut_exchange),
+        "topology.vae_cut_exchange",
+        "must be two numbers 0.25-4 (the DiT's gain and the VAE's loss per ms of stages a cut moves)",
+        list(t.vae_cut_exchange),
     )
     _check(p.max_blocks_in_flight >= 1, "pipeline.max_blocks_in_flight", "must be >= 1", p.max_blocks_in_flight)
     _check(p.latent_slots >= 2, "pipeline.latent_slots", "must be >= 2", p.latent_slots)

@@ -127,6 +127,9 @@ def test_hybrid_and_band_weight_errors_name_the_key():
         topology(vae_devices=2, vae_band_weights=[1.0])
     with pytest.raises(ConfigError, match="topology.vae_band_weights"):
         topology(vae_devices=2, vae_band_weights=[1.0, "x"])
+    for exchange in ([1.0], [1.0, 9.0]):
+        with pytest.raises(ConfigError, match="topology.vae_cut_exchange"):
+            topology(vae_cut_exchange=exchange)
 
 
 def test_an_explicit_layout_needs_its_accelerators_visible(monkeypatch):
@@ -295,6 +298,9 @@ def test_a_vae_cut_moves_the_decoders_first_stages_to_the_dit_and_the_planner_of
         "cuts": {"3": {"dit": 205.0, "vae": 170.0}, "5": {"dit": 100.0 + 1.5 * 190, "vae": 200.0 - 0.75 * 140}},
     }
     assert Costs(prof, (256, 144), 1).factors == pytest.approx((1.5, 0.75))
+    # per ms of the VAE's decode moved, as the daemon's cut balance prices it: 105 + 285 added
+    # to the DiT for 40 + 140 of decode moved
+    assert Costs(prof, (256, 144), 1).cut_exchange() == pytest.approx((390 / 180, 0.75))
     assert Costs(prof, (256, 144), 1).vae_cut_ms(2) == pytest.approx(0.75 * 20)
     assert predict(prof, cut).w1_steady_fps == pytest.approx(w1_steady_fps(0.205), rel=0.03)
     assert Costs(prof, (256, 144), 2).factors == (1.0, 1.0)  # probes are of one-thread workers
@@ -381,6 +387,47 @@ def test_the_simulator_runs_an_adapting_cut_as_the_daemon_does():
         sim.submit("w1", storyboard(), 256, 144)
         sim.run()
         assert sim.sched.snapshot()["vae_cuts"] == {"dit0": 3}
+
+
+def test_an_adapting_cut_prices_moved_work_as_the_profile_measured_it():
+    """Cuts run side by side cost the DiT 2 ms for each ms of decode they moved and saved the
+    VAE only 0.5: cut 3 balances at 180 ms a side, cut 4 is DiT-bound at 260. Started at cut 5
+    (DiT 380, VAE 130), a balance that took moved work at 1 to 1 would read the VAE's whole
+    decode as 433 ms and go to cut 4 first; priced at the profile's exchange, which the
+    simulator passes on as the planner does, it reads 200 and goes to cut 3 in one move."""
+    from dataclasses import replace
+
+    from streamdiff.config import Config
+    from streamdiff.models.spec import PRESET_FACTS
+    from streamdiff.placement.cut import CutBalance
+    from streamdiff.placement.sim import Layout, Sim, simulate, storyboard
+
+    stages = [10.0, 10.0, 20.0, 40.0, 60.0, 60.0]
+    prof = synthetic(100.0, 200.0, stages=stages)
+    prof.sizes["256x144"]["levels"] = {
+        "dit": {"1": 100.0},
+        "vae": {"1": 200.0},
+        "cuts": {"3": {"dit": 180.0, "vae": 180.0}, "5": {"dit": 380.0, "vae": 130.0}},
+    }
+    hw = (18, 32)
+    for exchange, first in (((1.0, 1.0), 4), ((2.0, 0.5), 3)):
+        b = CutBalance(5, True, exchange=exchange)
+        b.seed(stages)
+        b.observe_vae("vae-group-0", 130.0, 5, hw)
+        b.observe_dit("dit0", "vae-group-0", 380.0, 5, hw)
+        assert b.cut("dit0", "vae-group-0", hw, 3) == first
+    assert b.period_ms("dit0", "vae-group-0", 3, hw) == pytest.approx(180.0)
+    facts = dict(PRESET_FACTS["tiny"])
+    cfg = Config()
+    adapt = replace(cfg, topology=replace(cfg.topology, vae_cut_adapt=True))
+    sim = Sim(adapt, prof, Layout("disaggregated", 1, 1, cut=5), (256, 144), facts)
+    assert sim.cfg.topology.vae_cut_exchange == pytest.approx((2.0, 0.5))
+    sim.submit("w1", storyboard(), 256, 144)
+    sim.run()
+    assert sim.sched.snapshot()["vae_cuts"] == {"dit0": 3} and sim.sched.cuts.changes == 1
+    best = simulate(cfg, prof, Layout("disaggregated", 1, 1, cut=3), facts, (256, 144)).w1_fps
+    moved = simulate(adapt, prof, Layout("disaggregated", 1, 1, cut=5), facts, (256, 144)).w1_fps
+    assert moved == pytest.approx(best, rel=0.02)
 
 
 def test_a_simulation_leaves_the_daemons_log_as_it_found_it(caplog):
@@ -632,6 +679,12 @@ def test_a_daemon_that_plans_a_vae_cut_runs_it(tmp_path):
     from .helpers import Daemon, assert_same_as_one_dit_and_vae, stream_video
 
     prof = synthetic(100.0, 200.0, group=170.0, dit2=95.0, vae2=190.0, stages=[10.0, 10.0, 20.0, 40.0, 60.0, 60.0])
+    # its cut probes: a moved ms of decode cost the DiT 1.25 ms and saved the VAE 0.9
+    prof.sizes["256x144"]["levels"] = {
+        "dit": {"1": 100.0},
+        "vae": {"1": 200.0},
+        "cuts": {"3": {"dit": 150.0, "vae": 164.0}, "5": {"dit": 100 + 1.25 * 140, "vae": 200 - 0.9 * 140}},
+    }
     from streamdiff.config import Config
     from streamdiff.placement.profile import cache_path
 
@@ -643,6 +696,8 @@ def test_a_daemon_that_plans_a_vae_cut_runs_it(tmp_path):
         assert placed["layout"] == "disagg-1+1/cut3" and placed["flags"][-2:] == ["--vae-cut", "3"]
         health = d.health()
         assert sorted(health["workers"]) == ["dit0", "vae0.0"] and health["pipeline"]["vae_cut"] == 3
+        # the running balance prices a cut as the planner did
+        assert health["pipeline"]["vae_cut_exchange"] == pytest.approx([1.25, 0.9])
         got, _, _ = stream_video(d.url, body)
     finally:
         assert d.stop() == 0, d.logs()

@@ -13,7 +13,7 @@ from ..config import Config, ConfigError, explicit_layout, planned
 from ..supervisor.topology import model_facts
 from .planner import plan
 from .profile import Profile, cache_path, device_count, load_cached, measure
-from .sim import Layout
+from .sim import Layout, cut_exchange
 
 
 @dataclass
@@ -101,7 +101,8 @@ def place(cfg: Config, log=print) -> tuple[Config, Placement]:
         dit_group_size=best.dit_group,
         threads_per_worker=best.threads,
         vae_cut=best.cut,
-        vae_cut_adapt=best.cut > 0,  # from there the cut follows the blocks' measured times
+        vae_cut_adapt=best.cut > 0,  # from there the cut follows the blocks' measured times,
+        vae_cut_exchange=cut_exchange(prof, best, size, t.vae_cut_exchange),  # priced as the planner did
     )
     runners_up = p.as_dict(top=4)["ranked"][1:]
     placement = Placement(best.name, best.flags(), True, t.objective, pred.as_dict(), str(path), runners_up)

@@ -11,6 +11,12 @@ a profile taken minutes earlier on a machine whose speed, and the balance of the
 (docs/benchmarks.md: DiT/VAE 0.43-0.76 in profiles of one VM); this puts the cut where the
 blocks being made balance.
 
+Moved work does not cost the same on both sides: run side by side on the EPYC, the stages a cut
+moves added 1.6 ms to the DiT's block for each 1 ms they took off the VAE's (docs/benchmarks.md;
+the DiT's process runs them slower, and the activation reaches the VAE's core cold). The
+profile's cut probes measure that exchange (sim.py `Costs.cut_exchange`); the planner passes it
+as topology.vae_cut_exchange, so the balance here prices a cut as the simulator that chose it.
+
 A session takes its DiT worker's cut at each shot's start, where both sides' stage caches start
 afresh (the workers refuse a change inside a shot). The cut moves only for a clear gain, so
 two near-equal cuts do not alternate on timing noise.
@@ -33,12 +39,15 @@ class CutBalance:
         adapt: bool,
         fits: Callable[[int, tuple[int, int], int], bool] | None = None,
         host_on_dit: bool = False,
+        exchange: tuple[float, ...] = (1.0, 1.0),
     ) -> None:
         """start: the configured cut; fits(cut, latent_hw, latent_frames): whether that cut's
         activation fits a latent ring slot (None: every cut does); host_on_dit: the supervisor's
         encoding shares the DiT's cores (the CPU, supervisor/core.py `_pin_self`), so each
-        block's encoding counts on the DiT's side."""
+        block's encoding counts on the DiT's side; exchange: (DiT, VAE), per ms of a whole
+        decode's stages a cut moves, what the DiT's side gains and the VAE's side loses."""
         self.start, self.adapt, self.host_on_dit = start, adapt, host_on_dit
+        self.grow, self.relief = exchange
         self.host: dict[str, float] = {}  # "encode" -> ms a block the encoder takes
         self.fits = fits or (lambda cut, latent_hw, frames: True)
         self.shares: list[float] = []  # each decoder stage's share of a whole decode
@@ -56,9 +65,13 @@ class CutBalance:
 
     def observe_vae(self, unit: str, ms: float, cut: int, latent_hw: tuple[int, int]) -> None:
         """A block's time on the VAE's side, which ran the stages from `cut` on."""
-        rest = sum(self.shares[cut:])
+        rest = self._vae_share(cut)
         if ms > 0 and rest > 0:
             ewma(self.decode_px, unit, ms / rest / (latent_hw[0] * latent_hw[1]))
+
+    def _vae_share(self, cut: int) -> float:
+        """The VAE side's time at `cut` over a whole decode's."""
+        return max(0.05, 1.0 - self.relief * sum(self.shares[:cut]))
 
     def observe_dit(self, worker: str, unit: str | None, ms: float, cut: int, latent_hw: tuple[int, int]) -> None:
         """A block's time on the DiT's side, stages before `cut` included (unit None: the
@@ -70,7 +83,7 @@ class CutBalance:
             return
         self.pending.pop(worker, None)
         px = latent_hw[0] * latent_hw[1]
-        own = ms - self.decode_px[unit] * px * sum(self.shares[:cut])
+        own = ms - self.grow * self.decode_px[unit] * px * sum(self.shares[:cut])
         ewma(self.dit_px, worker, max(0.0, own) / px)
 
     def observe_host(self, ms: float) -> None:
@@ -82,7 +95,7 @@ class CutBalance:
         """The slower side's time per block at this cut, as measured so far."""
         px = latent_hw[0] * latent_hw[1]
         decode, dit = self.decode_px[unit] * px, self.dit_px[worker] * px + self.host.get("encode", 0.0)
-        return max(dit + decode * sum(self.shares[:cut]), decode * sum(self.shares[cut:]))
+        return max(dit + self.grow * decode * sum(self.shares[:cut]), decode * self._vae_share(cut))
 
     def cut(self, worker: str, unit: str, latent_hw: tuple[int, int], latent_frames: int) -> int:
         """The cut a shot of this size starting on `worker` (and VAE `unit`) takes."""

@@ -103,6 +103,11 @@ class Layout:
         return Topology([], lay.dit_names, lay.group_names, {name: dev for name, _, dev in lay.procs}, dit_groups)
 
 
+def _clamp(factor: float) -> float:
+    """A measured cost factor kept to what a noisy probe can be trusted for."""
+    return min(4.0, max(0.25, factor))
+
+
 @dataclass
 class Costs:
     """Service times of one frame size, in seconds, from a profile."""
@@ -140,18 +145,31 @@ class Costs:
         beside_dit = self.dit.get("cut_stages_ms")
         return sum(beside_dit[:cut]) if beside_dit and cut else self._stages_off_vae(cut)
 
-    def cut_factors(self) -> tuple[float, float]:
-        """(DiT, VAE): what the profile's cuts run side by side (profile.py `_levels`) added to
-        the DiT's block and took off the VAE's, against what the stage times say, over the cuts
-        run; (1, 1) where none was."""
+    def _cut_probes(self) -> tuple[float, float, float, float] | None:
+        """Over the cuts the profile ran side by side (profile.py `_levels`): what they added to
+        the DiT's block, took off the VAE's, and the stage times they moved as timed on the DiT
+        and as a share of the VAE's decode; None where none was (probes are of one-thread
+        workers)."""
         probes = self.fig.get("levels", {}).get("cuts", {}) if self.threads == 1 else {}
         on = sum(self._stages_on_dit(int(c)) for c in probes)
         off = sum(self._stages_off_vae(int(c)) for c in probes)
         if not probes or on <= 0 or off <= 0:
-            return 1.0, 1.0
+            return None
         grew = sum(p["dit"] for p in probes.values()) - len(probes) * self.dit["block_ms"]
         fell = len(probes) * self.vae1["block_ms"] - sum(p["vae"] for p in probes.values())
-        return min(4.0, max(0.25, grew / on)), min(4.0, max(0.25, fell / off))
+        return grew, fell, on, off
+
+    def cut_factors(self) -> tuple[float, float]:
+        """(DiT, VAE): what the cut probes added to the DiT's block against the stages' times
+        there, and took off the VAE's against their share of its decode; (1, 1) unmeasured."""
+        p = self._cut_probes()
+        return (1.0, 1.0) if p is None else (_clamp(p[0] / p[2]), _clamp(p[1] / p[3]))
+
+    def cut_exchange(self) -> tuple[float, float]:
+        """(DiT, VAE): the same per ms of the VAE's decode that a cut moves, as the daemon's cut
+        balance prices a cut (placement/cut.py, topology.vae_cut_exchange)."""
+        p = self._cut_probes()
+        return (1.0, 1.0) if p is None else (_clamp(p[0] / p[3]), _clamp(p[1] / p[3]))
 
     def vae_cut_ms(self, cut: int) -> float:
         """What a cut takes off the VAE."""
@@ -281,6 +299,14 @@ class Result:
     fragments: dict = field(default_factory=dict)  # session -> [(time, frames)]
 
 
+def cut_exchange(profile: Profile, layout: Layout, size: tuple[int, int], default: tuple[float, ...]) -> tuple:
+    """The exchange the daemon's cut balance prices a layout's cut at (topology.vae_cut_exchange):
+    the profile's, for a layout with a cut; `default` for one without."""
+    if not layout.cut:
+        return default
+    return Costs(profile, size, layout.threads, layout.dit_group, layout.cut).cut_exchange()
+
+
 class Sim:
     def __init__(self, cfg: Config, profile: Profile, layout: Layout, size: tuple[int, int], facts: dict) -> None:
         t = replace(
@@ -291,6 +317,7 @@ class Sim:
             vae_group_size=layout.group,
             dit_group_size=layout.dit_group,
             vae_cut=layout.cut,
+            vae_cut_exchange=cut_exchange(profile, layout, size, cfg.topology.vae_cut_exchange),
             threads_per_worker=layout.threads,
             vae_band_weights=layout.weights,
         )

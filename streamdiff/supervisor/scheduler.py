@@ -344,7 +344,11 @@ class Scheduler:
             topology.vae_groups, topology.devices, topology.dit_workers, t.vae_band_weights, t.rebalance
         )
         on_dit = t.device == "cpu" and t.pin_cpus  # the supervisor's encoding shares the DiT's cores
-        self.cuts = CutBalance(t.vae_cut, t.vae_cut_adapt and t.rebalance, cut_fits, on_dit) if t.vae_cut else None
+        self.cuts = (
+            CutBalance(t.vae_cut, t.vae_cut_adapt and t.rebalance, cut_fits, on_dit, t.vae_cut_exchange)
+            if t.vae_cut
+            else None
+        )
         self.latent_pool = SlotPool(latent_slots)
         self.frame_pool = SlotPool(frame_slots)
         self.worker_ready = worker_ready
@@ -1108,6 +1112,8 @@ class Scheduler:
             "vae_cuts": {w: self.cuts.current.get(w, self.cuts.start) for w in self.topology.dit_workers}
             if self.cuts is not None
             else {},
+            # what the cut balance takes a moved ms of decode to cost the DiT and save the VAE
+            "vae_cut_exchange": [self.cuts.grow, self.cuts.relief] if self.cuts is not None else None,
             "running": len(self.running),
             "queued": len(self.queue),
             "tracked": len(self.sessions),
