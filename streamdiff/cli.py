@@ -76,6 +76,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "(a planned cut does)",
     )
     p.add_argument(
+        "--share-cores",
+        action="store_const",
+        const=True,
+        help="cpu, disaggregated: every worker may run on all the cores, so the stage with work takes the core "
+        "the other leaves idle (with --threads-per-worker, one thread per core)",
+    )
+    p.add_argument(
         "--objective",
         choices=("throughput", "latency", "streams"),
         help="with no layout flags the layout is planned for this (default throughput)",
@@ -115,6 +122,7 @@ def overrides_from_args(a: argparse.Namespace) -> dict[str, dict]:
         ("threads_per_worker", "topology", "threads_per_worker"),
         ("vae_cut", "topology", "vae_cut"),
         ("vae_cut_adapt", "topology", "vae_cut_adapt"),
+        ("share_cores", "topology", "share_cores"),
         ("objective", "topology", "objective"),
         ("devices", "topology", "devices"),
         ("dit_checkpoint", "model", "dit_checkpoint"),

@@ -78,6 +78,7 @@ class TopologyConfig:
     dit_group_size: int = 1  # devices per DiT (Ulysses sequence parallelism, disaggregated only); 1: one each
     threads_per_worker: int = 1  # CPU threads of each worker (on cpu: a "device" is a worker)
     pin_cpus: bool = True  # cpu: pin each worker to its own cores
+    share_cores: bool = False  # cpu, disaggregated: every worker may run on all the cores (the kernel shares them)
     shard_front: bool = False  # VAE groups: also shard the low-resolution front (all-gather attention)
     vae_band_weights: tuple[float, ...] = ()  # rows per shard of a group in these proportions (empty: placed)
     rebalance: bool = True  # band weights follow the shards' measured times while running
@@ -373,6 +374,13 @@ def validate(cfg: Config) -> None:
         "needs an explicit layout (--dit-gpus, --vae-gpus) in mode disaggregated with VAE groups of one shard "
         "(--vae-group-size 1) and no DiT group",
         t.vae_cut,
+    )
+    _check(
+        not t.share_cores or (t.device == "cpu" and not planned(t) and t.mode in ("auto", "disaggregated")),
+        "topology.share_cores",
+        "shares a CPU's cores between disaggregated workers: it needs device cpu and an explicit layout "
+        "(--dit-gpus, --vae-gpus) in mode disaggregated",
+        t.share_cores,
     )
     _check(
         not t.vae_cut_adapt or t.vae_cut > 0,

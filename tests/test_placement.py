@@ -130,6 +130,19 @@ def test_hybrid_and_band_weight_errors_name_the_key():
     for exchange in ([1.0], [1.0, 9.0]):
         with pytest.raises(ConfigError, match="topology.vae_cut_exchange"):
             topology(vae_cut_exchange=exchange)
+    for bad in ({"device": "cuda"}, {"mode": "aggregated"}, {"dit_devices": 0, "vae_devices": 0}):
+        with pytest.raises(ConfigError, match="topology.share_cores"):
+            topology(**{"dit_devices": 1, "vae_devices": 1, "share_cores": True, **bad})
+
+
+def test_shared_cores_put_every_worker_on_every_core():
+    import os
+
+    every = tuple(sorted(os.sched_getaffinity(0)))
+    t = topology(dit_devices=1, vae_devices=1, threads_per_worker=2, share_cores=True)
+    assert [w.cpus for w in t.workers] == [every, every] and all(w.threads == 2 for w in t.workers)
+    own = topology(dit_devices=1, vae_devices=1)
+    assert own.workers[0].cpus != own.workers[1].cpus or len(every) == 1
 
 
 def test_an_explicit_layout_needs_its_accelerators_visible(monkeypatch):
@@ -389,6 +402,53 @@ def test_the_simulator_runs_an_adapting_cut_as_the_daemon_does():
         assert sim.sched.snapshot()["vae_cuts"] == {"dit0": 3}
 
 
+def test_shared_cores_run_each_stage_at_the_speed_the_profile_measured_beside_the_other():
+    """DiT and VAE on two threads each over the same two cores: alone there a block takes 60 and
+    110 ms, side by side 100 and 200 (the profile's probe: rates 0.6 and 0.55). Each VAE block
+    has the DiT's next beside it for 100 ms, in which it does 55 ms of its 110; the other 55 it
+    does alone: 155 ms a block, against 200 for disagg-1+1 and 170 for agg-1x2t. Without the
+    probe the layout is not offered."""
+    from streamdiff.config import Config
+    from streamdiff.models.spec import PRESET_FACTS
+    from streamdiff.placement.planner import plan
+    from streamdiff.placement.sim import Costs, Layout
+
+    prof = synthetic(100.0, 200.0, dit2=60.0, vae2=110.0)
+    shared = Layout("disaggregated", 1, 1, 1, 2, shared=True)
+    assert shared.name == "disagg-1+1x2t/shared" and shared.flags()[-3:] == [
+        "--threads-per-worker",
+        "2",
+        "--share-cores",
+    ]
+    assert shared.devices == 2
+
+    def ranked():
+        return [
+            lay.name for lay, _ in plan(Config(), prof, 2, "throughput", dict(PRESET_FACTS["tiny"]), (256, 144)).ranked
+        ]
+
+    assert shared.name not in ranked()
+    prof.sizes["256x144"]["levels"] = {
+        "dit": {"2": 60.0},
+        "vae": {"2": 110.0},
+        "shared": {"threads": 2, "dit": 100.0, "vae": 200.0},
+    }
+    assert Costs(prof, (256, 144), 2).shared_rates() == pytest.approx((0.6, 0.55))
+    assert Costs(prof, (256, 144), 1).shared_rates() is None  # measured on two threads
+    from streamdiff.placement.sim import Sim
+    from streamdiff.plan import Scene
+
+    sim = Sim(Config(), prof, shared, (256, 144), dict(PRESET_FACTS["tiny"]))
+    sim.submit("one", [Scene("a fox", 9 + 12 * 40)], 256, 144)  # 41 blocks of 3 latent frames
+    sim.run()
+    # past the start and before the DiT's last block (the VAE then decodes what is left alone)
+    times = [t for t, _ in sim.result.fragments["one"]][8:-8]
+    assert (times[-1] - times[0]) / (len(times) - 1) == pytest.approx(0.155, rel=0.03)
+    assert predict(prof, shared).w1_fps > 1.15 * predict(prof, Layout("disaggregated", 1, 1)).w1_fps
+    order = ranked()
+    assert order[0] == shared.name and order.index("disagg-1+1") > order.index("agg-1x2t") > 0
+
+
 def test_an_adapting_cut_prices_moved_work_as_the_profile_measured_it():
     """Cuts run side by side cost the DiT 2 ms for each ms of decode they moved and saved the
     VAE only 0.5: cut 3 balances at 180 ms a side, cut 4 is DiT-bound at 260. Started at cut 5
@@ -552,6 +612,13 @@ def test_a_profile_is_cached_only_for_its_machine_model_and_size(tmp_path):
     assert load_cached(path, cfg, (256, 144), 2, now=time.time() + 60 * 86400) is None  # stale
     other = cfg.replace(model={"dit_vae_ratio": 0.5})
     assert load_cached(path, other, (256, 144), 2) is None  # another model
+    measured = synthetic(100.0, 200.0)
+    measured.sizes["256x144"]["levels"] = {"dit": {"1": 100.0}, "vae": {"1": 200.0}, "factors": {"dit1": 1.0}}
+    path.write_text(measured.to_json())
+    assert load_cached(path, cfg, (256, 144), 2) is None  # measured before the shared-core probe
+    measured.sizes["256x144"]["levels"]["shared"] = {"threads": 2, "dit": 120.0, "vae": 240.0}
+    path.write_text(measured.to_json())
+    assert load_cached(path, cfg, (256, 144), 2) is not None
     path.write_text("{}")
     assert load_cached(path, cfg, (256, 144), 2) is None
 
@@ -615,6 +682,9 @@ def test_streamdiffd_profile_measures_this_machine(tmp_path):
         offered = offered_cuts(fig["vae"]["1"]["stages_ms"])
         assert set(lv["cuts"]) == {str(offered[-1]), str(offered[(len(offered) - 1) // 2])}
         assert all(x["dit"] > 0 and x["vae"] > 0 for x in lv["cuts"].values())
+        # the two-thread stages side by side on the same two cores, each slower than alone there
+        sh = lv["shared"]
+        assert sh["threads"] == 2 and sh["dit"] > 0.9 * lv["dit"]["2"] and sh["vae"] > 0.9 * lv["vae"]["2"]
     assert "DiT/VAE" in r.stdout
 
 

@@ -50,6 +50,7 @@ def layout_of(cfg: Config) -> Layout:
         t.vae_band_weights,
         t.dit_group_size,
         t.vae_cut,
+        shared=t.share_cores,
     )
 
 
@@ -101,6 +102,7 @@ def place(cfg: Config, log=print) -> tuple[Config, Placement]:
         dit_group_size=best.dit_group,
         threads_per_worker=best.threads,
         vae_cut=best.cut,
+        share_cores=best.shared,
         vae_cut_adapt=best.cut > 0,  # from there the cut follows the blocks' measured times,
         vae_cut_exchange=cut_exchange(prof, best, size, t.vae_cut_exchange),  # priced as the planner did
     )

@@ -26,7 +26,6 @@ The result is plain JSON (`Profile.to_json`); `docs/profile-cpu.json` is this pr
 from __future__ import annotations
 
 import json
-import multiprocessing as mp
 import os
 import platform
 import statistics
@@ -36,13 +35,16 @@ from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 
+from ..spawn import spawn_context
+
 VERSION = 1
 FRESH_S = 30 * 86400  # a cached profile older than this is measured again
 STEADY_BLOCKS = 6  # steady blocks timed per measurement (after a shot's first): the DiT's window fills
 GROUP_SIZES_MAX = 4
 ALONE_BLOCKS = 3  # the hybrid probe's DiT: blocks timed alone just before the shards start
 # On a CPU of 2+ cores: cycles, each timing the one-thread DiT and VAE side by side, then the
-# two-thread DiT, then the two-thread VAE, each for LEVEL_WINDOW_S (`_levels`).
+# two-thread DiT, then the two-thread VAE, each for LEVEL_WINDOW_S (`_levels`); every other
+# cycle also the VAE cuts, the other the two-thread DiT and VAE side by side on the same cores.
 LEVEL_CYCLES = 4
 LEVEL_WINDOW_S = 1.2
 PROBE_BLOCKS = 2  # the VAE blocks a window must hold for a cut to be run side by side in it
@@ -142,6 +144,8 @@ def load_cached(path: Path, cfg, size: tuple[int, int], devices: int, now: float
         and prof.devices >= devices
         and f"{size[0]}x{size[1]}" in prof.sizes
         and now - prof.created < FRESH_S
+        # measured before its level cycles ran the stages side by side on shared cores
+        and not any("factors" in lv and "shared" not in lv for lv in (f.get("levels", {}) for f in prof.sizes.values()))
     )
     return prof if ok else None
 
@@ -333,7 +337,7 @@ def _hybrid_probe(spec, sizes, ws, timeout_s: float) -> dict:
     group's steady blocks: `window`) and the group's time per block."""
     from ..supervisor.topology import free_port
 
-    ctx = mp.get_context("spawn")
+    ctx = spawn_context()
     res = {}
     for size in sizes:
         out, stop = ctx.Queue(), ctx.Event()
@@ -530,7 +534,7 @@ def _level_child(role, spec, sizes, working_set, cmds, out) -> None:
                 block(size, 0)  # a shot's first block
         out.put(("ready", role))
         while (cmd := cmds.get()) is not None:
-            threads, cpus, cut = cmd
+            threads, cpus, cut, tag = cmd
             if cpus:
                 os.sched_setaffinity(0, cpus)
             torch.set_num_threads(threads)
@@ -556,7 +560,7 @@ def _level_child(role, spec, sizes, working_set, cmds, out) -> None:
                     block(size, cut)
                     times.append(1000 * (time.perf_counter() - t0))
                 res["{}x{}".format(*size)] = _median(times)
-            out.put(("ok", (role, threads, cut, res)))
+            out.put(("ok", (role, tag, res)))
     except Exception:
         out.put(("error", traceback.format_exc()))
 
@@ -582,8 +586,13 @@ def _levels(spec, sizes: list[tuple[int, int]], working_set: int, timeout_s: flo
     side's block). The stages' own times misjudge a cut's two sides: on the 2-vCPU EPYC, over
     cuts 1-7, the DiT's side grew by 1.31 times the stages' time in its process and the VAE's
     fell by 0.80 times their share of a decode (the simulator's `Costs.cut_factors`). Small cuts
-    move less than this VM's noise, so the two largest-signal cuts are run, not all."""
-    ctx = mp.get_context("spawn")
+    move less than this VM's noise, so the two largest-signal cuts are run, not all.
+
+    The other cycles also run the two-thread DiT and VAE side by side over the same two cores,
+    as disagg-1+1x2t/shared runs them (`shared`: each one's block while the other runs): a
+    stage alone there has both cores, beside the other about one, less what their threads lose
+    waiting on each other."""
+    ctx = spawn_context()
     out = ctx.Queue()
     cmds = {r: ctx.Queue() for r in ("dit", "vae")}
     procs = [
@@ -591,7 +600,7 @@ def _levels(spec, sizes: list[tuple[int, int]], working_set: int, timeout_s: flo
     ]
     for pr in procs:
         pr.start()
-    got: dict[tuple[str, int, int], list[dict]] = {}
+    got: dict[tuple[str, str], list[dict]] = {}
 
     def answers(n: int) -> None:
         for _ in range(n):
@@ -599,19 +608,23 @@ def _levels(spec, sizes: list[tuple[int, int]], working_set: int, timeout_s: flo
             if status == "error":
                 raise RuntimeError(f"profiling failed:\n{value}")
             if status == "ok":
-                role, threads, cut, res = value
-                got.setdefault((role, threads, cut), []).append(res)
+                role, tag, res = value
+                got.setdefault((role, tag), []).append(res)
 
     try:
         answers(2)  # both ready
         for cycle in range(LEVEL_CYCLES):
             for cut in (0, *cuts) if cycle % 2 == 0 else (0,):
-                cmds["dit"].put((1, _cpus(0, 1), cut))  # as disagg-1+1's workers are pinned
-                cmds["vae"].put((1, _cpus(1, 1), cut))
+                cmds["dit"].put((1, _cpus(0, 1), cut, f"1/{cut}"))  # as disagg-1+1's workers are pinned
+                cmds["vae"].put((1, _cpus(1, 1), cut, f"1/{cut}"))
                 answers(2)
             for role in ("dit", "vae"):  # as agg-1x2t's worker is
-                cmds[role].put((2, _cpus(0, 2), 0))
+                cmds[role].put((2, _cpus(0, 2), 0, "2/0"))
                 answers(1)
+            if cycle % 2 == 1:  # both on two threads over the same two cores (disagg-1+1x2t/shared)
+                for role in ("dit", "vae"):
+                    cmds[role].put((2, _cpus(0, 2), 0, "shared"))
+                answers(2)
     finally:
         for q in cmds.values():
             q.put(None)
@@ -620,14 +633,15 @@ def _levels(spec, sizes: list[tuple[int, int]], working_set: int, timeout_s: flo
             if pr.is_alive():
                 pr.kill()
 
-    def level(role: str, threads: int, cut: int, key: str) -> float:
-        return _median([r[key] for r in got[(role, threads, cut)]])
+    def level(role: str, tag: str, key: str) -> float:
+        return _median([r[key] for r in got[(role, tag)]])
 
     keys = ["{}x{}".format(*size) for size in sizes]
     return {
         key: {
-            **{role: {str(t): level(role, t, 0, key) for t in (1, 2)} for role in ("dit", "vae")},
-            **({"cuts": {str(c): {r: level(r, 1, c, key) for r in ("dit", "vae")} for c in cuts}} if cuts else {}),
+            **{role: {str(t): level(role, f"{t}/0", key) for t in (1, 2)} for role in ("dit", "vae")},
+            **({"cuts": {str(c): {r: level(r, f"1/{c}", key) for r in ("dit", "vae")} for c in cuts}} if cuts else {}),
+            "shared": {"threads": 2, **{r: level(r, "shared", key) for r in ("dit", "vae")}},
         }
         for key in keys
     }
@@ -659,7 +673,7 @@ def _rescale(res: dict, levels: dict) -> None:
 
 def _run(targets: list[tuple], timeout_s: float) -> list:
     """Start one process per (fn, args), wait for each one's result; raise on any error."""
-    ctx = mp.get_context("spawn")
+    ctx = spawn_context()
     out = ctx.Queue()
     procs = [ctx.Process(target=fn, args=(*args, out), daemon=True) for fn, args in targets]
     for p in procs:
@@ -756,7 +770,7 @@ def _measure_once(cfg, kind: str, n: int, sizes: list[tuple[int, int]], timeout_
         vae_cpus = _cpus(1, 1) if together else cpus
         vae_child = (_vae_child, (spec, dev(0), vae_cpus, t, 0, 1, "", sizes, [None], (2,), ws, 0))
         if kind == "cpu":  # the DiT beside the host's work per block, on the same cores
-            jobs = mp.get_context("spawn").Queue()
+            jobs = spawn_context().Queue()
             targets = [
                 (_dit_child, (spec, dev(0), cpus, t, sizes, (2, 4), 0, 1, "", jobs)),
                 (_host_child, (cpus, sizes, 16, jobs)),

@@ -12,6 +12,8 @@ processes whose service times come from the profile (profile.py):
 - in a hybrid layout the DiT shares its device with a shard at lower priority: while the
   group decodes, the DiT runs at the rate the shard leaves free, times the share of that time
   the profile's hybrid probe saw a DiT turn into work (processor sharing);
+- on shared cores (Layout.shared) each stage runs at its speed alone there while the other is
+  idle, and at the profile's side-by-side figure while both run (processor sharing);
 - each session's encoder is a thread of its own (libx264's measured time per block); the
   client takes every fragment at once. On the CPU the supervisor shares the DiT workers' cores,
   so each block's DiT work also carries what the encoder took from the DiT (the profile's DiT
@@ -53,6 +55,7 @@ class Layout:
     weights: tuple[float, ...] = ()
     dit_group: int = 1  # devices per DiT (Ulysses; disaggregated)
     cut: int = 0  # the DiT workers also run the VAE decoder's first `cut` stages (topology.vae_cut)
+    shared: bool = False  # CPU: every worker on all `threads` cores (topology.share_cores)
 
     @property
     def group_size(self) -> int:
@@ -61,6 +64,8 @@ class Layout:
     @property
     def devices(self) -> int:
         """Devices it occupies (on the CPU a device is a core: threads count)."""
+        if self.shared:  # the workers share the same cores
+            return self.threads
         n = self.dit + self.vae if self.mode == "disaggregated" else max(self.dit, self.vae)
         return n * self.threads
 
@@ -83,7 +88,7 @@ class Layout:
             base = f"agg-seq-k{self.vae}"
         else:
             base = f"agg-{self.dit}+{self.vae}/k{k}"
-        return base + (f"x{self.threads}t" if self.threads > 1 else "")
+        return base + (f"x{self.threads}t" if self.threads > 1 else "") + ("/shared" if self.shared else "")
 
     def flags(self) -> list[str]:
         out = ["--mode", self.mode, "--dit-gpus", str(self.dit), "--vae-gpus", str(self.vae)]
@@ -95,6 +100,8 @@ class Layout:
             out += ["--threads-per-worker", str(self.threads)]
         if self.cut:
             out += ["--vae-cut", str(self.cut)]
+        if self.shared:
+            out += ["--share-cores"]
         return out
 
     def topology(self) -> Topology:
@@ -178,6 +185,15 @@ class Costs:
     def dit_cut_ms(self, cut: int) -> float:
         """What a cut adds to the DiT's block."""
         return self.factors[0] * self._stages_on_dit(cut)
+
+    def shared_rates(self) -> tuple[float, float] | None:
+        """(DiT, VAE): each stage's speed while the other runs beside it over the same cores,
+        against its speed alone there (the profile's side-by-side probe, profile.py `_levels`);
+        None where the profile has none at these threads."""
+        probe = self.fig.get("levels", {}).get("shared")
+        if not probe or probe.get("threads") != self.threads or min(probe["dit"], probe["vae"]) <= 0:
+            return None
+        return min(1.0, self.dit["block_ms"] / probe["dit"]), min(1.0, self.vae1["block_ms"] / probe["vae"])
 
     def _beside(self, probe: dict | None) -> float:
         """How much of the time a decoding shard leaves free on its core a low-priority DiT turns
@@ -291,6 +307,7 @@ class Proc:
     since: float = 0.0
     version: int = 0
     low: bool = False
+    shared: bool = False  # on the same cores as every other shared process (Layout.shared)
 
 
 @dataclass
@@ -317,6 +334,7 @@ class Sim:
             vae_group_size=layout.group,
             dit_group_size=layout.dit_group,
             vae_cut=layout.cut,
+            share_cores=layout.shared,
             vae_cut_exchange=cut_exchange(profile, layout, size, cfg.topology.vae_cut_exchange),
             threads_per_worker=layout.threads,
             vae_band_weights=layout.weights,
@@ -327,7 +345,7 @@ class Sim:
         self.costs: dict[tuple[int, int], Costs] = {}
         self.profile = profile
         self.procs = {
-            name: Proc(name, dev, low=layout.mode == "hybrid" and name in self.topo.dit_workers)
+            name: Proc(name, dev, low=layout.mode == "hybrid" and name in self.topo.dit_workers, shared=layout.shared)
             for name, dev in self.topo.devices.items()
         }
         p = self.cfg.pipeline
@@ -482,7 +500,8 @@ class Sim:
             dur = c.dit_s(len(blocks), sum(1 for b in blocks if b.cut), cuts, self._frames(blocks))
             p = self.procs[job.procs[0]]
             p.left_s, p.since, p.rate = dur, self.now, self._free_rate(p)
-            self._schedule_dit(p)
+            self._schedule(p)
+            self._rates_changed()  # shared cores: the VAE beside it slows
             return
         blocks = job.msg.blocks
         sess = self.sessions[blocks[0].session]
@@ -498,10 +517,15 @@ class Sim:
             k, rows, len(blocks), blocks[0].reset, blocks[0].vae_cut or self.layout.cut, self._frames(blocks)
         )
         job.own, job.rows, job.dur = own, rows, dur
-        self.vae_busy_s += dur
         self.vae_blocks += len(blocks)
+        if self.layout.shared:  # one shard (1+1), whose speed follows whether the DiT runs beside it
+            p = self.procs[job.procs[0]]
+            p.left_s, p.since, p.rate = dur, self.now, self._free_rate(p)
+            self._schedule(p)
+        else:
+            self.vae_busy_s += dur
+            self.at(self.now + dur, self._vae_done, job)
         self._rates_changed()
-        self.at(self.now + dur, self._vae_done, job)
 
     def _frames(self, blocks: list) -> float:
         """The blocks' (GenerateBlock or DecodeBlock) mean latent frames as a share of a full
@@ -511,7 +535,14 @@ class Sim:
 
     def _free_rate(self, p: Proc) -> float:
         """The share of its device a low-priority process gets now: what running VAE shards on
-        the same device leave free."""
+        the same device leave free. On shared cores, a stage's speed against its speed alone
+        there: the profile's side-by-side figure while another shared process runs (unmeasured:
+        half the cores), 1 while none does."""
+        if p.shared:
+            if not any(q is not p and q.shared and q.job is not None for q in self.procs.values()):
+                return 1.0
+            rates = self.cost(*self._size).shared_rates() or (0.5, 0.5)
+            return rates[0] if p.job is not None and p.job.kind == "dit" else rates[1]
         if not p.low:
             return 1.0
         used = 0.0
@@ -526,18 +557,30 @@ class Sim:
 
     def _rates_changed(self) -> None:
         for p in self.procs.values():
-            if p.low and p.job is not None and p.job.kind == "dit":
+            if p.job is not None and (p.shared or (p.low and p.job.kind == "dit")):
                 p.left_s -= (self.now - p.since) * p.rate
                 p.since, p.rate = self.now, self._free_rate(p)
-                self._schedule_dit(p)
+                self._schedule(p)
 
-    def _schedule_dit(self, p: Proc) -> None:
+    def _schedule(self, p: Proc) -> None:
+        """p's job ends when its work left is done at its rate now (a later change of rate
+        schedules it anew, and the version drops the older end)."""
         p.version += 1
-        self.at(self.now + max(0.0, p.left_s) / p.rate, self._dit_done, p, p.version)
+        self.at(self.now + max(0.0, p.left_s) / p.rate, self._done, p, p.version)
 
-    def _dit_done(self, p: Proc, version: int) -> None:
+    def _done(self, p: Proc, version: int) -> None:
         if version != p.version or p.job is None:
             return
+        if p.job.kind == "dit":
+            self._dit_done(p)
+            return
+        job = p.job  # a shared shard's decode: what it took beside the DiT is its time
+        job.dur = self.now - job.started
+        job.own = [job.dur]
+        self.vae_busy_s += job.dur
+        self._vae_done(job)
+
+    def _dit_done(self, p: Proc) -> None:
         job = p.job
         for q in job.procs:
             self.procs[q].job = None
@@ -550,6 +593,7 @@ class Sim:
             shape = [16, b.frames, sess.height // SPATIAL, sess.width // SPATIAL]
             done = m.LatentDone(b.session, b.block, b.slot, shape, wall_ms, batch=n, busy_ms=c.dit_own_ms())
             self.at(self.now + HOP_S / 2, self._post, done)
+        self._rates_changed()  # shared cores: the VAE beside it speeds up
         self._try_start(job.procs)
 
     def _vae_done(self, job: Job) -> None:

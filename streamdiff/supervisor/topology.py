@@ -62,10 +62,14 @@ def _device(kind: str, index: int) -> str:
     return "cpu" if kind == "cpu" else f"{kind}:{index}"
 
 
+def _available() -> list[int]:
+    return sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+
+
 def _cpus(index: int, threads: int, pin: bool) -> tuple[int, ...]:
-    if not pin or not hasattr(os, "sched_getaffinity"):
+    avail = _available()
+    if not pin or not avail:
         return ()
-    avail = sorted(os.sched_getaffinity(0))
     return tuple(avail[(index * threads + k) % len(avail)] for k in range(threads))
 
 
@@ -127,13 +131,16 @@ def build_topology(cfg: Config, control_addr: str, latent_ring: RingSpec, frame_
             addr = f"tcp://127.0.0.1:{free_port()}"
             for rank, name in enumerate(g):
                 group_specs[name] = GroupSpec(f"dit{gi}", rank, len(g), addr, False, p.collective_timeout_s)
+    pin = t.pin_cpus and t.device == "cpu"
+    share = pin and t.share_cores
     workers = [
         WorkerSpec(
             name=name,
             roles=roles,
             device=_device(t.device, i),
             threads=t.threads_per_worker,
-            cpus=_cpus(i, t.threads_per_worker, t.pin_cpus and t.device == "cpu"),
+            # shared cores: every worker on all of them (the kernel gives an idle stage's core to the other)
+            cpus=tuple(_available()) if share else _cpus(i, t.threads_per_worker, pin),
             model=spec,
             control_addr=control_addr,
             latent_ring=latent_ring,
