@@ -274,6 +274,9 @@ def test_the_hosts_work_beside_the_dit_slows_the_aggregated_worker_not_the_disag
     assert after["disagg-1+1"] == pytest.approx(before["disagg-1+1"], rel=0.01)
     assert before["agg-1x2t"] == pytest.approx(w1_steady_fps(0.170), rel=0.03)
     assert after["agg-1x2t"] == pytest.approx(w1_steady_fps(0.200), rel=0.03)
+    # Before the first fragment the encoder has nothing to do: the first block's DiT runs
+    # without it (TTFF: DiT 100 + VAE 200 + encoding 5, as without the host's 30).
+    assert predict(prof, layouts["disagg-1+1"]).w1_ttff_s == pytest.approx(0.1 + 0.2 + 0.005, abs=0.01)
 
 
 def test_a_vae_cut_moves_the_decoders_first_stages_to_the_dit_and_the_planner_offers_it_on_the_cpu():

@@ -42,6 +42,9 @@ FRESH_S = 30 * 86400  # a cached profile older than this is measured again
 STEADY_BLOCKS = 6  # steady blocks timed per measurement (after a shot's first): the DiT's window fills
 GROUP_SIZES_MAX = 4
 ALONE_BLOCKS = 3  # the hybrid probe's DiT: blocks timed alone just before the shards start
+# A shot's first block is timed on this many fresh sessions, and their median kept: one was
+# noise (on the EPYC one VAE first block came out 195 ms where the daemon's took 174-175).
+FIRST_BLOCKS = 3
 # On a CPU of 2+ cores: cycles, each timing the one-thread DiT and VAE side by side, then the
 # two-thread DiT, then the two-thread VAE, each for LEVEL_WINDOW_S (`_levels`); every other
 # cycle also the VAE cuts, the other the two-thread DiT and VAE side by side on the same cores.
@@ -205,8 +208,12 @@ def _dit_child(spec, device, cpus, threads, sizes, batches, rank, world, addr, h
             warm = eng.open_session(w, h, seed=99)  # the first forward at a size is cold
             eng.set_scene(warm, "warm up", cut=True)
             eng.generate_block(warm, fpb)
+
+            def shot_start(s):
+                return timed(lambda: (eng.set_scene(s, "profile", cut=True), eng.generate_block(s, fpb)))[0]
+
             sess = eng.open_session(w, h, seed=0)
-            first = timed(lambda s=sess: (eng.set_scene(s, "profile", cut=True), eng.generate_block(s, fpb)))
+            firsts = [shot_start(sess)] + [shot_start(eng.open_session(w, h, seed=i)) for i in range(1, FIRST_BLOCKS)]
             # Blocks alone and beside the host alternate, so a machine whose speed drifts
             # within seconds slows both alike.
             steady, beside = [], []
@@ -227,7 +234,7 @@ def _dit_child(spec, device, cpus, threads, sizes, batches, rank, world, addr, h
                 runs = [timed(lambda g=group: eng.generate_blocks(g, fpb))[0] / b for _ in range(2)]
                 batch_ms[str(b)] = _median(runs)
             res[f"{w}x{h}"] = {
-                "first_ms": first[0],
+                "first_ms": _median(firsts),
                 "block_ms": _median([x[0] for x in steady]),
                 "own_ms": _median([x[1] for x in steady]),
                 "batch_ms": batch_ms,
@@ -419,12 +426,12 @@ def _vae_child(spec, device, cpus, threads, rank, world, addr, sizes, splits, ba
 
                 decode([eng.open_session()])  # cold
                 state = eng.open_session()
-                first = decode([state])
+                firsts = [decode([state])[0]] + [decode([eng.open_session()])[0] for _ in range(1, FIRST_BLOCKS)]
                 if watch and rank == 0:
                     t0, c0 = time.perf_counter(), cpu_seconds(watch)
                 steady = [decode([state]) for _ in range(STEADY_BLOCKS)]
                 entry = {
-                    "first_ms": first[0],
+                    "first_ms": _median(firsts),
                     "block_ms": _median([x[0] for x in steady]),
                     "own_ms": _median([x[1] for x in steady]),
                     "wait_ms": _median([x[2] for x in steady]),
@@ -706,7 +713,11 @@ def _heads(spec) -> int:
     return get_preset(spec).dit.num_heads
 
 
-def _encode_ms(width: int, height: int, fps: int, blocks: int = 1 + STEADY_BLOCKS) -> dict:
+def _encode_ms(
+    width: int, height: int, fps: int, first_frames: int = 9, block_frames: int = 12, blocks: int = 1 + STEADY_BLOCKS
+) -> dict:
+    """libx264's time for a shot's first block (its frames: 1 + temporal factor x (frames per
+    block - 1), an IDR) and for a steady block."""
     import numpy as np
 
     from ..media.encoder import PyAVEncoder
@@ -715,7 +726,7 @@ def _encode_ms(width: int, height: int, fps: int, blocks: int = 1 + STEADY_BLOCK
     rng = np.random.default_rng(0)
     times = []
     for i in range(blocks):
-        frames = rng.integers(0, 256, (12, height, width, 3), dtype=np.uint8)
+        frames = rng.integers(0, 256, (first_frames if i == 0 else block_frames, height, width, 3), dtype=np.uint8)
         t0 = time.perf_counter()
         enc.encode(frames, idr_first=i == 0)
         times.append(1000 * (time.perf_counter() - t0))
@@ -754,9 +765,9 @@ def measure(cfg, sizes: list[tuple[int, int]], rounds: int = 1, log=print, timeo
 
 
 def _measure_once(cfg, kind: str, n: int, sizes: list[tuple[int, int]], timeout_s: float) -> dict:
-    from ..supervisor.topology import free_port, model_spec
+    from ..supervisor.topology import free_port, model_facts, model_spec
 
-    spec = model_spec(cfg)
+    spec, facts = model_spec(cfg), model_facts(cfg)
     ws = cfg.pipeline.vae_cpu_working_set_bytes
     dev = (lambda i: "cpu") if kind == "cpu" else (lambda i: f"{kind}:{i}")
     threads = [1, 2] if kind == "cpu" and n >= 2 else [1]
@@ -814,5 +825,6 @@ def _measure_once(cfg, kind: str, n: int, sizes: list[tuple[int, int]], timeout_
         for key, probe in _hybrid_probe(spec, sizes, ws, timeout_s).items():
             res[key]["hybrid"] = probe
     for w, h in sizes:
-        res[f"{w}x{h}"]["encode"] = _encode_ms(w, h, 16)
+        fpb, tf = facts["frames_per_block"], facts["temporal_factor"]
+        res[f"{w}x{h}"]["encode"] = _encode_ms(w, h, 16, 1 + tf * (fpb - 1), tf * fpb)
     return res

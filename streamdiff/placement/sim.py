@@ -231,16 +231,19 @@ class Costs:
         near = min(sizes, key=lambda k: (abs(k - n), k))
         return fig["batch_ms"][str(near)]
 
-    def dit_s(self, n: int, shot_starts: int, cuts: list[int] | None = None, frames: float = 1.0) -> float:
+    def dit_s(
+        self, n: int, shot_starts: int, cuts: list[int] | None = None, frames: float = 1.0, host: bool = True
+    ) -> float:
         """A batch of n blocks; `cuts`: each block's VAE cut (default: the layout's); `frames`:
         the blocks' mean latent frames as a share of a full block's (a scene's last block is
-        shorter, and costs its share: every layer of both stages is linear in the frames)."""
+        shorter, and costs its share: every layer of both stages is linear in the frames);
+        `host`: the encoder is at work beside it (not before the first fragment)."""
         d = self.dit
         per = self._batch(d, n, d["block_ms"])
         # A shot's first block: its prompt, its own steps, an empty cache (cheaper on the CPU).
         first = shot_starts * (d["first_ms"] - d["block_ms"]) * per / d["block_ms"]
         stages = sum(self.dit_cut_ms(c) for c in cuts) if cuts is not None else self.cut_ms * n
-        return ((per * n + first + stages) * frames + self.host_ms * n) / 1000
+        return ((per * n + first + stages) * frames + (self.host_ms * n if host else 0.0)) / 1000
 
     def dit_own_ms(self) -> float:
         return self.dit["own_ms"]
@@ -497,7 +500,9 @@ class Sim:
             sess = self.sessions[blocks[0].session]
             c = self.cost(sess.width, sess.height)
             cuts = [b.vae_cut or self.layout.cut for b in blocks]
-            dur = c.dit_s(len(blocks), sum(1 for b in blocks if b.cut), cuts, self._frames(blocks))
+            # the encoder takes from the DiT's cores once it has a block to encode
+            host = bool(self.result.fragments)
+            dur = c.dit_s(len(blocks), sum(1 for b in blocks if b.cut), cuts, self._frames(blocks), host)
             p = self.procs[job.procs[0]]
             p.left_s, p.since, p.rate = dur, self.now, self._free_rate(p)
             self._schedule(p)
