@@ -42,8 +42,9 @@ FRESH_S = 30 * 86400  # a cached profile older than this is measured again
 STEADY_BLOCKS = 6  # steady blocks timed per measurement (after a shot's first): the DiT's window fills
 GROUP_SIZES_MAX = 4
 ALONE_BLOCKS = 3  # the hybrid probe's DiT: blocks timed alone just before the shards start
-# A shot's first block is timed on this many fresh sessions, and their median kept: one was
-# noise (on the EPYC one VAE first block came out 195 ms where the daemon's took 174-175).
+# A shot's first block is timed on this many fresh sessions after the steady blocks, as a worker
+# meets one, and their median kept: timed just after the cold block, the VAE's first blocks took
+# 216-236 ms on the EPYC, and 174-179 after steady ones, as the daemon's (174-175).
 FIRST_BLOCKS = 3
 # On a CPU of 2+ cores: cycles, each timing the one-thread DiT and VAE side by side, then the
 # two-thread DiT, then the two-thread VAE, each for LEVEL_WINDOW_S (`_levels`); every other
@@ -213,7 +214,7 @@ def _dit_child(spec, device, cpus, threads, sizes, batches, rank, world, addr, h
                 return timed(lambda: (eng.set_scene(s, "profile", cut=True), eng.generate_block(s, fpb)))[0]
 
             sess = eng.open_session(w, h, seed=0)
-            firsts = [shot_start(sess)] + [shot_start(eng.open_session(w, h, seed=i)) for i in range(1, FIRST_BLOCKS)]
+            shot_start(sess)
             # Blocks alone and beside the host alternate, so a machine whose speed drifts
             # within seconds slows both alike.
             steady, beside = [], []
@@ -223,6 +224,7 @@ def _dit_child(spec, device, cpus, threads, sizes, batches, rank, world, addr, h
                     host.put((w, h))
                 (beside if by_host else steady).append(timed(lambda s=sess: eng.generate_block(s, fpb)))
             beside = [x[0] for x in beside]
+            firsts = [shot_start(eng.open_session(w, h, seed=i)) for i in range(1, FIRST_BLOCKS + 1)]
             cut_stages = _cut_stages(vae, eng, sess, fpb, device) if vae is not None else None
             batch_ms = {}
             for b in batches:
@@ -426,10 +428,16 @@ def _vae_child(spec, device, cpus, threads, rank, world, addr, sizes, splits, ba
 
                 decode([eng.open_session()])  # cold
                 state = eng.open_session()
-                firsts = [decode([state])[0]] + [decode([eng.open_session()])[0] for _ in range(1, FIRST_BLOCKS)]
+                decode([state])  # its first block
                 if watch and rank == 0:
                     t0, c0 = time.perf_counter(), cpu_seconds(watch)
                 steady = [decode([state]) for _ in range(STEADY_BLOCKS)]
+                watched = (
+                    {"wall_ms": 1000 * (time.perf_counter() - t0), "cpu_ms": 1000 * (cpu_seconds(watch) - c0)}
+                    if watch and rank == 0
+                    else None
+                )
+                firsts = [decode([eng.open_session()])[0] for _ in range(FIRST_BLOCKS)]
                 entry = {
                     "first_ms": _median(firsts),
                     "block_ms": _median([x[0] for x in steady]),
@@ -437,11 +445,8 @@ def _vae_child(spec, device, cpus, threads, rank, world, addr, sizes, splits, ba
                     "wait_ms": _median([x[2] for x in steady]),
                     "rows": steady[0][3],
                 }
-                if watch and rank == 0:
-                    entry["watched"] = {
-                        "wall_ms": 1000 * (time.perf_counter() - t0),
-                        "cpu_ms": 1000 * (cpu_seconds(watch) - c0),
-                    }
+                if watched:
+                    entry["watched"] = watched
                 if world == 1 and weights is None:
                     z = (1, p.dit.in_channels, fpb, h // sf, w // sf)
                     entry["stages_ms"] = stage_times(eng.model, state, partial(torch.randn, z, generator=g), device)
