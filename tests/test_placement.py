@@ -226,6 +226,11 @@ def test_the_simulator_runs_at_the_slower_stage_when_the_stages_overlap():
     assert agg.w1_steady_fps == pytest.approx(w1_steady_fps(0.3), rel=0.03)
     # The first fragment: the first block through DiT, VAE and the encoder, in order.
     assert disagg.w1_ttff_s == pytest.approx(0.1 + 0.2 + 0.005, abs=0.01)
+    # A shot's first VAE block straight after other work (the aggregated worker's own DiT block)
+    # takes the profile's busy figure; the disaggregated VAE worker waited for it, idle.
+    prof.sizes["256x144"]["vae"]["1"]["first_busy_ms"] = 150.0
+    assert predict(prof, Layout("aggregated", 1, 1)).w1_ttff_s == pytest.approx(agg.w1_ttff_s - 0.05, abs=0.005)
+    assert predict(prof, Layout("disaggregated", 1, 1)).w1_ttff_s == pytest.approx(0.1 + 0.2 + 0.005, abs=0.01)
 
 
 def test_a_hybrid_layout_is_predicted_to_spend_the_dits_slack_on_decoding():
@@ -685,6 +690,7 @@ def test_streamdiffd_profile_measures_this_machine(tmp_path):
         offered = offered_cuts(fig["vae"]["1"]["stages_ms"])
         assert set(lv["cuts"]) == {str(offered[-1]), str(offered[(len(offered) - 1) // 2])}
         assert all(x["dit"] > 0 and x["vae"] > 0 for x in lv["cuts"].values())
+        assert fig["vae"]["1"]["first_busy_ms"] > 0 and fig["vae"]["1"]["first_ms"] > 0
         # the two-thread stages side by side on the same two cores, each slower than alone there
         sh = lv["shared"]
         assert sh["threads"] == 2 and sh["dit"] > 0.9 * lv["dit"]["2"] and sh["vae"] > 0.9 * lv["vae"]["2"]

@@ -46,6 +46,10 @@ ALONE_BLOCKS = 3  # the hybrid probe's DiT: blocks timed alone just before the s
 # meets one, and their median kept: timed just after the cold block, the VAE's first blocks took
 # 216-236 ms on the EPYC, and 174-179 after steady ones, as the daemon's (174-175).
 FIRST_BLOCKS = 3
+# ... each after this long idle, as a worker meets a new request: on two threads a first block
+# took 119-128 ms after 0.3 s idle and 102-105 straight after other blocks (one thread: no
+# difference), and the daemon's on shared cores took 111-125.
+FIRST_IDLE_S = 0.3
 # On a CPU of 2+ cores: cycles, each timing the one-thread DiT and VAE side by side, then the
 # two-thread DiT, then the two-thread VAE, each for LEVEL_WINDOW_S (`_levels`); every other
 # cycle also the VAE cuts, the other the two-thread DiT and VAE side by side on the same cores.
@@ -211,6 +215,7 @@ def _dit_child(spec, device, cpus, threads, sizes, batches, rank, world, addr, h
             eng.generate_block(warm, fpb)
 
             def shot_start(s):
+                time.sleep(FIRST_IDLE_S)
                 return timed(lambda: (eng.set_scene(s, "profile", cut=True), eng.generate_block(s, fpb)))[0]
 
             sess = eng.open_session(w, h, seed=0)
@@ -437,9 +442,14 @@ def _vae_child(spec, device, cpus, threads, rank, world, addr, sizes, splits, ba
                     if watch and rank == 0
                     else None
                 )
-                firsts = [decode([eng.open_session()])[0] for _ in range(FIRST_BLOCKS)]
+                firsts, busy_firsts = [], []  # after idle (a worker that waited), and straight after work
+                for _ in range(FIRST_BLOCKS):
+                    busy_firsts.append(decode([eng.open_session()])[0])
+                    time.sleep(FIRST_IDLE_S)
+                    firsts.append(decode([eng.open_session()])[0])
                 entry = {
                     "first_ms": _median(firsts),
+                    "first_busy_ms": _median(busy_firsts),
                     "block_ms": _median([x[0] for x in steady]),
                     "own_ms": _median([x[1] for x in steady]),
                     "wait_ms": _median([x[2] for x in steady]),

@@ -42,6 +42,8 @@ from ..supervisor.topology import Topology, layout_processes
 from .profile import Profile
 
 HOP_S = 0.001  # a message's way through ZeroMQ and back, and the ring copies around it
+BUSY_GAP_S = 0.01  # a process whose last job ended this recently is still busy (an aggregated
+# worker's VAE batch starts a hop or two after its DiT batch ends)
 SPATIAL = 8
 
 
@@ -256,14 +258,22 @@ class Costs:
         return max(0.0, two[0]["block_ms"] - max(x["own_ms"] for x in two)) if two else 0.0
 
     def vae(
-        self, k: int, rows: list[int], n: int, first: bool, cut: int | None = None, frames: float = 1.0
+        self,
+        k: int,
+        rows: list[int],
+        n: int,
+        first: bool,
+        cut: int | None = None,
+        frames: float = 1.0,
+        busy: bool = False,
     ) -> tuple[float, list[float]]:
         """(seconds for the group's batch, each shard's own seconds); `cut`: the batch's VAE cut
-        (default: the layout's); `frames`: as for `dit_s`."""
+        (default: the layout's); `frames`: as for `dit_s`; `busy`: the process ran other work
+        until now (a shot's first block after idle is slower on two threads, profile.py)."""
         v = self.vae1
         scale = self._batch(v, n, v["block_ms"]) / v["block_ms"] * n * frames
         if first:
-            scale *= v["first_ms"] / v["block_ms"]
+            scale *= ((v.get("first_busy_ms") if busy else None) or v["first_ms"]) / v["block_ms"]
         if k == 1:
             own = (v["block_ms"] - self.vae_cut_ms(self.cut if cut is None else cut)) * scale / 1000
             return own, [own]
@@ -311,6 +321,7 @@ class Proc:
     version: int = 0
     low: bool = False
     shared: bool = False  # on the same cores as every other shared process (Layout.shared)
+    free_at: float = float("-inf")  # when its last job ended
 
 
 @dataclass
@@ -518,8 +529,9 @@ class Sim:
         weights = self.shot_weights.get((job.group, blocks[0].session))
         bands = split_rows(sess.height // SPATIAL, k, weights)
         rows = [r1 - r0 for r0, r1 in bands]
+        busy = all(self.now - self.procs[q].free_at <= BUSY_GAP_S for q in job.procs)
         dur, own = c.vae(
-            k, rows, len(blocks), blocks[0].reset, blocks[0].vae_cut or self.layout.cut, self._frames(blocks)
+            k, rows, len(blocks), blocks[0].reset, blocks[0].vae_cut or self.layout.cut, self._frames(blocks), busy
         )
         job.own, job.rows, job.dur = own, rows, dur
         self.vae_blocks += len(blocks)
@@ -588,7 +600,7 @@ class Sim:
     def _dit_done(self, p: Proc) -> None:
         job = p.job
         for q in job.procs:
-            self.procs[q].job = None
+            self.procs[q].job, self.procs[q].free_at = None, self.now
         n = len(job.msg.blocks)
         sess0 = self.sessions[job.msg.blocks[0].session]
         c = self.cost(sess0.width, sess0.height)
@@ -604,7 +616,7 @@ class Sim:
     def _vae_done(self, job: Job) -> None:
         n = len(job.msg.blocks)
         for q in job.procs:
-            self.procs[q].job = None
+            self.procs[q].job, self.procs[q].free_at = None, self.now
         for rank in range(len(job.procs)):
             for d in job.msg.blocks:
                 done = m.FramesDone(
