@@ -34,6 +34,15 @@ def vae():
     return VAEEngine(SPEC)
 
 
+def assert_same_frames(got: torch.Tensor, ref: torch.Tensor) -> None:
+    """uint8 frames equal but for rounding: a batch's convolutions may sum in another order
+    (oneDNN picks its kernels by shape), so a value on a level's edge can round the other way.
+    On the 2-vCPU EPYC, 2 of 24,576 values of a batch of two new shots were one level off."""
+    assert got.shape == ref.shape
+    diff = (got.int() - ref.int()).abs()
+    assert diff.max() <= 1 and (diff > 0).sum() <= max(4, diff.numel() // 1000), (diff.max(), (diff > 0).sum())
+
+
 def sessions_at_different_positions(dit: DiTEngine):
     """Three sessions of one size: 1, 3 and 6 blocks in (the last past the 12-frame window),
     each with its own prompt and seed."""
@@ -91,7 +100,7 @@ def test_vae_batch_equals_each_session_alone(vae):
         for i, st in enumerate(alone):
             ref = vae.decode_block(st, z[i : i + 1])
             assert got[i].shape == ref.shape == (12, 64, 128, 3)
-            assert torch.equal(got[i], ref), i  # uint8 frames: bit for bit
+            assert_same_frames(got[i], ref)
             assert states[i].latent_frames == st.latent_frames
 
 
@@ -101,6 +110,6 @@ def test_vae_batch_of_new_shots_and_refusal_of_mixed_phases(vae):
     got = vae.decode_blocks(fresh, z)
     assert [f.shape[0] for f in got] == [1, 1]  # a shot's first latent frame: one frame each
     for i in range(2):
-        assert torch.equal(got[i], vae.decode_block(vae.open_session(), z[i : i + 1]))
+        assert_same_frames(got[i], vae.decode_block(vae.open_session(), z[i : i + 1]))
     with pytest.raises(ValueError, match="first block"):
         vae.decode_blocks([vae.open_session(), fresh[0]], torch.randn(2, 16, 3, 8, 16))
