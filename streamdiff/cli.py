@@ -79,8 +79,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--share-cores",
         action="store_const",
         const=True,
-        help="cpu, disaggregated: every worker may run on all the cores, so the stage with work takes the core "
-        "the other leaves idle (with --threads-per-worker, one thread per core)",
+        help="cpu, disaggregated: a worker lends its cores to the others while it waits, so the stage with "
+        "work runs on the cores the other leaves idle",
     )
     p.add_argument(
         "--objective",

@@ -78,7 +78,7 @@ class TopologyConfig:
     dit_group_size: int = 1  # devices per DiT (Ulysses sequence parallelism, disaggregated only); 1: one each
     threads_per_worker: int = 1  # CPU threads of each worker (on cpu: a "device" is a worker)
     pin_cpus: bool = True  # cpu: pin each worker to its own cores
-    share_cores: bool = False  # cpu, disaggregated: every worker may run on all the cores (the kernel shares them)
+    share_cores: bool = False  # cpu, disaggregated: a waiting worker lends its cores to the others
     shard_front: bool = False  # VAE groups: also shard the low-resolution front (all-gather attention)
     vae_band_weights: tuple[float, ...] = ()  # rows per shard of a group in these proportions (empty: placed)
     rebalance: bool = True  # band weights follow the shards' measured times while running

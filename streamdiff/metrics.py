@@ -122,6 +122,12 @@ class _Live:
                 series=[(n, 1 if w.ready else 0) for n, w in workers.items()],
             )
             yield gauge(
+                "streamdiff_worker_borrowed_seconds",
+                "Seconds the worker ran on waiting workers' cores too (--share-cores)",
+                label="worker",
+                series=[(n, w.borrowed_s) for n, w in workers.items()],
+            )
+            yield gauge(
                 "streamdiff_worker_restarts",
                 "Times the worker was restarted",
                 label="worker",

@@ -135,14 +135,27 @@ def test_hybrid_and_band_weight_errors_name_the_key():
             topology(**{"dit_devices": 1, "vae_devices": 1, "share_cores": True, **bad})
 
 
-def test_shared_cores_put_every_worker_on_every_core():
+def test_shared_cores_keep_each_worker_on_its_own_cores_with_a_ledger_to_borrow_the_rest(tmp_path):
+    """Each worker starts on its own core as in disagg-1+1; the ledger (one byte per worker and
+    one for the supervisor's encoders, which share the DiT's cores) lets it take the others'."""
     import os
 
+    from streamdiff.config import load
+    from streamdiff.ipc.shm import RingSpec
+    from streamdiff.supervisor.topology import build_topology
+
     every = tuple(sorted(os.sched_getaffinity(0)))
-    t = topology(dit_devices=1, vae_devices=1, threads_per_worker=2, share_cores=True)
-    assert [w.cpus for w in t.workers] == [every, every] and all(w.threads == 2 for w in t.workers)
+    ring = RingSpec("x", 2, 64)
+    cfg = load(None, {"topology": {"dit_devices": 1, "vae_devices": 1, "share_cores": True}})
+    t = build_topology(cfg, "tcp://127.0.0.1:1", ring, ring, str(tmp_path))
     own = topology(dit_devices=1, vae_devices=1)
-    assert own.workers[0].cpus != own.workers[1].cpus or len(every) == 1
+    assert [w.cpus for w in t.workers] == [w.cpus for w in own.workers] and all(w.threads == 1 for w in t.workers)
+    assert [w.lend.index for w in t.workers] == [0, 1] and t.host_lend.index == 2
+    for spec in (t.workers[0].lend, t.workers[1].lend, t.host_lend):
+        assert spec.path == str(tmp_path / "cores") and spec.cores == every
+        assert spec.threads == (1, 1, 0) and spec.groups == (0, 1, 0)  # the encoders beside the DiT
+    assert (tmp_path / "cores").read_bytes() == bytes(3)
+    assert all(w.lend is None for w in own.workers)
 
 
 def test_an_explicit_layout_needs_its_accelerators_visible(monkeypatch):
@@ -410,42 +423,30 @@ def test_the_simulator_runs_an_adapting_cut_as_the_daemon_does():
         assert sim.sched.snapshot()["vae_cuts"] == {"dit0": 3}
 
 
-def test_shared_cores_run_each_stage_at_the_speed_the_profile_measured_beside_the_other():
-    """DiT and VAE on two threads each over the same two cores: alone there a block takes 60 and
-    110 ms, side by side 100 and 200 (the profile's probe: rates 0.6 and 0.55). Each VAE block
-    has the DiT's next beside it for 100 ms, in which it does 55 ms of its 110; the other 55 it
-    does alone: 155 ms a block, against 200 for disagg-1+1 and 170 for agg-1x2t. Without the
-    probe the layout is not offered."""
+def test_shared_cores_run_a_stage_on_both_cores_while_the_other_waits():
+    """DiT and VAE on a core each, lending it while they wait: on one thread a block takes 100
+    and 200 ms, on two 60 and 110. Each VAE block has the DiT's next beside it for 100 ms, in
+    which it does 100 ms of its 200 on its own core; the other 100 it does on both at 200/110
+    the speed, in 55: 155 ms a block, against 200 for disagg-1+1 and 170 for agg-1x2t. Without
+    two-thread figures the layout is not offered."""
     from streamdiff.config import Config
     from streamdiff.models.spec import PRESET_FACTS
     from streamdiff.placement.planner import plan
-    from streamdiff.placement.sim import Costs, Layout
+    from streamdiff.placement.sim import Costs, Layout, Sim
+    from streamdiff.plan import Scene
 
-    prof = synthetic(100.0, 200.0, dit2=60.0, vae2=110.0)
-    shared = Layout("disaggregated", 1, 1, 1, 2, shared=True)
-    assert shared.name == "disagg-1+1x2t/shared" and shared.flags()[-3:] == [
-        "--threads-per-worker",
-        "2",
-        "--share-cores",
-    ]
-    assert shared.devices == 2
+    shared = Layout("disaggregated", 1, 1, shared=True)
+    assert shared.name == "disagg-1+1/shared" and shared.flags()[-1] == "--share-cores" and shared.devices == 2
 
-    def ranked():
+    def ranked(prof):
         return [
             lay.name for lay, _ in plan(Config(), prof, 2, "throughput", dict(PRESET_FACTS["tiny"]), (256, 144)).ranked
         ]
 
-    assert shared.name not in ranked()
-    prof.sizes["256x144"]["levels"] = {
-        "dit": {"2": 60.0},
-        "vae": {"2": 110.0},
-        "shared": {"threads": 2, "dit": 100.0, "vae": 200.0},
-    }
-    assert Costs(prof, (256, 144), 2).shared_rates() == pytest.approx((0.6, 0.55))
-    assert Costs(prof, (256, 144), 1).shared_rates() is None  # measured on two threads
-    from streamdiff.placement.sim import Sim
-    from streamdiff.plan import Scene
-
+    assert shared.name not in ranked(synthetic(100.0, 200.0))
+    prof = synthetic(100.0, 200.0, dit2=60.0, vae2=110.0)
+    assert Costs(prof, (256, 144), 1).lent_speedups(2) == pytest.approx((100 / 60, 200 / 110))
+    assert Costs(prof, (256, 144), 1).lent_speedups(4) == (1.0, 1.0)  # not measured on four
     sim = Sim(Config(), prof, shared, (256, 144), dict(PRESET_FACTS["tiny"]))
     sim.submit("one", [Scene("a fox", 9 + 12 * 40)], 256, 144)  # 41 blocks of 3 latent frames
     sim.run()
@@ -453,7 +454,7 @@ def test_shared_cores_run_each_stage_at_the_speed_the_profile_measured_beside_th
     times = [t for t, _ in sim.result.fragments["one"]][8:-8]
     assert (times[-1] - times[0]) / (len(times) - 1) == pytest.approx(0.155, rel=0.03)
     assert predict(prof, shared).w1_fps > 1.15 * predict(prof, Layout("disaggregated", 1, 1)).w1_fps
-    order = ranked()
+    order = ranked(prof)
     assert order[0] == shared.name and order.index("disagg-1+1") > order.index("agg-1x2t") > 0
 
 
@@ -620,13 +621,6 @@ def test_a_profile_is_cached_only_for_its_machine_model_and_size(tmp_path):
     assert load_cached(path, cfg, (256, 144), 2, now=time.time() + 60 * 86400) is None  # stale
     other = cfg.replace(model={"dit_vae_ratio": 0.5})
     assert load_cached(path, other, (256, 144), 2) is None  # another model
-    measured = synthetic(100.0, 200.0)
-    measured.sizes["256x144"]["levels"] = {"dit": {"1": 100.0}, "vae": {"1": 200.0}, "factors": {"dit1": 1.0}}
-    path.write_text(measured.to_json())
-    assert load_cached(path, cfg, (256, 144), 2) is None  # measured before the shared-core probe
-    measured.sizes["256x144"]["levels"]["shared"] = {"threads": 2, "dit": 120.0, "vae": 240.0}
-    path.write_text(measured.to_json())
-    assert load_cached(path, cfg, (256, 144), 2) is not None
     path.write_text("{}")
     assert load_cached(path, cfg, (256, 144), 2) is None
 
@@ -691,9 +685,6 @@ def test_streamdiffd_profile_measures_this_machine(tmp_path):
         assert set(lv["cuts"]) == {str(offered[-1]), str(offered[(len(offered) - 1) // 2])}
         assert all(x["dit"] > 0 and x["vae"] > 0 for x in lv["cuts"].values())
         assert fig["vae"]["1"]["first_busy_ms"] > 0 and fig["vae"]["1"]["first_ms"] > 0
-        # the two-thread stages side by side on the same two cores, each slower than alone there
-        sh = lv["shared"]
-        assert sh["threads"] == 2 and sh["dit"] > 0.9 * lv["dit"]["2"] and sh["vae"] > 0.9 * lv["vae"]["2"]
     assert "DiT/VAE" in r.stdout
 
 

@@ -110,6 +110,7 @@ class Heartbeat(Message, tag="hb"):
     worker: str
     busy_s: float  # seconds the current message has been running (0 when idle)
     idle_s: float = 0.0  # seconds it has been waiting for messages with none queued (0 when not)
+    borrowed_s: float = 0.0  # shared cores: seconds this incarnation ran on waiting workers' threads too
 
 
 class LatentDone(Message, tag="latent"):

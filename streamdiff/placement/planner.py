@@ -9,10 +9,10 @@ Layouts use every device given: disaggregated d + v = n (VAE groups of any size 
 on the CPU, with groups of one, also each VAE cut up to half the VAE's measured stage time),
 aggregated (the DiT on d of the n devices, VAE groups over all n), and on the CPU hybrid (the
 DiT on d cores that also hold shards, VAE groups over all n) and 2 threads per worker on n / 2
-workers, and where the profile measured them side by side over all n cores, one DiT and one VAE
-of n threads each sharing every core (disagg-1+1xNt/shared: the kernel gives the stage with work
-the core the other leaves idle). Hybrid is not offered on accelerators: there two processes time-slice a device, and
-the simulator models only the CPU's strict priority of a shard over the DiT beside it.
+workers, and one DiT and one VAE on n / 2 cores each that lend them to each other while they
+wait (disagg-1+1/shared, where the profile timed both stages on n / 2 and n threads). Hybrid
+is not offered on accelerators: there two processes time-slice a device, and the simulator
+models only the CPU's strict priority of a shard over the DiT beside it.
 Disaggregated layouts also come with their d DiT devices in DiT groups of every size g the
 profile measured (its all-to-alls timed over the real link), and where the profile measured a
 group of all n devices, the aggregated layout whose DiT and VAE each span all n (agg-spN: no
@@ -44,11 +44,11 @@ def candidates(
     """`dit_groups`: the DiT group sizes the profile measured (one thread per rank); `cuts`:
     the VAE decoder cuts to offer disaggregated layouts with VAE groups of one (on the CPU: the
     activation crosses the host's ring, which the simulator charges nothing for, cheap beside a
-    core's compute but not beside a GPU's); `shared`: the profile ran the DiT and the VAE side
-    by side on threads over all the cores, so disagg-1+1 sharing them is offered."""
+    core's compute but not beside a GPU's); `shared`: the profile timed both stages on half
+    the cores and on all of them, so disagg-1+1 lending each other their cores is offered."""
     out: list[Layout] = []
-    if kind == "cpu" and shared and devices >= 2:
-        out.append(Layout("disaggregated", 1, 1, 1, devices, shared=True))
+    if kind == "cpu" and shared and devices >= 2 and devices % 2 == 0:
+        out.append(Layout("disaggregated", 1, 1, 1, devices // 2, shared=True))
     for t in threads if kind == "cpu" else (1,):
         n = devices // t
         if n < 1:
@@ -134,7 +134,7 @@ def plan(
     have = {int(t) for t in fig["dit"]}
     sp = tuple(sorted(int(g) for g in fig.get("dit_group", {})))
     cuts = offered_cuts(fig["vae"]["1"].get("stages_ms") or [])
-    shared = fig.get("levels", {}).get("shared", {}).get("threads") == devices and devices in have
+    shared = {devices, devices // 2} <= have and {str(devices), str(devices // 2)} <= set(fig["vae"])
     layouts = candidates(devices, profile.device, tuple(t for t in threads if t in have), sp, cuts, shared)
     w2 = w2_size or size
     preds = [(x, simulate(cfg, profile, x, facts, size, w2 if objective == "streams" else None)) for x in layouts]

@@ -48,11 +48,11 @@ ALONE_BLOCKS = 3  # the hybrid probe's DiT: blocks timed alone just before the s
 FIRST_BLOCKS = 3
 # ... each after this long idle, as a worker meets a new request: on two threads a first block
 # took 119-128 ms after 0.3 s idle and 102-105 straight after other blocks (one thread: no
-# difference), and the daemon's on shared cores took 111-125.
+# difference), and the daemon's two-thread workers sharing both cores took 111-125.
 FIRST_IDLE_S = 0.3
 # On a CPU of 2+ cores: cycles, each timing the one-thread DiT and VAE side by side, then the
 # two-thread DiT, then the two-thread VAE, each for LEVEL_WINDOW_S (`_levels`); every other
-# cycle also the VAE cuts, the other the two-thread DiT and VAE side by side on the same cores.
+# cycle also the VAE cuts.
 LEVEL_CYCLES = 4
 LEVEL_WINDOW_S = 1.2
 PROBE_BLOCKS = 2  # the VAE blocks a window must hold for a cut to be run side by side in it
@@ -152,8 +152,6 @@ def load_cached(path: Path, cfg, size: tuple[int, int], devices: int, now: float
         and prof.devices >= devices
         and f"{size[0]}x{size[1]}" in prof.sizes
         and now - prof.created < FRESH_S
-        # measured before its level cycles ran the stages side by side on shared cores
-        and not any("factors" in lv and "shared" not in lv for lv in (f.get("levels", {}) for f in prof.sizes.values()))
     )
     return prof if ok else None
 
@@ -608,12 +606,7 @@ def _levels(spec, sizes: list[tuple[int, int]], working_set: int, timeout_s: flo
     side's block). The stages' own times misjudge a cut's two sides: on the 2-vCPU EPYC, over
     cuts 1-7, the DiT's side grew by 1.31 times the stages' time in its process and the VAE's
     fell by 0.80 times their share of a decode (the simulator's `Costs.cut_factors`). Small cuts
-    move less than this VM's noise, so the two largest-signal cuts are run, not all.
-
-    The other cycles also run the two-thread DiT and VAE side by side over the same two cores,
-    as disagg-1+1x2t/shared runs them (`shared`: each one's block while the other runs): a
-    stage alone there has both cores, beside the other about one, less what their threads lose
-    waiting on each other."""
+    move less than this VM's noise, so the two largest-signal cuts are run, not all."""
     ctx = spawn_context()
     out = ctx.Queue()
     cmds = {r: ctx.Queue() for r in ("dit", "vae")}
@@ -643,10 +636,6 @@ def _levels(spec, sizes: list[tuple[int, int]], working_set: int, timeout_s: flo
             for role in ("dit", "vae"):  # as agg-1x2t's worker is
                 cmds[role].put((2, _cpus(0, 2), 0, "2/0"))
                 answers(1)
-            if cycle % 2 == 1:  # both on two threads over the same two cores (disagg-1+1x2t/shared)
-                for role in ("dit", "vae"):
-                    cmds[role].put((2, _cpus(0, 2), 0, "shared"))
-                answers(2)
     finally:
         for q in cmds.values():
             q.put(None)
@@ -663,7 +652,6 @@ def _levels(spec, sizes: list[tuple[int, int]], working_set: int, timeout_s: flo
         key: {
             **{role: {str(t): level(role, f"{t}/0", key) for t in (1, 2)} for role in ("dit", "vae")},
             **({"cuts": {str(c): {r: level(r, f"1/{c}", key) for r in ("dit", "vae")} for c in cuts}} if cuts else {}),
-            "shared": {"threads": 2, **{r: level(r, "shared", key) for r in ("dit", "vae")}},
         }
         for key in keys
     }

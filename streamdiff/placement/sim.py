@@ -12,8 +12,8 @@ processes whose service times come from the profile (profile.py):
 - in a hybrid layout the DiT shares its device with a shard at lower priority: while the
   group decodes, the DiT runs at the rate the shard leaves free, times the share of that time
   the profile's hybrid probe saw a DiT turn into work (processor sharing);
-- on shared cores (Layout.shared) each stage runs at its speed alone there while the other is
-  idle, and at the profile's side-by-side figure while both run (processor sharing);
+- on shared cores (Layout.shared) each stage runs on its own threads while the other runs, and
+  at its speed on all the cores while the other waits (it borrows them: workers/lending.py);
 - each session's encoder is a thread of its own (libx264's measured time per block); the
   client takes every fragment at once. On the CPU the supervisor shares the DiT workers' cores,
   so each block's DiT work also carries what the encoder took from the DiT (the profile's DiT
@@ -57,7 +57,7 @@ class Layout:
     weights: tuple[float, ...] = ()
     dit_group: int = 1  # devices per DiT (Ulysses; disaggregated)
     cut: int = 0  # the DiT workers also run the VAE decoder's first `cut` stages (topology.vae_cut)
-    shared: bool = False  # CPU: every worker on all `threads` cores (topology.share_cores)
+    shared: bool = False  # CPU: a waiting worker lends its cores to the other (topology.share_cores)
 
     @property
     def group_size(self) -> int:
@@ -66,8 +66,6 @@ class Layout:
     @property
     def devices(self) -> int:
         """Devices it occupies (on the CPU a device is a core: threads count)."""
-        if self.shared:  # the workers share the same cores
-            return self.threads
         n = self.dit + self.vae if self.mode == "disaggregated" else max(self.dit, self.vae)
         return n * self.threads
 
@@ -188,14 +186,16 @@ class Costs:
         """What a cut adds to the DiT's block."""
         return self.factors[0] * self._stages_on_dit(cut)
 
-    def shared_rates(self) -> tuple[float, float] | None:
-        """(DiT, VAE): each stage's speed while the other runs beside it over the same cores,
-        against its speed alone there (the profile's side-by-side probe, profile.py `_levels`);
-        None where the profile has none at these threads."""
-        probe = self.fig.get("levels", {}).get("shared")
-        if not probe or probe.get("threads") != self.threads or min(probe["dit"], probe["vae"]) <= 0:
-            return None
-        return min(1.0, self.dit["block_ms"] / probe["dit"]), min(1.0, self.vae1["block_ms"] / probe["vae"])
+    def lent_speedups(self, cores: int) -> tuple[float, float]:
+        """(DiT, VAE): each stage's speed on `cores` threads (its own and those lent to it while
+        the other waits) against its speed on its own, from the profile's thread rounds; 1 where
+        the profile has no figure at that count."""
+
+        def up(role: str, own: dict) -> float:
+            alone = self.fig[role].get(str(cores))
+            return max(1.0, own["block_ms"] / alone["block_ms"]) if alone and alone["block_ms"] > 0 else 1.0
+
+        return up("dit", self.dit), up("vae", self.vae1)
 
     def _beside(self, probe: dict | None) -> float:
         """How much of the time a decoding shard leaves free on its core a low-priority DiT turns
@@ -552,14 +552,14 @@ class Sim:
 
     def _free_rate(self, p: Proc) -> float:
         """The share of its device a low-priority process gets now: what running VAE shards on
-        the same device leave free. On shared cores, a stage's speed against its speed alone
-        there: the profile's side-by-side figure while another shared process runs (unmeasured:
-        half the cores), 1 while none does."""
+        the same device leave free. On shared cores, a stage's speed against its speed on its
+        own threads: 1 while another shared process runs, its speed on all the cores while none
+        does."""
         if p.shared:
-            if not any(q is not p and q.shared and q.job is not None for q in self.procs.values()):
+            if any(q is not p and q.shared and q.job is not None for q in self.procs.values()):
                 return 1.0
-            rates = self.cost(*self._size).shared_rates() or (0.5, 0.5)
-            return rates[0] if p.job is not None and p.job.kind == "dit" else rates[1]
+            up = self.cost(*self._size).lent_speedups(self.layout.devices)
+            return up[0] if p.job is not None and p.job.kind == "dit" else up[1]
         if not p.low:
             return 1.0
         used = 0.0

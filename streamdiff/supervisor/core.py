@@ -26,6 +26,7 @@ from ..config import Config, ConfigError
 from ..ipc import messages as m
 from ..ipc.shm import Ring, sweep_stale
 from ..plan import plan_blocks
+from ..workers.lending import HostSlot
 from . import scheduler as sch
 from .driver import Driver
 from .engine import SessionHandle
@@ -56,6 +57,7 @@ class Supervisor:
         self.pool: WorkerPool | None = None
         self.scheduler: Scheduler | None = None
         self.driver: Driver | None = None
+        self.host_slot: HostSlot | None = None
         self.topology: Topology | None = None
         self._ctx: zmq.asyncio.Context | None = None
         self._router: zmq.asyncio.Socket | None = None  # recv_from_workers
@@ -126,7 +128,7 @@ class Supervisor:
         self._send_sock = zmq.Socket.shadow(self._router.underlying)  # send_to_workers
         addr = f"ipc://{self.runtime_dir}/control"
         self._router.bind(addr)
-        self.topology = build_topology(self.cfg, addr, self.latent_ring.spec, self.frame_ring.spec)
+        self.topology = build_topology(self.cfg, addr, self.latent_ring.spec, self.frame_ring.spec, self.runtime_dir)
         self.pool = WorkerPool(
             self.topology,
             self._send,
@@ -145,7 +147,9 @@ class Supervisor:
             self.facts,
             self._cut_fits(self.latent_ring.spec.slot_bytes),
         )
-        self.driver = driver = Driver(self.cfg, self.scheduler, self._send, self.frame_ring)
+        host = self.topology.host_lend
+        self.host_slot = HostSlot(host) if host else None
+        self.driver = driver = Driver(self.cfg, self.scheduler, self._send, self.frame_ring, self.host_slot)
         self.pool.on_lost = lambda names, why: driver.post(sch.WorkersLost(frozenset(names), why))
         self.pool.on_worker_ready = lambda name: driver.post(sch.WorkerReady(name, self.pool.workers[name].info))
         self.pool.on_idle = lambda name, since: driver.post(sch.WorkerIdle(name, since))
@@ -312,6 +316,7 @@ class Supervisor:
                     "pid": w.process.pid if w.process else None,
                     "heartbeat_age_s": round(now - w.last_heartbeat, 2),
                     "busy_s": round(w.busy_s, 2),
+                    "borrowed_s": round(w.borrowed_s, 2),
                     "restarts": w.restarts,
                     "failure": w.failure,
                 }
@@ -380,6 +385,8 @@ class Supervisor:
         for ring in (self.latent_ring, self.frame_ring):
             if ring is not None:
                 ring.close(unlink=True)
+        if self.host_slot is not None:
+            self.host_slot.close()
         if self.runtime_dir:
             shutil.rmtree(self.runtime_dir, ignore_errors=True)
         self.state = STOPPED

@@ -38,9 +38,15 @@ class _Encoder:
 
 class Driver:
     def __init__(
-        self, cfg: Config, scheduler: s.Scheduler, send: Callable[[str, m.Message], None], frame_ring: Ring
+        self,
+        cfg: Config,
+        scheduler: s.Scheduler,
+        send: Callable[[str, m.Message], None],
+        frame_ring: Ring,
+        host_slot=None,  # shared cores: workers/lending.py HostSlot, set while an encoder runs
     ) -> None:
         self.cfg = cfg
+        self.host_slot = host_slot
         self.scheduler = scheduler
         self.send = send
         self.frame_ring = frame_ring
@@ -161,11 +167,18 @@ class Driver:
             return
         self.post(s.EncoderOpened(a.session, init=init))
 
+    def _fragment(self, writer: FragmentWriter, *args) -> bytes:
+        """On the encoder's thread."""
+        if self.host_slot is None:
+            return writer.fragment(*args)
+        with self.host_slot.running():
+            return writer.fragment(*args)
+
     async def _encode(self, enc: _Encoder, a: s.Encode) -> None:
         frames = self.frame_ring.array(a.frame_slot, a.shape, np.uint8)[: a.block.emit]
         t0 = time.perf_counter()
         try:
-            data = await self._bounded(enc, enc.writer.fragment, frames, a.idr, a.events)
+            data = await self._bounded(enc, self._fragment, enc.writer, frames, a.idr, a.events)
         except TimeoutError:
             self.post(s.Encoded(a.session, a.block.index, error="no fragment within encode_timeout_s"))
             return

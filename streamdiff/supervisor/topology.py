@@ -10,7 +10,7 @@ from ..config import Config, ConfigError, explicit_layout, injected_faults, pars
 from ..ipc.shm import RingSpec
 from ..models.spec import PRESET_FACTS, ModelSpec
 from ..workers import faults as injected
-from ..workers.spec import GroupSpec, WorkerSpec
+from ..workers.spec import GroupSpec, LendSpec, WorkerSpec, create_ledger
 
 
 @dataclass(frozen=True)
@@ -20,6 +20,7 @@ class Topology:
     vae_groups: list[list[str]]  # each group's shards in rank order
     devices: dict[str, int] = field(default_factory=dict)  # worker -> device index (hybrid: two per device)
     dit_groups: dict[str, list[str]] = field(default_factory=dict)  # a DiT group's rank 0 -> its ranks in order
+    host_lend: LendSpec | None = None  # shared cores: the supervisor's encoders' byte (workers/lending.py)
 
     def members(self, dit: str) -> list[str]:
         """The processes that run DiT `dit`: its group's ranks, or itself."""
@@ -110,10 +111,13 @@ def layout_processes(mode: str, dit_devices: int, vae_devices: int, group_size: 
     return Processes(procs, [g[0] for g in dit_groups], group_names, groups, dit_groups)
 
 
-def build_topology(cfg: Config, control_addr: str, latent_ring: RingSpec, frame_ring: RingSpec) -> Topology:
+def build_topology(
+    cfg: Config, control_addr: str, latent_ring: RingSpec, frame_ring: RingSpec, runtime_dir: str = ""
+) -> Topology:
     """The worker specs of cfg's layout (`layout_processes`); in hybrid mode the DiT runs below
     the VAE shard beside it in priority: on the CPU it takes the core while the shard waits at
-    its halo exchanges."""
+    its halo exchanges. On shared cores the workers lend each other their cores through a ledger
+    file in `runtime_dir` (workers/lending.py)."""
     t, p = explicit_layout(cfg.topology), cfg.pipeline
     spec = model_spec(cfg)
     try:
@@ -133,14 +137,25 @@ def build_topology(cfg: Config, control_addr: str, latent_ring: RingSpec, frame_
                 group_specs[name] = GroupSpec(f"dit{gi}", rank, len(g), addr, False, p.collective_timeout_s)
     pin = t.pin_cpus and t.device == "cpu"
     share = pin and t.share_cores
+    lend, host = {}, None
+    if share and runtime_dir:
+        ledger = os.path.join(runtime_dir, "cores")
+        n = len(lay.procs)
+        create_ledger(ledger, n + 1)
+        own = tuple(t.threads_per_worker for _ in lay.procs) + (0,)
+        # the last byte is the supervisor's encoder, on the DiT's cores (core.py _pin_self)
+        dit0 = next(i for i, (_, roles, _) in enumerate(lay.procs) if "dit" in roles)
+        groups = tuple(range(n)) + (dit0,)
+        cores = tuple(_available())
+        lend = {name: LendSpec(ledger, i, own, groups, cores) for i, (name, _, _) in enumerate(lay.procs)}
+        host = LendSpec(ledger, n, own, groups, cores)
     workers = [
         WorkerSpec(
             name=name,
             roles=roles,
             device=_device(t.device, i),
             threads=t.threads_per_worker,
-            # shared cores: every worker on all of them (the kernel gives an idle stage's core to the other)
-            cpus=tuple(_available()) if share else _cpus(i, t.threads_per_worker, pin),
+            cpus=_cpus(i, t.threads_per_worker, pin),  # shared cores: its own ones, and more to borrow
             model=spec,
             control_addr=control_addr,
             latent_ring=latent_ring,
@@ -154,12 +169,13 @@ def build_topology(cfg: Config, control_addr: str, latent_ring: RingSpec, frame_
             cpu_memory_budget_bytes=p.cpu_memory_budget_bytes,
             faults=faults,
             low_priority=t.mode == "hybrid" and roles == ("dit",),
+            lend=lend.get(name),
             vae_cut=t.vae_cut,
         )
         for name, roles, i in lay.procs
     ]
     dit_groups = {g[0]: g for g in lay.dit_groups if len(g) > 1}
-    return Topology(workers, lay.dit_names, lay.group_names, {name: i for name, _, i in lay.procs}, dit_groups)
+    return Topology(workers, lay.dit_names, lay.group_names, {name: i for name, _, i in lay.procs}, dit_groups, host)
 
 
 def with_new_group_addr(spec: WorkerSpec, addr: str) -> WorkerSpec:

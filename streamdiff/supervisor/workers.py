@@ -39,6 +39,8 @@ class WorkerState:
     info: dict = field(default_factory=dict)
     last_heartbeat: float = 0.0
     busy_s: float = 0.0
+    borrowed_s: float = 0.0  # shared cores: over the daemon's life (workers/lending.py)
+    borrowed_now: float = 0.0  # ... of which the current incarnation's
     restarts: int = 0  # over the daemon's life (shown in /health)
     recent_failures: int = 0  # deaths since it last stayed up restart_backoff_reset_s (sets the back-off)
     failure: str | None = None  # why its last start or run failed
@@ -170,6 +172,9 @@ class WorkerPool:
         w = self.workers.get(msg.worker)
         if w is not None:
             w.last_heartbeat, w.busy_s = time.monotonic(), msg.busy_s
+            # a restarted worker counts from 0 again: what it reports below the last is all new
+            w.borrowed_s += msg.borrowed_s - w.borrowed_now if msg.borrowed_s >= w.borrowed_now else msg.borrowed_s
+            w.borrowed_now = msg.borrowed_s
             # A second of waiting: every reply it sent before has arrived (loopback), and a
             # message sent before the wait began would have ended it: what it still owes us from
             # before then, it never received.

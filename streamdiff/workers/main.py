@@ -97,6 +97,7 @@ class Worker:
         self.stages: dict[str, object] = {}
         self.faults = Faults(spec.faults, spec.name, spec.incarnation)
         self.seeds: dict[str, int] = {}  # session -> seed (only for matching injected faults)
+        self.lender = None  # shared cores (workers/lending.py)
 
     # -- start-up ---------------------------------------------------------------------------
     def start(self) -> None:
@@ -110,6 +111,13 @@ class Worker:
         if "vae" in self.spec.roles:
             self.stages["vae"] = VAEStage(self.spec, self.faults)
             info.update(self.stages["vae"].info())
+        if self.spec.lend:
+            from .lending import Lender
+
+            self.lender = Lender(self.spec.lend)
+            for stage in self.stages.values():
+                for model in stage.models():
+                    self.lender.install(model)
         self.send(m.Ready(self.spec.name, os.getpid(), info))
         threading.Thread(target=self._heartbeat, name="heartbeat", daemon=True).start()
 
@@ -129,7 +137,8 @@ class Worker:
             busy = time.monotonic() - self.busy_since if self.busy_since else 0.0
             waiting = self.waiting_since
             idle = time.monotonic() - waiting if waiting else 0.0
-            sock.send(m.Heartbeat(self.spec.name, busy, idle).encode())
+            borrowed = self.lender.borrowed_s() if self.lender else 0.0
+            sock.send(m.Heartbeat(self.spec.name, busy, idle, borrowed).encode())
             time.sleep(self.spec.heartbeat_interval_s)
         sock.close()
 
@@ -189,7 +198,13 @@ class Worker:
             elif isinstance(msg, m.GenerateBatch | m.DecodeBatch):
                 stage = self.stages["dit" if isinstance(msg, m.GenerateBatch) else "vae"]
                 extra = {"weights": tuple(msg.weights)} if isinstance(msg, m.DecodeBatch) and msg.weights else {}
-                replies, refusals = stage.run_batch(msg.blocks, self.closed, **extra)
+                if self.lender:
+                    self.lender.running(True)
+                try:
+                    replies, refusals = stage.run_batch(msg.blocks, self.closed, **extra)
+                finally:
+                    if self.lender:
+                        self.lender.running(False)
                 for reply in replies:
                     self.send(reply)
                 for refused, exc in refusals:

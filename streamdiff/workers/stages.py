@@ -85,7 +85,7 @@ class Stopwatch:
         """(wall seconds, own seconds) since start."""
         wall = time.perf_counter() - self.wall0
         own = (time.process_time() - self.cpu0) / self.threads if self.cpu else wall - waited_s
-        return wall, max(0.0, own)
+        return wall, min(wall, max(0.0, own))  # shared cores: a worker may borrow more threads
 
 
 def _leave_group(world: int) -> None:
@@ -188,6 +188,10 @@ class DiTStage:
             self.vae = VAEEngine(spec.model, spec.device, spec.vae_working_set_bytes).model
             self.stages = _check_cut(self.vae, self.cut)
         self.calibration = self.calibrate()
+
+    def models(self) -> list[torch.nn.Module]:
+        """The modules this stage runs (shared cores install their hooks on them)."""
+        return [self.engine.model] + ([self.vae] if self.vae is not None else [])
 
     def info(self) -> dict:
         p = self.engine.preset
@@ -416,6 +420,9 @@ class VAEStage:
         self.cpu_budget = spec.cpu_memory_budget_bytes
         self.max_batch = spec.max_batch
         self.calibration = self.calibrate()
+
+    def models(self) -> list[torch.nn.Module]:
+        return [self.engine.model]
 
     def info(self) -> dict:
         p = self.engine.preset

@@ -1,0 +1,130 @@
+"""Shared cores: a worker lends its cores to the others while it waits (runs in a worker).
+
+With `--share-cores` on the CPU every worker may run on all the daemon's cores, and each owns
+`threads` of them. A small file that the supervisor creates in its runtime directory (one byte
+per worker: 1 while it runs a batch) tells each worker who is waiting. Before each heavy module
+(a DiT block, a VAE convolution) a worker sets its OpenMP thread count to its own threads plus
+those of every worker that is waiting, so the VAE decodes on both cores while the DiT waits for
+a ring slot, and on its own core again once the DiT runs.
+
+Why thread counts and not the kernel alone: two workers that each keep two threads on two cores
+run every OpenMP region at the pace of its slower thread, and that thread shares its core; on
+the 2-vCPU EPYC they ran 8% and 3% slower side by side than on a core each (the profile's
+levels, docs/benchmarks.md). A stale byte (a worker killed mid-batch) only stops the others from
+borrowing its cores until its restart clears it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import mmap
+import os
+import threading
+import time
+
+from .spec import LendSpec
+
+
+def _map(spec: LendSpec) -> mmap.mmap:
+    fd = os.open(spec.path, os.O_RDWR)
+    try:
+        return mmap.mmap(fd, len(spec.threads))
+    finally:
+        os.close(fd)
+
+
+class Lender:
+    def __init__(self, spec: LendSpec) -> None:
+        self.spec = spec
+        self.buf = _map(spec)
+        self.own = spec.threads[spec.index]
+        self.current, self.since, self.borrowed = 0, 0.0, 0.0
+        self.home = os.sched_getaffinity(0) if spec.cores else set()
+        self.buf[spec.index] = 0
+        self.set_threads(self.own)
+
+    def set_threads(self, n: int) -> None:
+        if n != self.current:
+            now = time.monotonic()
+            if self.current > self.own:
+                self.borrowed += now - self.since
+            import torch
+
+            if self.spec.cores and (n > self.own) != (self.current > self.own):
+                # the thread that runs the forward stays on its own cores unless it borrows, so
+                # an encoder on the DiT's cores never lands beside it there; OpenMP's pool
+                # threads start with the affinity it has when first needed (all, once borrowed)
+                with contextlib.suppress(OSError):
+                    os.sched_setaffinity(0, self.spec.cores if n > self.own else self.home)
+            torch.set_num_threads(n)
+            self.current, self.since = n, now
+
+    def borrowed_s(self) -> float:
+        """Seconds this worker has run on more threads than its own (the heartbeat reports it)."""
+        extra = time.monotonic() - self.since if self.current > self.own else 0.0
+        return self.borrowed + extra
+
+    def running(self, on: bool) -> None:
+        """This worker starts (True) or ends (False) a batch."""
+        self.buf[self.spec.index] = 1 if on else 0
+        self.set_threads(self.threads_now() if on else self.own)
+
+    def threads_now(self) -> int:
+        """Own threads plus those of every other group of cores whose workers all wait now."""
+        buf, spec = self.buf, self.spec
+        groups = spec.groups or tuple(range(len(spec.threads)))
+        mine = groups[spec.index]
+        busy = {g for i, g in enumerate(groups) if buf[i]}
+        n = self.own + sum(t for g, t in zip(groups, spec.threads, strict=True) if g != mine and g not in busy)
+        return max(self.own, min(n, len(spec.cores))) if spec.cores else n
+
+    def adjust(self, *_args) -> None:
+        """A forward pre-hook: take the cores of whoever is waiting now, give back the rest."""
+        self.set_threads(self.threads_now())
+
+    def install(self, module) -> int:
+        """Adjust before every DiT block and VAE convolution in `module`; returns how many."""
+        from ..models.wan.dit import Block
+        from ..models.wan.vae import CausalConv3d
+
+        n = 0
+        for sub in module.modules():
+            if isinstance(sub, Block | CausalConv3d):
+                sub.register_forward_pre_hook(self.adjust)
+                n += 1
+        return n
+
+    def close(self) -> None:
+        try:
+            self.buf[self.spec.index] = 0
+            self.buf.close()
+        except (ValueError, BufferError):
+            pass
+
+
+class HostSlot:
+    """The supervisor's byte: how many of its encoder threads run now. It shares the DiT's
+    cores, so a worker borrows those only while neither the DiT nor an encoder runs: an encoder
+    beside a borrowed thread holds back every OpenMP region of the borrower (libx264 took 63-69
+    ms a block there, 9 beside a DiT of its own)."""
+
+    def __init__(self, spec: LendSpec) -> None:
+        self.index, self.buf = spec.index, _map(spec)
+        self.lock, self.n = threading.Lock(), 0
+        self.buf[self.index] = 0
+
+    @contextlib.contextmanager
+    def running(self):
+        with self.lock:
+            self.n += 1
+            self.buf[self.index] = min(255, self.n)
+        try:
+            yield
+        finally:
+            with self.lock:
+                self.n -= 1
+                self.buf[self.index] = min(255, self.n)
+
+    def close(self) -> None:
+        with contextlib.suppress(ValueError, BufferError):
+            self.buf.close()
