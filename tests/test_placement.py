@@ -447,6 +447,8 @@ def test_shared_cores_run_a_stage_on_both_cores_while_the_other_waits():
     prof = synthetic(100.0, 200.0, dit2=60.0, vae2=110.0)
     assert Costs(prof, (256, 144), 1).lent_speedups(2) == pytest.approx((100 / 60, 200 / 110))
     assert Costs(prof, (256, 144), 1).lent_speedups(4) == (1.0, 1.0)  # not measured on four
+    prof.sizes["256x144"]["dit"]["2"]["first_ms"] = 100.0  # two threads no faster on a first block after idle
+    assert Costs(prof, (256, 144), 1).lent_speedups(2, first=True) == pytest.approx((1.0, 200 / 110))
     sim = Sim(Config(), prof, shared, (256, 144), dict(PRESET_FACTS["tiny"]))
     sim.submit("one", [Scene("a fox", 9 + 12 * 40)], 256, 144)  # 41 blocks of 3 latent frames
     sim.run()
