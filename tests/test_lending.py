@@ -50,6 +50,7 @@ def test_a_restarted_worker_clears_its_stale_byte(tmp_path):
 
 
 def test_hooks_go_before_every_dit_block_and_vae_convolution(tmp_path):
+    from streamdiff.models.wan import kernels
     from streamdiff.models.wan.dit import Block, DiTConfig, WanDiT
     from streamdiff.models.wan.vae import CausalConv3d, VAEConfig, WanVAEDecoder
 
@@ -68,6 +69,7 @@ def test_hooks_go_before_every_dit_block_and_vae_convolution(tmp_path):
             hook(convs[-1], ())
         assert torch.get_num_threads() == 1
     finally:
+        kernels.set_between_taps(None)  # install set it for this process
         torch.set_num_threads(before)
 
 
@@ -103,3 +105,25 @@ def test_a_borrowing_thread_runs_on_every_shared_core_and_goes_home_after(tmp_pa
     torch.set_num_threads(before)
     both, home = set(every[:2]), {every[1]}
     assert seen == [(both, 2), (home, 1), (home, 1)]
+
+
+def test_a_cpu_convolution_lets_the_lender_in_between_its_temporal_taps(tmp_path):
+    """A full-resolution conv takes up to 32 ms on one EPYC core: a worker also changes its
+    thread count between the temporal taps, not only before each convolution."""
+    from streamdiff.models.wan import kernels
+
+    before = torch.get_num_threads()
+    dit, vae = _pair(tmp_path)
+    try:
+        vae.install(torch.nn.Sequential())
+        assert kernels._between_taps == vae.adjust
+        calls = []
+        kernels.set_between_taps(lambda: calls.append(1))
+        x, w = torch.randn(1, 4, 5, 6, 6), torch.randn(2, 4, 3, 3, 3)
+        y = kernels.conv3d_valid_t(x, w, None, 1, 1)
+        assert len(calls) == 2 and y.shape == (1, 2, 3, 6, 6)
+        ref = torch.nn.functional.conv3d(x, w, None, padding=(0, 1, 1))
+        assert torch.allclose(y, ref, atol=1e-5)
+    finally:
+        kernels.set_between_taps(None)
+        torch.set_num_threads(before)

@@ -83,10 +83,13 @@ class Lender:
         self.set_threads(self.threads_now())
 
     def install(self, module) -> int:
-        """Adjust before every DiT block and VAE convolution in `module`; returns how many."""
+        """Adjust before every DiT block and VAE convolution in `module`, and between a CPU
+        convolution's temporal taps; returns how many modules."""
+        from ..models.wan import kernels
         from ..models.wan.dit import Block
         from ..models.wan.vae import CausalConv3d
 
+        kernels.set_between_taps(self.adjust)
         n = 0
         for sub in module.modules():
             if isinstance(sub, Block | CausalConv3d):

@@ -28,6 +28,16 @@ import torch.nn.functional as F
 # 256x144 three per call (42 MiB by this estimate) beat one per call (152 against 168 ms).
 CPU_DECODE_WORKING_SET_BYTES = 48 * 2**20
 
+# Called between a CPU conv's temporal taps when set: shared cores (workers/lending.py) change a
+# worker's thread count there, as before every convolution. A full-resolution conv of the tiny
+# preset's 256x144 block takes up to 32 ms on one EPYC core, long beside the DiT's idle spells.
+_between_taps = None
+
+
+def set_between_taps(fn) -> None:
+    global _between_taps
+    _between_taps = fn
+
 
 # ----------------------------------------------------------------------------- the block plan
 
@@ -167,6 +177,8 @@ def conv3d_valid_t(
     b, t = x.shape[0], x.shape[2] - kt + 1
     out = None
     for dt in range(kt):
+        if dt and _between_taps is not None:
+            _between_taps()
         y = conv2d(frames(x[:, :, dt : dt + t]), weight[:, :, dt], bias if dt == 0 else None, (h_pad, w_pad))
         out = y if out is None else out.add_(y)
     return unframes(out, b)
