@@ -376,10 +376,17 @@ def validate(cfg: Config) -> None:
         t.vae_cut,
     )
     _check(
-        not t.share_cores or (t.device == "cpu" and not planned(t) and t.mode in ("auto", "disaggregated")),
+        not t.share_cores
+        or (
+            t.device == "cpu"
+            and not planned(t)
+            and t.mode in ("auto", "disaggregated")
+            and t.dit_devices == 1
+            and t.vae_devices == 1
+        ),
         "topology.share_cores",
-        "shares a CPU's cores between disaggregated workers: it needs device cpu and an explicit layout "
-        "(--dit-gpus, --vae-gpus) in mode disaggregated",
+        "lends a waiting worker's cores to the other: it needs device cpu and the layout --dit-gpus 1 "
+        "--vae-gpus 1 in mode disaggregated (with more workers, several would borrow the same cores)",
         t.share_cores,
     )
     _check(

@@ -130,7 +130,7 @@ def test_hybrid_and_band_weight_errors_name_the_key():
     for exchange in ([1.0], [1.0, 9.0]):
         with pytest.raises(ConfigError, match="topology.vae_cut_exchange"):
             topology(vae_cut_exchange=exchange)
-    for bad in ({"device": "cuda"}, {"mode": "aggregated"}, {"dit_devices": 0, "vae_devices": 0}):
+    for bad in ({"device": "cuda"}, {"mode": "aggregated"}, {"dit_devices": 0, "vae_devices": 0}, {"vae_devices": 2}):
         with pytest.raises(ConfigError, match="topology.share_cores"):
             topology(**{"dit_devices": 1, "vae_devices": 1, "share_cores": True, **bad})
 
