@@ -28,15 +28,16 @@ import torch.nn.functional as F
 # 256x144 three per call (42 MiB by this estimate) beat one per call (152 against 168 ms).
 CPU_DECODE_WORKING_SET_BYTES = 48 * 2**20
 
-# Called between a CPU conv's temporal taps when set: shared cores (workers/lending.py) change a
-# worker's thread count there, as before every convolution. A full-resolution conv of the tiny
-# preset's 256x144 block takes up to 32 ms on one EPYC core, long beside the DiT's idle spells.
-_between_taps = None
+# Called before every CPU conv2d when set (each temporal tap of a 3D conv is one): shared cores
+# (workers/lending.py) change a worker's thread count there. A full-resolution 3D conv of the
+# tiny preset's 256x144 block takes up to 38 ms on one EPYC core, long beside the DiT's idle
+# spells of about 20 ms.
+_checkpoint = None
 
 
-def set_between_taps(fn) -> None:
-    global _between_taps
-    _between_taps = fn
+def set_checkpoint(fn) -> None:
+    global _checkpoint
+    _checkpoint = fn
 
 
 # ----------------------------------------------------------------------------- the block plan
@@ -159,6 +160,8 @@ def conv2d(
     """conv2d over frames that keeps the CPU's channels-last layout (1x1: a matmul)."""
     if x.device.type != "cpu":
         return F.conv2d(x, weight, bias, padding=padding)
+    if _checkpoint is not None:
+        _checkpoint()
     cl = torch.channels_last
     if weight.shape[2] == weight.shape[3] == 1:
         y = F.linear(x.contiguous(memory_format=cl).permute(0, 2, 3, 1), weight.flatten(1), bias)
@@ -177,8 +180,6 @@ def conv3d_valid_t(
     b, t = x.shape[0], x.shape[2] - kt + 1
     out = None
     for dt in range(kt):
-        if dt and _between_taps is not None:
-            _between_taps()
         y = conv2d(frames(x[:, :, dt : dt + t]), weight[:, :, dt], bias if dt == 0 else None, (h_pad, w_pad))
         out = y if out is None else out.add_(y)
     return unframes(out, b)
