@@ -1,16 +1,19 @@
-"""Shared cores: a worker lends its cores to the others while it waits (runs in a worker).
+"""Shared cores: a worker lends its cores to the other while it waits (runs in a worker; the
+supervisor's side is `HostSlot`).
 
-With `--share-cores` on the CPU every worker may run on all the daemon's cores, and each owns
-`threads` of them. A small file that the supervisor creates in its runtime directory (one byte
-per worker: 1 while it runs a batch) tells each worker who is waiting. Before each heavy module
-(a DiT block, a VAE convolution) a worker sets its OpenMP thread count to its own threads plus
-those of every worker that is waiting, so the VAE decodes on both cores while the DiT waits for
-a ring slot, and on its own core again once the DiT runs.
+With `--share-cores` (one DiT and one VAE worker on the CPU) each worker owns `threads` cores, as
+in disagg-1+1. A file that the supervisor creates in its runtime directory holds one byte per
+worker (1 while it runs a batch) and one for the supervisor's encoder threads, which run on the
+DiT's cores; bytes of the same cores form a group. Before each DiT block, each module of the VAE
+decoder and each CPU conv2d (`kernels.set_checkpoint`), a worker sets its OpenMP thread count to
+its own threads plus those of every other group whose bytes are all 0, and while it borrows, the
+thread that runs its forward may run on every shared core. So the VAE decodes on both cores while
+the DiT waits for a ring slot, and on its own core again once the DiT (or an encode) runs.
 
-Why thread counts and not the kernel alone: two workers that each keep two threads on two cores
-run every OpenMP region at the pace of its slower thread, and that thread shares its core; on
-the 2-vCPU EPYC they ran 8% and 3% slower side by side than on a core each (the profile's
-levels, docs/benchmarks.md). A stale byte (a worker killed mid-batch) only stops the others from
+Why thread counts and affinity, not the kernel alone: two workers that each keep two threads on
+two cores run every OpenMP region at the pace of whichever thread shares its core, and an encoder
+beside a borrowed thread holds the region back the same way (docs/benchmarks.md, "Lending cores
+instead of sharing them"). A stale byte (a worker killed mid-batch) only stops the other from
 borrowing its cores until its restart clears it.
 """
 
@@ -39,16 +42,20 @@ class Lender:
         self.buf = _map(spec)
         self.own = spec.threads[spec.index]
         self.current, self.since, self.borrowed = 0, 0.0, 0.0
+        self.lock = threading.Lock()  # the heartbeat thread reads borrowed_s()
         self.home = os.sched_getaffinity(0) if spec.cores else set()
         self.buf[spec.index] = 0
         self.set_threads(self.own)
 
     def set_threads(self, n: int) -> None:
         if n != self.current:
-            now = time.monotonic()
-            if self.current > self.own:
-                self.borrowed += now - self.since
             import torch
+
+            now = time.monotonic()
+            with self.lock:
+                if self.current > self.own:
+                    self.borrowed += now - self.since
+                self.since = now
 
             if self.spec.cores and (n > self.own) != (self.current > self.own):
                 # the thread that runs the forward stays on its own cores unless it borrows, so
@@ -57,12 +64,14 @@ class Lender:
                 with contextlib.suppress(OSError):
                     os.sched_setaffinity(0, self.spec.cores if n > self.own else self.home)
             torch.set_num_threads(n)
-            self.current, self.since = n, now
+            with self.lock:
+                self.current = n
 
     def borrowed_s(self) -> float:
         """Seconds this worker has run on more threads than its own (the heartbeat reports it)."""
-        extra = time.monotonic() - self.since if self.current > self.own else 0.0
-        return self.borrowed + extra
+        with self.lock:
+            extra = time.monotonic() - self.since if self.current > self.own else 0.0
+            return self.borrowed + extra
 
     def running(self, on: bool) -> None:
         """This worker starts (True) or ends (False) a batch."""

@@ -248,6 +248,8 @@ class Worker:
         self.stop = True
         for stage in self.stages.values():
             stage.shutdown()
+        if self.lender:
+            self.lender.close()
         self.sock.close(linger=1000)
         self.ctx.term()
 
