@@ -383,10 +383,12 @@ def validate(cfg: Config) -> None:
             and t.mode in ("auto", "disaggregated")
             and t.dit_devices == 1
             and t.vae_devices == 1
+            and t.pin_cpus
         ),
         "topology.share_cores",
-        "lends a waiting worker's cores to the other: it needs device cpu and the layout --dit-gpus 1 "
-        "--vae-gpus 1 in mode disaggregated (with more workers, several would borrow the same cores)",
+        "lends a waiting worker's cores to the other: it needs device cpu, topology.pin_cpus (each worker's "
+        "own cores) and the layout --dit-gpus 1 --vae-gpus 1 in mode disaggregated (with more workers, "
+        "several would borrow the same cores)",
         t.share_cores,
     )
     _check(

@@ -130,7 +130,13 @@ def test_hybrid_and_band_weight_errors_name_the_key():
     for exchange in ([1.0], [1.0, 9.0]):
         with pytest.raises(ConfigError, match="topology.vae_cut_exchange"):
             topology(vae_cut_exchange=exchange)
-    for bad in ({"device": "cuda"}, {"mode": "aggregated"}, {"dit_devices": 0, "vae_devices": 0}, {"vae_devices": 2}):
+    for bad in (
+        {"device": "cuda"},
+        {"mode": "aggregated"},
+        {"dit_devices": 0, "vae_devices": 0},
+        {"vae_devices": 2},
+        {"pin_cpus": False},
+    ):
         with pytest.raises(ConfigError, match="topology.share_cores"):
             topology(**{"dit_devices": 1, "vae_devices": 1, "share_cores": True, **bad})
 
@@ -458,6 +464,9 @@ def test_shared_cores_run_a_stage_on_both_cores_while_the_other_waits():
     assert predict(prof, shared).w1_fps > 1.15 * predict(prof, Layout("disaggregated", 1, 1)).w1_fps
     order = ranked(prof)
     assert order[0] == shared.name and order.index("disagg-1+1") > order.index("agg-1x2t") > 0
+    unpinned = Config().replace(topology={"pin_cpus": False})  # lending pins each worker to its own cores
+    facts = dict(PRESET_FACTS["tiny"])
+    assert shared.name not in [x.name for x, _ in plan(unpinned, prof, 2, "throughput", facts, (256, 144)).ranked]
 
 
 def test_an_adapting_cut_prices_moved_work_as_the_profile_measured_it():

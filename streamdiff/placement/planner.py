@@ -134,7 +134,8 @@ def plan(
     have = {int(t) for t in fig["dit"]}
     sp = tuple(sorted(int(g) for g in fig.get("dit_group", {})))
     cuts = offered_cuts(fig["vae"]["1"].get("stages_ms") or [])
-    shared = {devices, devices // 2} <= have and {str(devices), str(devices // 2)} <= set(fig["vae"])
+    threads_measured = {devices, devices // 2} <= have and {str(devices), str(devices // 2)} <= set(fig["vae"])
+    shared = threads_measured and cfg.topology.pin_cpus  # lending pins each worker to its own cores
     layouts = candidates(devices, profile.device, tuple(t for t in threads if t in have), sp, cuts, shared)
     w2 = w2_size or size
     preds = [(x, simulate(cfg, profile, x, facts, size, w2 if objective == "streams" else None)) for x in layouts]
