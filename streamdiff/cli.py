@@ -29,7 +29,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         description="Streaming text-to-video server (Wan 2.1 causal "
         "DiT + VAE, disaggregated), OpenAI-compatible, fMP4 over HTTP.",
         epilog="With no layout flags the layout is planned from a profile of this machine. Also: "
-        "'streamdiffd profile --help' (measure the stages) and 'streamdiffd plan --help' (rank layouts).",
+        "'streamdiffd models' (the published checkpoints' presets), 'streamdiffd profile --help' (measure the "
+        "stages) and 'streamdiffd plan --help' (rank layouts).",
     )
     p.add_argument("--config", help="TOML config file (see etc/streamdiff.toml); flags override it")
     p.add_argument("--dit-gpus", type=int, metavar="N", help="DiT workers, one per device (default 1)")
@@ -53,7 +54,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="'tiny' (embedded), 'wan2.1-t2v-1.3b', or a weights "
         "directory (Wan 2.1 release or diffusers layout; implies wan2.1-t2v-1.3b)",
     )
-    p.add_argument("--dit-checkpoint", metavar="FILE", help="Causal Forcing / Self-Forcing generator checkpoint")
+    p.add_argument(
+        "--preset",
+        metavar="NAME",
+        help="a published checkpoint run as its authors run it ('streamdiffd models' lists them), with --model "
+        "DIR (the Wan base) and --dit-checkpoint FILE (the authors' file)",
+    )
+    p.add_argument("--dit-checkpoint", metavar="FILE", help="the generator checkpoint (.pt) replacing the DiT weights")
+    p.add_argument(
+        "--weights",
+        choices=("ema", "generator"),
+        help="which weight set of the checkpoint to load (default: the preset's, as its authors' script loads)",
+    )
+    p.add_argument("--lora", metavar="FILE", help="a PEFT LoRA merged into the DiT at load (LongLive's lora.pt)")
+    p.add_argument("--lora-alpha", type=float, metavar="A", help="the LoRA's alpha (default: the preset's)")
     p.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"))
     p.add_argument(
         "--size",
@@ -125,7 +139,11 @@ def overrides_from_args(a: argparse.Namespace) -> dict[str, dict]:
         ("share_cores", "topology", "share_cores"),
         ("objective", "topology", "objective"),
         ("devices", "topology", "devices"),
+        ("preset", "model", "preset"),
         ("dit_checkpoint", "model", "dit_checkpoint"),
+        ("weights", "model", "weights"),
+        ("lora", "model", "lora"),
+        ("lora_alpha", "model", "lora_alpha"),
         ("dtype", "model", "dtype"),
         ("size", "model", "size"),
         ("encoder", "encoder", "kind"),
@@ -140,7 +158,8 @@ def overrides_from_args(a: argparse.Namespace) -> dict[str, dict]:
             path = Path(a.model).expanduser()
             if not path.is_dir():
                 raise ConfigError(f"--model: {a.model!r} is neither a preset (tiny, wan2.1-t2v-1.3b) nor a directory")
-            o["model"].update(preset="wan2.1-t2v-1.3b", path=str(path.resolve()))
+            o["model"]["path"] = str(path.resolve())
+            o["model"].setdefault("preset", "wan2.1-t2v-1.3b")
     return {k: v for k, v in o.items() if v}
 
 
@@ -292,6 +311,10 @@ async def extend_start_timeout(notifier) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == "models":
+        from .models.catalog import main as models_main
+
+        return models_main(argv[1:])
     if argv and argv[0] in ("profile", "plan"):
         from .placement.commands import main as placement_main
 

@@ -13,9 +13,13 @@ import os
 import re
 import socket
 import tomllib
+import types
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, get_type_hints
+
+from .models.catalog import checkpoint_preset
+from .models.spec import known_presets
 
 
 class ConfigError(ValueError):
@@ -41,10 +45,12 @@ class ServerConfig:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    preset: str = "tiny"  # tiny (embedded, seeded weights) | wan2.1-t2v-1.3b
+    preset: str = "tiny"  # tiny (embedded, seeded weights) | wan2.1-t2v-1.3b | wan2.1-t2v-14b | a checkpoint preset
     path: str = ""  # weights directory for real presets
-    dit_checkpoint: str = ""  # Causal Forcing / Self-Forcing generator .pt (optional)
-    use_ema: bool = True
+    dit_checkpoint: str = ""  # Causal Forcing / Self-Forcing generator .pt (a checkpoint preset's file)
+    weights: str = ""  # ema | generator: the training checkpoint's weight set (empty: the preset's)
+    lora: str = ""  # a PEFT LoRA merged into the DiT at load (LongLive's lora.pt)
+    lora_alpha: float = 0.0  # the LoRA's alpha (0: the preset's)
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
     dit_vae_ratio: float = 0.74  # tiny only: DiT cost per block relative to the VAE
     seed: int = 1234  # tiny only: weight seed
@@ -63,6 +69,9 @@ class SamplerConfig:
     shift: float = 0.0
     window_frames: int = 0
     sink_frames: int = -1
+    warp: bool | None = None
+    global_sink: bool | None = None
+    recache: str = ""  # never | on_request | every_switch
 
 
 @dataclass(frozen=True)
@@ -196,6 +205,9 @@ def merge(base: dict, over: dict) -> dict:
 
 def _coerce(key: str, tp, value):
     origin = getattr(tp, "__origin__", None)
+    if isinstance(tp, types.UnionType) and type(None) in tp.__args__:  # `bool | None`: unset keeps a default
+        (inner,) = (a for a in tp.__args__ if a is not type(None))
+        return None if value is None else _coerce(key, inner, value)
     if tp is bool:
         if not isinstance(value, bool):
             raise ConfigError(f"{key}: expected true or false, got {value!r}")
@@ -309,8 +321,35 @@ def validate(cfg: Config) -> None:
     )
     for k in ("client_write_timeout_s", "request_read_timeout_s", "drain_timeout_s"):
         _check(getattr(s, k) > 0, f"server.{k}", "must be > 0", getattr(s, k))
-    _check(m.preset in ("tiny", "wan2.1-t2v-1.3b"), "model.preset", "must be tiny or wan2.1-t2v-1.3b", m.preset)
+    _check(m.preset in known_presets(), "model.preset", f"must be one of {', '.join(known_presets())}", m.preset)
     _check(m.preset == "tiny" or bool(m.path), "model.path", "is required for real presets", m.path)
+    cp = checkpoint_preset(m.preset)
+    _check(
+        cp is None or bool(m.dit_checkpoint),
+        "model.dit_checkpoint",
+        f"preset {m.preset} runs the authors' {cp.checkpoint if cp else ''}: give it with --dit-checkpoint FILE",
+        m.dit_checkpoint,
+    )
+    _check(
+        cp is None or cp.lora is None or bool(m.lora),
+        "model.lora",
+        f"preset {m.preset} is its base weights plus a LoRA: give the LoRA file with --lora FILE",
+        m.lora,
+    )
+    _check(m.weights in ("", "ema", "generator"), "model.weights", "must be ema or generator", m.weights)
+    _check(m.lora_alpha >= 0, "model.lora_alpha", "must be > 0 (0: the preset's)", m.lora_alpha)
+    _check(
+        not m.lora or m.lora_alpha > 0 or (cp is not None and cp.lora is not None),
+        "model.lora_alpha",
+        "is needed with a LoRA that no preset describes (PEFT files do not store it)",
+        m.lora_alpha,
+    )
+    _check(
+        cfg.sampler.recache in ("", "never", "on_request", "every_switch"),
+        "sampler.recache",
+        "must be never, on_request or every_switch",
+        cfg.sampler.recache,
+    )
     _check(
         m.dtype in ("auto", "float32", "bfloat16", "float16"),
         "model.dtype",
@@ -523,4 +562,9 @@ def sampler_overrides(cfg: Config) -> dict:
         out["window_frames"] = s.window_frames
     if s.sink_frames >= 0:
         out["sink_frames"] = s.sink_frames
+    for key in ("warp", "global_sink"):
+        if getattr(s, key) is not None:
+            out[key] = getattr(s, key)
+    if s.recache:
+        out["recache"] = s.recache
     return out

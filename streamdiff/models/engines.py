@@ -15,7 +15,7 @@ import torch
 from .presets import ModelSpec, build_dit, build_text_encoder, build_vae
 from .wan.dit import DiTState
 from .wan.kernels import CPU_DECODE_WORKING_SET_BYTES, DecodePlan, plan_block
-from .wan.sampler import denoise_block, denoise_sessions, warped_timesteps
+from .wan.sampler import denoise_block, denoise_sessions, sigma_of, step_timesteps
 from .wan.vae import Halo, VAEState, to_uint8_frames
 
 
@@ -34,8 +34,8 @@ class DiTEngine:
         self.model, self.preset = build_dit(spec, device)
         self.text = build_text_encoder(spec, device)
         s = self.preset.sampler
-        self.timesteps = warped_timesteps(s.steps, s.shift)
-        self.first_timesteps = warped_timesteps(s.first_block_steps or s.steps, s.shift)
+        self.timesteps = step_timesteps(s.steps, s.shift, s.warp)
+        self.first_timesteps = step_timesteps(s.first_block_steps or s.steps, s.shift, s.warp)
         self._prompts: OrderedDict[str, torch.Tensor] = OrderedDict()
         self._prompt_cache = prompt_cache
 
@@ -103,12 +103,16 @@ class DiTEngine:
             noise.append(torch.randn(shape, generator=sess.generator))
             for i in range(len(ts) - 1):
                 renoise[i].append(torch.randn(shape, generator=sess.generator))
-        ctx_t = self.preset.sampler.context_t
+        ctx_t, shift = self.preset.sampler.context_t, self.preset.sampler.shift
+        sigmas = [sigma_of(ts, shift) for ts in steps]
         if len(sessions) == 1:
-            x0 = denoise_block(self.model, sessions[0].state, noise[0], steps[0], [r[0] for r in renoise], ctx_t)
+            x0 = denoise_block(
+                self.model, sessions[0].state, noise[0], steps[0], [r[0] for r in renoise], ctx_t, sigmas[0]
+            )
         else:
             states = [s.state for s in sessions]
-            x0 = denoise_sessions(self.model, states, torch.cat(noise), steps, [torch.cat(r) for r in renoise], ctx_t)
+            noise_b, renoise_b = torch.cat(noise), [torch.cat(r) for r in renoise]
+            x0 = denoise_sessions(self.model, states, noise_b, steps, renoise_b, ctx_t, sigmas)
         for sess in sessions:
             sess.shot_blocks += 1
         return [x.float().cpu() for x in x0.split(1)]

@@ -19,7 +19,8 @@ from pathlib import Path
 
 import torch
 
-from .spec import ModelSpec
+from .catalog import CheckpointPreset, checkpoint_preset
+from .spec import ModelSpec, known_presets
 from .wan.dit import DiTConfig, WanDiT
 from .wan.loading import (
     CheckpointError,
@@ -30,7 +31,7 @@ from .wan.loading import (
     read_config,
     read_state_dict,
     read_state_dicts,
-    unwrap_training_checkpoint,
+    select_weight_set,
     vae_config_from_json,
     vae_config_from_state_dict,
 )
@@ -68,6 +69,7 @@ class Preset:
     default_size: tuple[int, int]  # (width, height)
     fps: int = 16  # the frame rate the model was trained at
     embedded: bool = False  # weights are generated, not loaded
+    checkpoint: CheckpointPreset | None = None  # the published checkpoint this preset runs (catalog.py)
 
 
 def tiny_layers(ratio: float) -> int:
@@ -76,8 +78,16 @@ def tiny_layers(ratio: float) -> int:
     return max(1, round((ratio - TINY_DIT_OVERHEAD_FRACTION) / TINY_LAYER_FRACTION))
 
 
+# Wan 2.1 T2V 14B (Wan-AI/Wan2.1-T2V-14B config.json): the 1.3B's blocks, wider and deeper.
+WAN_14B = DiTConfig(dim=5120, ffn_dim=13824, num_heads=40, num_layers=40)
+
+
 def get_preset(spec: ModelSpec) -> Preset:
-    if spec.preset == "tiny":
+    """The preset a spec names: a DiT configuration, or a published checkpoint (catalog.py) on its
+    DiT configuration with the authors' sampler settings; then the spec's own overrides."""
+    cp = checkpoint_preset(spec.preset)
+    arch = cp.dit if cp else spec.preset
+    if arch == "tiny":
         dit = DiTConfig(
             dim=64,
             ffn_dim=256,
@@ -90,10 +100,13 @@ def get_preset(spec: ModelSpec) -> Preset:
         vae = VAEConfig(base_dim=8, num_res_blocks=0)
         sampler = SamplerConfig(frames_per_block=3, window_frames=12)
         p = Preset("tiny", dit, vae, sampler, "tiny", (256, 144), embedded=True)
-    elif spec.preset in ("wan2.1-t2v-1.3b", "wan2.1"):
-        p = Preset("wan2.1-t2v-1.3b", DiTConfig(), VAEConfig(), SamplerConfig(), "umt5", (832, 480))
+    elif arch in ("wan2.1-t2v-1.3b", "wan2.1-t2v-14b", "wan2.1"):
+        dit = WAN_14B if arch == "wan2.1-t2v-14b" else DiTConfig()
+        p = Preset(
+            arch if arch != "wan2.1" else "wan2.1-t2v-1.3b", dit, VAEConfig(), SamplerConfig(), "umt5", (832, 480)
+        )
         if spec.path is None:
-            raise ValueError("preset wan2.1-t2v-1.3b needs a local weights directory (--model PATH)")
+            raise ValueError(f"preset {spec.preset} needs a local weights directory (--model PATH)")
         root = Path(spec.path)
         if not root.is_dir():
             raise ValueError(f"model directory not found: {root}")
@@ -101,7 +114,9 @@ def get_preset(spec: ModelSpec) -> Preset:
         tcfg = read_config(root / "transformer") or read_config(root)
         p = replace(p, dit=dit_config_from_json(tcfg, p.dit), vae=vae_config_from_json(read_config(root / "vae")))
     else:
-        raise ValueError(f"unknown model preset {spec.preset!r} (known: tiny, wan2.1-t2v-1.3b)")
+        raise ValueError(f"unknown model preset {spec.preset!r} (known: {', '.join(known_presets())})")
+    if cp is not None:
+        p = replace(p, name=cp.name, checkpoint=cp, sampler=replace(p.sampler, **cp.sampler_settings()))
     if spec.default_size:
         p = replace(p, default_size=tuple(spec.default_size))
     if spec.sampler:
@@ -112,6 +127,11 @@ def get_preset(spec: ModelSpec) -> Preset:
         p = replace(p, sampler=replace(p.sampler, **vals))
     p.sampler.validate()
     return p
+
+
+def weight_set(spec: ModelSpec, preset: Preset) -> str:
+    """The training checkpoint's set to load: the spec's, else the preset's, else the EMA."""
+    return spec.weights or (preset.checkpoint.weights if preset.checkpoint else "ema")
 
 
 def resolve_dtype(spec: ModelSpec, device: str) -> torch.dtype:
@@ -125,7 +145,7 @@ def resolve_dtype(spec: ModelSpec, device: str) -> torch.dtype:
 # ----------------------------------------------------------------------------- building stages
 
 
-def _dit_weights(spec: ModelSpec) -> dict[str, torch.Tensor]:
+def _dit_weights(spec: ModelSpec, preset: Preset) -> dict[str, torch.Tensor]:
     if spec.dit_checkpoint:
         p = Path(spec.dit_checkpoint)
         if p.suffix in (".pt", ".pth", ".bin"):
@@ -133,7 +153,7 @@ def _dit_weights(spec: ModelSpec) -> dict[str, torch.Tensor]:
                 obj = torch.load(str(p), map_location="cpu", weights_only=True, mmap=True)
             except Exception as exc:
                 raise CheckpointError(f"cannot read checkpoint {p}: {exc}") from exc
-            return unwrap_training_checkpoint(obj, str(p), prefer_ema=spec.use_ema)
+            return select_weight_set(obj, str(p), weight_set(spec, preset), explicit=spec.weights is not None)
         return read_state_dict(p)
     root = Path(spec.path)
     if (root / "transformer").is_dir():
@@ -164,7 +184,7 @@ def build_dit(spec: ModelSpec, device: str = "cpu") -> tuple[WanDiT, Preset]:
         with torch.device("meta"):
             model = WanDiT(preset.dit)
         model.to_empty(device="cpu")
-        load_into(model, normalize_dit_state_dict(_dit_weights(spec)), "DiT checkpoint")
+        load_into(model, normalize_dit_state_dict(_dit_weights(spec, preset)), "DiT checkpoint")
     return model.cast(dtype).to(device).eval().requires_grad_(False), preset
 
 

@@ -4,15 +4,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from .catalog import CHECKPOINT_PRESETS, checkpoint_preset
+
 
 @dataclass(frozen=True)
 class ModelSpec:
     """What a worker needs to build its stage. Plain data: it crosses process boundaries."""
 
-    preset: str = "tiny"
+    preset: str = "tiny"  # a DiT configuration (tiny, wan2.1-t2v-1.3b, ...) or a checkpoint preset (catalog.py)
     path: str | None = None  # local weights directory (real presets)
     dit_checkpoint: str | None = None  # Causal Forcing / Self-Forcing .pt, overrides the DiT weights
-    use_ema: bool = True  # take `generator_ema` from training checkpoints when present
+    weights: str | None = None  # "ema" | "generator": the training checkpoint's set (None: the preset's, else ema)
     dtype: str = "auto"  # auto: float32 on the CPU, bfloat16 on accelerators
     dit_vae_ratio: float = 0.74  # tiny only: DiT cost per block relative to the VAE's
     seed: int = 1234  # tiny only: weight seed
@@ -39,4 +41,26 @@ PRESET_FACTS = {
         "fps": 16,
         "default_size": (832, 480),
     },
+    "wan2.1-t2v-14b": {
+        "latent_channels": 16,
+        "spatial_factor": 8,
+        "temporal_factor": 4,
+        "frames_per_block": 3,
+        "fps": 16,
+        "default_size": (832, 480),
+    },
 }
+
+
+def preset_facts(name: str) -> dict:
+    """PRESET_FACTS of a DiT configuration, or of a checkpoint preset (its DiT's, with its block)."""
+    if name in PRESET_FACTS:
+        return dict(PRESET_FACTS[name])
+    cp = checkpoint_preset(name)
+    if cp is None:
+        raise KeyError(name)
+    return {**PRESET_FACTS[cp.dit], "frames_per_block": cp.frames_per_block}
+
+
+def known_presets() -> list[str]:
+    return [*PRESET_FACTS, *CHECKPOINT_PRESETS]

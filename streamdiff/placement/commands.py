@@ -125,9 +125,9 @@ def plan_main(argv: list[str]) -> int:
         print(f"streamdiffd plan: cannot read the profile {path}: {exc}", file=sys.stderr)
         return 2
     if prof.preset != cfg.model.preset:  # plan for the profile's model (its facts; no weights needed)
-        from ..models.spec import PRESET_FACTS
+        from ..models.spec import preset_facts
 
-        facts = {**PRESET_FACTS[prof.preset], "frames_per_block": facts["frames_per_block"]}
+        facts = {**preset_facts(prof.preset), "frames_per_block": facts["frames_per_block"]}
     size = a.size or (tuple(facts["default_size"]) if "x".join(map(str, facts["default_size"])) in prof.sizes else None)
     size = size or _size(next(iter(prof.sizes)))
     if f"{size[0]}x{size[1]}" not in prof.sizes:

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 from ..config import Config, ConfigError, explicit_layout, injected_faults, parse_size, sampler_overrides
 from ..ipc.shm import RingSpec
-from ..models.spec import PRESET_FACTS, ModelSpec
+from ..models.spec import ModelSpec, preset_facts
 from ..workers import faults as injected
 from ..workers.spec import GroupSpec, LendSpec, WorkerSpec, create_ledger
 
@@ -39,7 +39,7 @@ def model_spec(cfg: Config) -> ModelSpec:
         preset=m.preset,
         path=m.path or None,
         dit_checkpoint=m.dit_checkpoint or None,
-        use_ema=m.use_ema,
+        weights=m.weights or None,
         dtype=m.dtype,
         dit_vae_ratio=m.dit_vae_ratio,
         seed=m.seed,
@@ -51,7 +51,7 @@ def model_spec(cfg: Config) -> ModelSpec:
 def model_facts(cfg: Config) -> dict:
     """What the supervisor, the API and the planner know of the model before any worker starts
     (the workers confirm them in READY): the preset's, with the configured block and size."""
-    facts = dict(PRESET_FACTS[cfg.model.preset])
+    facts = preset_facts(cfg.model.preset)
     if cfg.sampler.frames_per_block:
         facts["frames_per_block"] = cfg.sampler.frames_per_block
     if cfg.model.size:

@@ -165,7 +165,7 @@ def test_dit_formats_give_identical_outputs(checkpoints):
     cf_out = dit_out(ModelSpec(**real, path=str(r / "original"), dit_checkpoint=str(r / "causal_forcing.pt")))
     assert torch.equal(diffusers_out, original_out) and torch.equal(diffusers_out, cf_out)
     non_ema = dit_out(
-        ModelSpec(**real, path=str(r / "original"), dit_checkpoint=str(r / "causal_forcing.pt"), use_ema=False)
+        ModelSpec(**real, path=str(r / "original"), dit_checkpoint=str(r / "causal_forcing.pt"), weights="generator")
     )
     assert not torch.equal(non_ema, cf_out)
     assert torch.equal(

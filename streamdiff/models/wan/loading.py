@@ -6,9 +6,10 @@ Our modules use the original Wan 2.1 key names. Accepted inputs:
   `Wan2.1_VAE.pth` for the VAE (its encoder and quant conv are skipped: we only decode);
 - diffusers: `WanTransformer3DModel` / `AutoencoderKLWan` directories (`config.json` and
   `diffusion_pytorch_model*.safetensors`, sharded or not), or their state dicts;
-- Causal Forcing / Self-Forcing: a `torch.save` dict with `generator` and `generator_ema`,
-  keys prefixed `model.`, with the segments training wrappers add anywhere in a key
-  (`_fsdp_wrapped_module.`, `_checkpoint_wrapped_module.`, `_orig_mod.`), original names inside.
+- Causal Forcing / Self-Forcing / LongLive: a `torch.save` dict with `generator` and `generator_ema`
+  (one of them chosen: `select_weight_set`), keys prefixed `model.`, with the segments training
+  wrappers add anywhere in a key (`_fsdp_wrapped_module.`, `_checkpoint_wrapped_module.`,
+  `_orig_mod.`), original names inside.
 
 Every mismatch (missing key, unexpected key, wrong shape) is collected and raised once as a
 `CheckpointError` that names them.
@@ -64,18 +65,44 @@ def read_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
         obj = torch.load(str(p), map_location="cpu", weights_only=True, mmap=True)
     except Exception as exc:  # corrupted or truncated files surface here
         raise CheckpointError(f"cannot read checkpoint {p}: {exc}") from exc
-    return unwrap_training_checkpoint(obj, str(p))
+    return select_weight_set(obj, str(p), explicit=False)
 
 
-def unwrap_training_checkpoint(obj, origin: str = "checkpoint", prefer_ema: bool = True) -> dict[str, torch.Tensor]:
-    """Causal Forcing / Self-Forcing files hold {'generator', 'generator_ema'}; others may hold
-    {'state_dict'} or {'model'}; plain state dicts pass through."""
+# The weight sets of a training checkpoint (Self-Forcing, Causal Forcing, LongLive, ...).
+WEIGHT_SET_KEYS = {"ema": "generator_ema", "generator": "generator"}
+
+
+def select_weight_set(obj, origin: str = "checkpoint", weights: str = "ema", explicit: bool = True) -> dict:
+    """The chosen set of a training checkpoint holding {'generator', 'generator_ema', ...}.
+
+    A file that holds weight sets but not the chosen one is refused, naming the sets it has,
+    where the set was chosen (a preset or --weights); otherwise the other set is taken. A file
+    without sets ({'state_dict'}, {'model'}, or a plain state dict) is the weights themselves."""
     if not isinstance(obj, Mapping):
         raise CheckpointError(f"{origin}: expected a state dict, found {type(obj).__name__}")
-    order = ("generator_ema", "generator") if prefer_ema else ("generator", "generator_ema")
-    for key in (*order, "state_dict", "model", "module"):
+    if weights not in WEIGHT_SET_KEYS:
+        raise CheckpointError(f"unknown weight set {weights!r} (use ema or generator)")
+    sets = [k for k in ("generator_ema", "generator") if isinstance(obj.get(k), Mapping)]
+    if sets:
+        key = WEIGHT_SET_KEYS[weights]
+        if key not in sets:
+            if explicit:
+                held = ", ".join(k for k in obj if isinstance(obj[k], Mapping))
+                raise CheckpointError(f"{origin} has no {key!r} weight set (--weights {weights}); it holds: {held}")
+            key = sets[0]
+        return unwrap_state_dict(obj[key], origin)
+    if explicit and weights == "ema":
+        raise CheckpointError(f"{origin} holds no weight sets (generator, generator_ema): --weights ema needs one")
+    return unwrap_state_dict(obj, origin)
+
+
+def unwrap_state_dict(obj, origin: str = "checkpoint") -> dict[str, torch.Tensor]:
+    """{'state_dict'}, {'model'} or {'module'} containers unwrapped; plain state dicts pass through."""
+    if not isinstance(obj, Mapping):
+        raise CheckpointError(f"{origin}: expected a state dict, found {type(obj).__name__}")
+    for key in ("state_dict", "model", "module"):
         if key in obj and isinstance(obj[key], Mapping):
-            return unwrap_training_checkpoint(obj[key], origin, prefer_ema)
+            return unwrap_state_dict(obj[key], origin)
     bad = [k for k, v in obj.items() if not isinstance(v, torch.Tensor)]
     if bad:
         raise CheckpointError(f"{origin}: entries that are not tensors: {bad[:10]}")

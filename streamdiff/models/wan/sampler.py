@@ -25,8 +25,17 @@ class SamplerConfig:
     window_frames: int = 21  # local attention window incl. the current block (KV cache size)
     sink_frames: int = 0  # frames at the start of a shot never evicted from the window
     context_t: float = 0.0  # timestep of the clean cache-refresh pass
+    warp: bool = True  # map `steps` through the shifted schedule (Self-Forcing's warp_denoising_step)
+    global_sink: bool = False  # a re-cache keeps the sinks' keys/values as written (LongLive)
+    recache: str = "on_request"  # never | on_request | every_switch: prompt switches that recompute the cache
+    kind: str = "block"  # block | rolling (Rolling Forcing: blocks in flight at staggered noise levels)
+    kv_recompute: bool = False  # Krea: each block first recomputes its context's keys/values
 
     def validate(self) -> None:
+        if self.recache not in ("never", "on_request", "every_switch"):
+            raise ValueError(f"recache must be never, on_request or every_switch, got {self.recache!r}")
+        if self.kind not in ("block", "rolling"):
+            raise ValueError(f"sampler kind must be block or rolling, got {self.kind!r}")
         if self.frames_per_block < 1:
             raise ValueError(f"frames_per_block must be >= 1, got {self.frames_per_block}")
         for name, steps in (("steps", self.steps), ("first_block_steps", self.first_block_steps or (1,))):
@@ -39,14 +48,32 @@ class SamplerConfig:
             )
 
 
+def _schedule(shift: float) -> torch.Tensor:
+    """The shifted flow-matching schedule of the authors' scheduler (FlowMatchScheduler with 1000
+    steps and `extra_one_step`): sigma = linspace(1, 0, 1001)[:-1], sigma' = s*sigma/(1+(s-1)*sigma),
+    as timesteps t = 1000*sigma' (float64)."""
+    sigma = torch.linspace(1.0, 0.0, 1001, dtype=torch.float64)[:-1]
+    return 1000.0 * shift * sigma / (1 + (shift - 1) * sigma)
+
+
 def warped_timesteps(steps: Sequence[int], shift: float) -> list[float]:
     """Map raw steps (1000 = pure noise) to shifted timesteps, as Self-Forcing's
-    `warp_denoising_step`: sigma = linspace(1, 0, 1001)[:-1], sigma' = s*sigma/(1+(s-1)*sigma),
-    t = 1000*sigma', and step k selects t[1000 - k]."""
-    sigma = torch.linspace(1.0, 0.0, 1001, dtype=torch.float64)[:-1]
-    sigma = shift * sigma / (1 + (shift - 1) * sigma)
-    t = 1000.0 * sigma
+    `warp_denoising_step`: step k selects t[1000 - k] of the shifted schedule."""
+    t = _schedule(shift)
     return [float(t[1000 - int(k)]) for k in steps]
+
+
+def step_timesteps(steps: Sequence[int], shift: float, warp: bool) -> list[float]:
+    """The timesteps a step list runs at: warped (above), or as written (CausVid, Krea)."""
+    return warped_timesteps(steps, shift) if warp else [float(k) for k in steps]
+
+
+def sigma_of(timesteps: Sequence[float], shift: float) -> list[float]:
+    """Each timestep's sigma as the authors' scheduler converts it: the sigma of the nearest
+    timestep of the shifted schedule. A warped step is on the schedule (sigma = t / 1000); a step
+    as written (CausVid's 757 under shift 8) takes its nearest neighbour there."""
+    t = _schedule(shift)
+    return [float(t[int(torch.argmin((t - float(x)).abs()))]) / 1000.0 for x in timesteps]
 
 
 @torch.no_grad()
@@ -57,16 +84,19 @@ def denoise_block(
     timesteps: Sequence[float],
     renoise: Sequence[torch.Tensor],
     context_t: float = 0.0,
+    sigmas: Sequence[float] | None = None,
 ) -> torch.Tensor:
     """Denoise one block and commit it to the session's KV cache.
 
-    noise: (B, C, f, H, W) initial noise; renoise: one noise tensor per step after the first.
+    noise: (B, C, f, H, W) initial noise; renoise: one noise tensor per step after the first;
+    sigmas: each step's noise level (`sigma_of`; default timestep / 1000, exact for warped steps).
     Returns the clean latent x0 (float32, on the model's device).
     """
     b = noise.shape[0]
     steps = torch.tensor(timesteps, dtype=torch.float32)[:, None].expand(-1, b)
+    sig = torch.tensor(sigmas, dtype=torch.float32)[:, None].expand(-1, b) if sigmas is not None else steps / 1000.0
     return _denoise(
-        lambda x, t, commit: model.forward_block(x, t, state, commit), model, noise, steps, renoise, context_t
+        lambda x, t, commit: model.forward_block(x, t, state, commit), model, noise, steps, sig, renoise, context_t
     )
 
 
@@ -78,33 +108,37 @@ def denoise_sessions(
     timesteps: Sequence[Sequence[float]],
     renoise: Sequence[torch.Tensor],
     context_t: float = 0.0,
+    sigmas: Sequence[Sequence[float]] | None = None,
 ) -> torch.Tensor:
     """`denoise_block` for several sessions at once: row i of noise/renoise is session i's, and
-    `timesteps[i]` its step list (all of one length: the sessions take their steps together)."""
+    `timesteps[i]` (`sigmas[i]`) its step list (all of one length: the sessions take their steps together)."""
     if len({len(ts) for ts in timesteps}) != 1:
         raise ValueError("sessions denoised together must have step lists of one length")
     steps = torch.tensor(list(timesteps), dtype=torch.float32).T  # (steps, S)
+    sig = torch.tensor(list(sigmas), dtype=torch.float32).T if sigmas is not None else steps / 1000.0
     return _denoise(
-        lambda x, t, commit: model.forward_sessions(x, t, states, commit), model, noise, steps, renoise, context_t
+        lambda x, t, commit: model.forward_sessions(x, t, states, commit), model, noise, steps, sig, renoise, context_t
     )
 
 
-def _denoise(forward, model: WanDiT, noise, steps: torch.Tensor, renoise, context_t: float) -> torch.Tensor:
-    """The few-step flow sampler; steps: (n_steps, B) timesteps, one column per row of the batch.
+def _denoise(
+    forward, model: WanDiT, noise, steps: torch.Tensor, sigmas: torch.Tensor, renoise, context_t: float
+) -> torch.Tensor:
+    """The few-step flow sampler; steps, sigmas: (n_steps, B), one column per row of the batch.
     For each step: x0 = x - sigma * v; then re-noise to the next step's sigma; finally one pass at
     t = context_t commits the clean block's keys/values to the cache."""
     b, _, f = noise.shape[:3]
     dev = model.patch_embedding.weight.device
     x = noise.to(dev, torch.float32)
     x0 = x
-    steps = steps.to(dev)
+    steps, sigmas = steps.to(dev), sigmas.to(dev)
     for i in range(steps.shape[0]):
         t = steps[i]  # (B,)
         v = forward(x, t[:, None].expand(b, f), False)
-        sigma = (t / 1000.0).view(b, 1, 1, 1, 1)
+        sigma = sigmas[i].view(b, 1, 1, 1, 1)
         x0 = x - sigma * v
         if i + 1 < steps.shape[0]:
-            s_next = (steps[i + 1] / 1000.0).view(b, 1, 1, 1, 1)
+            s_next = sigmas[i + 1].view(b, 1, 1, 1, 1)
             x = (1.0 - s_next) * x0 + s_next * renoise[i].to(dev, torch.float32)
     forward(x0, torch.full((b, f), context_t, device=dev), True)
     return x0

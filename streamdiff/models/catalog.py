@@ -1,0 +1,179 @@
+"""The published causal Wan checkpoints as presets: every setting their authors' inference uses (torch-free;
+read by the supervisor, the CLI and the workers).
+
+A checkpoint preset names a DiT architecture (`dit`, a configuration of `presets.py`) and fixes
+what the authors' own script sets: which weight set of the training checkpoint it loads, the step
+list and its warp, the block size, the attention window and sinks, the re-cache policy on a prompt
+switch, and the LoRA that completes the weights. Where each value comes from (repository, file,
+key) is recorded in docs/published-models.md. Every setting can still be overridden one by one
+(`[sampler]`, `--weights`, `--lora-alpha`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import asdict, dataclass
+
+WEIGHT_SETS = ("ema", "generator")  # `generator_ema` or `generator` of a training checkpoint
+RECACHE = ("never", "on_request", "every_switch")
+SAMPLERS = ("block", "rolling")
+
+# "Global" attention in the authors' code is a KV cache the size of their whole video: 21 latent
+# frames (81 frames at 16 fps). A stream here may run longer, so a global model's window slides
+# at that length.
+GLOBAL_WINDOW_FRAMES = 21
+
+
+@dataclass(frozen=True)
+class Lora:
+    rank: int
+    alpha: float
+
+
+@dataclass(frozen=True)
+class CheckpointPreset:
+    name: str
+    source: str  # the authors' repository (github owner/name)
+    checkpoint: str  # the file the authors ship, as their README names it
+    weights: str  # "ema" | "generator": the set the authors' inference loads
+    steps: tuple[int, ...]  # the step list as the authors write it, before any warp
+    shift: float  # flow-matching timestep shift
+    warp: bool  # map the steps through the shifted schedule (warp_denoising_step)
+    first_block_steps: tuple[int, ...] | None  # a shot's first block's own list (Causal Forcing++)
+    frames_per_block: int  # latent frames per block
+    window: int | None  # attention window in latent frames, the current block included; None: global
+    sink: int  # frames at a shot's start never evicted
+    global_sink: bool  # a re-cache leaves the sinks' keys/values as they were written
+    recache: str  # never | on_request | every_switch: when a prompt switch recomputes the window's cache
+    lora: Lora | None  # the PEFT adapter the authors merge before inference
+    dit: str  # the DiT configuration (presets.py)
+    sampler: str = "block"  # block | rolling (Rolling Forcing's window of blocks at staggered noise levels)
+    kv_recompute: bool = False  # Krea: each block recomputes its context's keys/values under the prompt
+    i2v: bool = False  # the authors condition this checkpoint on an image (image-to-video)
+
+    def to_json(self) -> dict:
+        """The fields `streamdiffd models --json` prints, exactly."""
+        d = asdict(self)
+        out = {k: d[k] for k in JSON_FIELDS}
+        out["steps"] = list(self.steps)
+        out["first_block_steps"] = list(self.first_block_steps) if self.first_block_steps else None
+        return out
+
+    @property
+    def window_frames(self) -> int:
+        return self.window if self.window is not None else GLOBAL_WINDOW_FRAMES
+
+    def sampler_settings(self) -> dict:
+        """This preset's values of the models' `SamplerConfig` fields."""
+        return {
+            "frames_per_block": self.frames_per_block,
+            "steps": self.steps,
+            "first_block_steps": self.first_block_steps,
+            "shift": self.shift,
+            "warp": self.warp,
+            "window_frames": self.window_frames,
+            "sink_frames": self.sink,
+            "global_sink": self.global_sink,
+            "recache": self.recache,
+            "kind": self.sampler,
+            "kv_recompute": self.kv_recompute,
+        }
+
+
+JSON_FIELDS = (
+    "name",
+    "source",
+    "checkpoint",
+    "weights",
+    "steps",
+    "shift",
+    "warp",
+    "first_block_steps",
+    "frames_per_block",
+    "window",
+    "sink",
+    "global_sink",
+    "recache",
+    "lora",
+    "dit",
+)
+
+_FOUR = (1000, 750, 500, 250)
+_CF = "thu-ml/Causal-Forcing"
+
+
+def _p(name: str, source: str, checkpoint: str, weights: str, **kw) -> CheckpointPreset:
+    base = dict(
+        steps=_FOUR,
+        shift=5.0,
+        warp=True,
+        first_block_steps=None,
+        frames_per_block=3,
+        window=None,
+        sink=0,
+        global_sink=False,
+        recache="on_request",
+        lora=None,
+        dit="wan2.1-t2v-1.3b",
+    )
+    base.update(kw)
+    return CheckpointPreset(name, source, checkpoint, weights, **base)
+
+
+CHECKPOINT_PRESETS: dict[str, CheckpointPreset] = {
+    p.name: p
+    for p in (
+        _p("self-forcing", "guandeh17/Self-Forcing", "checkpoints/self_forcing_dmd.pt", "ema"),
+        _p("causvid", "tianweiy/CausVid", "autoregressive_checkpoint/model.pt", "generator",
+           steps=(1000, 757, 522), shift=8.0, warp=False),
+        _p("causal-forcing", _CF, "chunkwise/causal_forcing.pt", "generator"),
+        _p("causal-forcing-framewise", _CF, "framewise/causal_forcing.pt", "ema", frames_per_block=1, i2v=True),
+        _p("causal-forcing-2step", _CF, "causal-forcing++/framewise-2step.pt", "ema",
+           steps=(1000, 500), first_block_steps=_FOUR, frames_per_block=1),
+        _p("causal-forcing-1step", _CF, "causal-forcing++/framewise-1step.pt", "ema",
+           steps=(1000,), first_block_steps=_FOUR, frames_per_block=1),
+        _p("causal-forcing-longvideo", _CF, "chunkwise/longvideo.pt", "generator"),
+        _p("longlive", "NVlabs/LongLive", "longlive_base.pt", "generator",
+           window=12, sink=3, global_sink=True, recache="every_switch", lora=Lora(256, 256.0)),
+        _p("rolling-forcing", "TencentARC/RollingForcing", "rolling_forcing_dmd.pt", "ema",
+           steps=(1000, 800, 600, 400, 200), window=21, sink=3, sampler="rolling"),
+        _p("krea-realtime-14b", "krea-ai/realtime-video", "krea-realtime-video-14b.safetensors", "generator",
+           steps=(1000, 937, 833, 625), warp=False, dit="wan2.1-t2v-14b", kv_recompute=True),
+    )
+}  # fmt: skip
+
+
+def checkpoint_preset(name: str) -> CheckpointPreset | None:
+    return CHECKPOINT_PRESETS.get(name)
+
+
+def table() -> str:
+    """The presets as a text table (`streamdiffd models`)."""
+    rows = [("preset", "checkpoint", "weights", "steps", "shift", "warp", "block", "window/sink", "recache", "DiT")]
+    for p in CHECKPOINT_PRESETS.values():
+        steps = ",".join(map(str, p.steps)) + (f" (first {len(p.first_block_steps)})" if p.first_block_steps else "")
+        win = f"{p.window if p.window is not None else 'global'}/{p.sink}" + (" global" if p.global_sink else "")
+        extra = " +LoRA" if p.lora else ""
+        rows.append(
+            (p.name, p.checkpoint + extra, p.weights, steps, f"{p.shift:g}", "yes" if p.warp else "no",
+             str(p.frames_per_block), win, p.recache, p.dit)
+        )  # fmt: skip
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows)
+
+
+def main(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(
+        prog="streamdiffd models",
+        description="The published causal Wan checkpoints this daemon runs as their authors run them "
+        "(streamdiffd --preset NAME --model WAN_DIR --dit-checkpoint FILE).",
+    )
+    ap.add_argument("--json", action="store_true", help="one JSON object per preset, one per line")
+    a = ap.parse_args(argv)
+    if a.json:
+        for p in CHECKPOINT_PRESETS.values():
+            print(json.dumps(p.to_json()))
+    else:
+        print(table())
+    return 0
