@@ -35,6 +35,7 @@ from .wan.loading import (
     vae_config_from_json,
     vae_config_from_state_dict,
 )
+from .wan.lora import merge_lora_file
 from .wan.sampler import SamplerConfig
 from .wan.text import TinyTextEncoder, UMT5TextEncoder
 from .wan.vae import VAEConfig, WanVAEDecoder
@@ -178,13 +179,20 @@ def build_dit(spec: ModelSpec, device: str = "cpu") -> tuple[WanDiT, Preset]:
     preset = get_preset(spec)
     dtype = resolve_dtype(spec, device)
     if preset.embedded:
+        if spec.lora:
+            raise ValueError(f"a LoRA needs a loaded model; preset {preset.name!r} generates its weights")
         torch.manual_seed(spec.seed)
         model = WanDiT(preset.dit)
     else:
         with torch.device("meta"):
             model = WanDiT(preset.dit)
         model.to_empty(device="cpu")
-        load_into(model, normalize_dit_state_dict(_dit_weights(spec, preset)), "DiT checkpoint")
+        sd = normalize_dit_state_dict(_dit_weights(spec, preset))
+        if spec.lora:
+            lora = preset.checkpoint.lora if preset.checkpoint else None
+            alpha = spec.lora_alpha or (lora.alpha if lora else None)
+            sd = merge_lora_file(sd, spec.lora, alpha, spec.lora_rank or (lora.rank if lora else None))
+        load_into(model, sd, "DiT checkpoint")
     return model.cast(dtype).to(device).eval().requires_grad_(False), preset
 
 

@@ -20,6 +20,9 @@ class ModelSpec:
     seed: int = 1234  # tiny only: weight seed
     sampler: dict = field(default_factory=dict)  # overrides of SamplerConfig fields
     default_size: tuple[int, int] | None = None  # (width, height) instead of the preset's (model.size)
+    lora: str | None = None  # PEFT LoRA adapter file (LongLive's lora.pt) merged into the DiT at load
+    lora_alpha: float | None = None  # its alpha (not stored in the file); required with `lora`
+    lora_rank: int | None = None  # expected rank, checked against the file when given
 
 
 # What the supervisor needs to know about each preset before any worker has started (it sizes

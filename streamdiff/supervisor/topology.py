@@ -40,6 +40,8 @@ def model_spec(cfg: Config) -> ModelSpec:
         path=m.path or None,
         dit_checkpoint=m.dit_checkpoint or None,
         weights=m.weights or None,
+        lora=m.lora or None,
+        lora_alpha=m.lora_alpha or None,
         dtype=m.dtype,
         dit_vae_ratio=m.dit_vae_ratio,
         seed=m.seed,

@@ -128,8 +128,9 @@ def read_config(directory: Path) -> dict:
 _WRAPPER_SEGMENTS = re.compile(r"(?:^|(?<=\.))(?:_fsdp_wrapped_module|_checkpoint_wrapped_module|_orig_mod)\.")
 
 # Leading prefixes of whole-model containers: the generator wrapper's `.model`, DDP's `module.`,
-# LDM-style `diffusion_model.`.
+# LDM-style `diffusion_model.`, a PEFT model's `base_model.model.` (LoRA adapter files).
 _PREFIXES = (
+    "base_model.model.",
     "model.diffusion_model.",
     "diffusion_model.",
     "model.",
@@ -157,19 +158,21 @@ _DIT_DIFFUSERS = [
 ]
 
 
-def strip_prefixes(sd: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def strip_key(key: str) -> str:
     """Training-wrapper segments removed wherever they are, then container prefixes in front."""
-    out = {}
-    for k, v in sd.items():
-        k = _WRAPPER_SEGMENTS.sub("", k)
-        changed = True
-        while changed:
-            changed = False
-            for p in _PREFIXES:
-                if k.startswith(p):
-                    k, changed = k[len(p) :], True
-        out[k] = v
-    return out
+    key = _WRAPPER_SEGMENTS.sub("", key)
+    changed = True
+    while changed:
+        changed = False
+        for p in _PREFIXES:
+            if key.startswith(p):
+                key, changed = key[len(p) :], True
+    return key
+
+
+def strip_prefixes(sd: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`strip_key` applied to every key."""
+    return {strip_key(k): v for k, v in sd.items()}
 
 
 def is_diffusers_dit(keys) -> bool:
