@@ -3,9 +3,14 @@
 A shot (the first scene, and every scene after a `cut`) starts the VAE's causal cache afresh:
 its first latent frame decodes to 1 frame, every later one to `temporal_factor` (4) frames. A
 `continue` scene keeps the shot going, so all of its latent frames give 4. Each scene asks for
-an exact number of frames; we generate the fewest latent frames that cover it, in blocks of
-`frames_per_block` (the scene's last block may be shorter), and emit only the frames asked for
-(at most temporal_factor - 1 decoded frames are dropped at the end of a scene).
+an exact number of frames; we generate the fewest whole blocks of `frames_per_block` latent
+frames that cover it, and emit only the frames asked for: the surplus frames at the end of a
+scene's last block are decoded (the VAE's causal cache runs through them) and dropped.
+
+Whole blocks because the published models were trained on blocks of one size only: a scene's
+last block of 1-2 latent frames, or a `continue` scene starting off the block grid, shows the
+DiT a block it never saw in training. The price is up to `frames_per_block - 1` latent frames
+generated and not shown at a scene's end.
 """
 
 from __future__ import annotations
@@ -47,19 +52,15 @@ def plan_blocks(scenes: list[Scene], frames_per_block: int, temporal_factor: int
     timeline = 0
     for si, scene in enumerate(scenes):
         shot_start = si == 0 or scene.transition == "cut"
-        remaining_latent = latent_frames_for(scene.frames, shot_start, temporal_factor)
+        latent = latent_frames_for(scene.frames, shot_start, temporal_factor)
         remaining_out = scene.frames
-        first = True
-        while remaining_latent > 0:
-            f = min(frames_per_block, remaining_latent)
-            starts_shot = shot_start and first
-            out = f * temporal_factor - (temporal_factor - 1 if starts_shot else 0)
+        for i in range(-(-latent // frames_per_block)):
+            starts_shot = shot_start and i == 0
+            out = frames_per_block * temporal_factor - (temporal_factor - 1 if starts_shot else 0)
             emit = min(out, remaining_out)
-            blocks.append(Block(len(blocks), si, f, out, emit, timeline, first, starts_shot))
+            blocks.append(Block(len(blocks), si, frames_per_block, out, emit, timeline, i == 0, starts_shot))
             timeline += emit
             remaining_out -= emit
-            remaining_latent -= f
-            first = False
     return blocks
 
 

@@ -224,14 +224,14 @@ def predict(prof, layout):
 
 
 def w1_steady_fps(block_s: float) -> float:
-    """W1's frames after the first fragment over its blocks after the first, a full block (3
-    latent frames) per block_s and a scene's shorter last block its share of that."""
+    """W1's frames after the first fragment over its blocks after the first, a whole block per
+    block_s (a scene's last block too: its surplus frames are made and dropped)."""
     from streamdiff.placement.sim import storyboard
     from streamdiff.plan import plan_blocks
 
     blocks = plan_blocks(storyboard(), 3, 4)
-    assert {b.latent_frames for b in blocks[1:]} == {1, 2, 3}  # the storyboard has short blocks
-    return sum(b.emit for b in blocks[1:]) / (sum(b.latent_frames for b in blocks[1:]) / 3 * block_s)
+    assert {b.latent_frames for b in blocks} == {3}
+    return sum(b.emit for b in blocks[1:]) / (len(blocks[1:]) * block_s)
 
 
 def test_the_simulator_runs_at_the_slower_stage_when_the_stages_overlap():
@@ -296,8 +296,10 @@ def test_the_hosts_work_beside_the_dit_slows_the_aggregated_worker_not_the_disag
         prof.sizes["256x144"]["dit"][t]["host_block_ms"] = prof.sizes["256x144"]["dit"][t]["block_ms"] + 30.0
     after = {name: predict(prof, lay).w1_steady_fps for name, lay in layouts.items()}
     assert after["disagg-1+1"] == pytest.approx(before["disagg-1+1"], rel=0.01)
-    assert before["agg-1x2t"] == pytest.approx(w1_steady_fps(0.170), rel=0.03)
-    assert after["agg-1x2t"] == pytest.approx(w1_steady_fps(0.200), rel=0.03)
+    # (5%: the worker takes the last block's DiT before the block before it decodes, so the last
+    # fragment follows 110 ms after the one before; the two figures are 15% apart)
+    assert before["agg-1x2t"] == pytest.approx(w1_steady_fps(0.170), rel=0.05)
+    assert after["agg-1x2t"] == pytest.approx(w1_steady_fps(0.200), rel=0.05)
     # Before the first fragment the encoder has nothing to do: the first block's DiT runs
     # without it (TTFF: DiT 100 + VAE 200 + encoding 5, as without the host's 30).
     assert predict(prof, layouts["disagg-1+1"]).w1_ttff_s == pytest.approx(0.1 + 0.2 + 0.005, abs=0.01)

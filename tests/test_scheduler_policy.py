@@ -641,31 +641,3 @@ def test_a_hybrid_groups_decodes_carry_band_weights_sized_to_the_dits_slack():
         else:
             assert weights[0] == []
         w.assert_clean()
-
-
-def test_a_scenes_short_last_block_does_not_make_a_stage_look_faster():
-    """Every block costs its share of a full one (3 latent frames): the 2-frame block that ends
-    a 2.5 s scene takes 2/3 of the time. The cost models follow full blocks, so it leaves
-    admission's cost of both stages where the full blocks put it (before, at ALPHA 0.3, one
-    short block pulled a cost down by 10%)."""
-    w = World(layout=(["dit0"], [["vae0.0"]]))
-    calibrated(w, {}, block_ms=30.0, vae_ms=60.0)
-    answer = w._answer
-
-    def by_frames(worker, what):  # the fake workers' times in proportion to each block's frames
-        out = answer(worker, what)
-        for ev in out:
-            if isinstance(ev, m.LatentDone):
-                ev.compute_ms = ev.busy_ms = 30.0 * ev.shape[1] / 3
-            elif isinstance(ev, m.FramesDone):
-                frames = w.sched.sessions["a"].tickets[ev.block].shape[1]
-                ev.compute_ms = ev.busy_ms = 60.0 * frames / 3
-        return out
-
-    w._answer = by_frames
-    sess = w.submit("a", seconds=2.5)
-    assert [b.latent_frames for b in sess.blocks] == [3, 3, 3, 2]
-    w.run()
-    assert w.ended["a"].error is None
-    assert w.sched.capacity.block_ms("dit0", (128, 64)) == pytest.approx(30.0)
-    assert w.sched.capacity.block_ms("vae-group-0", (128, 64)) == pytest.approx(60.0)

@@ -133,13 +133,13 @@ CHECKPOINT_PRESETS: dict[str, CheckpointPreset] = {
            steps=(1000, 500), first_block_steps=_FOUR, frames_per_block=1),
         _p("causal-forcing-1step", _CF, "causal-forcing++/framewise-1step.pt", "ema",
            steps=(1000,), first_block_steps=_FOUR, frames_per_block=1),
-        _p("causal-forcing-longvideo", _CF, "chunkwise/longvideo.pt", "generator"),
+        _p("causal-forcing-longvideo", _CF, "chunkwise/longvideo.pt", "ema", window=21, sink=3, sampler="rolling"),
         _p("longlive", "NVlabs/LongLive", "longlive_base.pt", "generator",
            window=12, sink=3, global_sink=True, recache="every_switch", lora=Lora(256, 256.0)),
         _p("rolling-forcing", "TencentARC/RollingForcing", "rolling_forcing_dmd.pt", "ema",
            steps=(1000, 800, 600, 400, 200), window=21, sink=3, sampler="rolling"),
         _p("krea-realtime-14b", "krea-ai/realtime-video", "krea-realtime-video-14b.safetensors", "generator",
-           steps=(1000, 937, 833, 625), warp=False, dit="wan2.1-t2v-14b", kv_recompute=True),
+           steps=(1000, 750, 500, 250, 0), window=6, recache="never", dit="wan2.1-t2v-14b", kv_recompute=True),
     )
 }  # fmt: skip
 

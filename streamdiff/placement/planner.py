@@ -76,11 +76,14 @@ def _valid(x: Layout) -> bool:
 
 
 def _key(objective: str, p: Prediction):
+    # Rounded, so that layouts the simulator finds equal (two sums of the same block times in
+    # another order differ in the last bit) are ranked by the next figure, not by rounding.
+    fps, ttff = -round(p.w1_fps, 6), round(p.w1_ttff_s, 9)
     if objective == "throughput":
-        return (-p.w1_fps, p.w1_ttff_s)
+        return (fps, ttff)
     if objective == "latency":
-        return (p.w1_ttff_s, -p.w1_fps)
-    return (-(p.goodput or 0), -p.w1_fps)
+        return (ttff, fps)
+    return (-(p.goodput or 0), fps)
 
 
 @dataclass

@@ -236,18 +236,17 @@ class Costs:
         return fig["batch_ms"][str(near)]
 
     def dit_s(
-        self, n: int, shot_starts: int, cuts: list[int] | None = None, frames: float = 1.0, host: bool = True
+        self, n: int, shot_starts: int, cuts: list[int] | None = None, host: bool = True
     ) -> float:
-        """A batch of n blocks; `cuts`: each block's VAE cut (default: the layout's); `frames`:
-        the blocks' mean latent frames as a share of a full block's (a scene's last block is
-        shorter, and costs its share: every layer of both stages is linear in the frames);
-        `host`: the encoder is at work beside it (not before the first fragment)."""
+        """A batch of n blocks (every block is whole: plan.py); `cuts`: each block's VAE cut
+        (default: the layout's); `host`: the encoder is at work beside it (not before the first
+        fragment)."""
         d = self.dit
         per = self._batch(d, n, d["block_ms"])
         # A shot's first block: its prompt, its own steps, an empty cache (cheaper on the CPU).
         first = shot_starts * (d["first_ms"] - d["block_ms"]) * per / d["block_ms"]
         stages = sum(self.dit_cut_ms(c) for c in cuts) if cuts is not None else self.cut_ms * n
-        return ((per * n + first + stages) * frames + (self.host_ms * n if host else 0.0)) / 1000
+        return (per * n + first + stages + (self.host_ms * n if host else 0.0)) / 1000
 
     def dit_own_ms(self) -> float:
         return self.dit["own_ms"]
@@ -266,14 +265,13 @@ class Costs:
         n: int,
         first: bool,
         cut: int | None = None,
-        frames: float = 1.0,
         busy: bool = False,
     ) -> tuple[float, list[float]]:
         """(seconds for the group's batch, each shard's own seconds); `cut`: the batch's VAE cut
-        (default: the layout's); `frames`: as for `dit_s`; `busy`: the process ran other work
+        (default: the layout's); `busy`: the process ran other work
         until now (a shot's first block after idle is slower on two threads, profile.py)."""
         v = self.vae1
-        scale = self._batch(v, n, v["block_ms"]) / v["block_ms"] * n * frames
+        scale = self._batch(v, n, v["block_ms"]) / v["block_ms"] * n
         if first:
             scale *= ((v.get("first_busy_ms") if busy else None) or v["first_ms"]) / v["block_ms"]
         if k == 1:
@@ -515,7 +513,7 @@ class Sim:
             cuts = [b.vae_cut or self.layout.cut for b in blocks]
             # the encoder takes from the DiT's cores once it has a block to encode
             host = bool(self.result.fragments)
-            dur = c.dit_s(len(blocks), sum(1 for b in blocks if b.cut), cuts, self._frames(blocks), host)
+            dur = c.dit_s(len(blocks), sum(1 for b in blocks if b.cut), cuts, host)
             p = self.procs[job.procs[0]]
             p.left_s, p.since, p.rate = dur, self.now, self._free_rate(p)
             self._schedule(p)
@@ -533,7 +531,7 @@ class Sim:
         rows = [r1 - r0 for r0, r1 in bands]
         busy = all(self.now - self.procs[q].free_at <= BUSY_GAP_S for q in job.procs)
         dur, own = c.vae(
-            k, rows, len(blocks), blocks[0].reset, blocks[0].vae_cut or self.layout.cut, self._frames(blocks), busy
+            k, rows, len(blocks), blocks[0].reset, blocks[0].vae_cut or self.layout.cut, busy
         )
         job.own, job.rows, job.dur = own, rows, dur
         self.vae_blocks += len(blocks)
@@ -545,12 +543,6 @@ class Sim:
             self.vae_busy_s += dur
             self.at(self.now + dur, self._vae_done, job)
         self._rates_changed()
-
-    def _frames(self, blocks: list) -> float:
-        """The blocks' (GenerateBlock or DecodeBlock) mean latent frames as a share of a full
-        block's."""
-        f = sum(b.frames if isinstance(b, m.GenerateBlock) else b.shape[1] for b in blocks)
-        return f / (len(blocks) * self.facts["frames_per_block"])
 
     def _free_rate(self, p: Proc) -> float:
         """The share of its device a low-priority process gets now: what running VAE shards on

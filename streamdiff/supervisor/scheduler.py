@@ -452,15 +452,6 @@ class Scheduler:
                 self.cuts.seed(info["vae_stages_ms"]["ms"])
                 self.cuts.observe_vae(unit, cost["block_ms"], 0, self._latent_hw(*cost["size"]))
 
-    def _full_block(self, shape: list[int] | None) -> float:
-        """What a block of this latent shape (C, f, h, w) scales to a full block of the preset's
-        latent frames by: the cost models (admission's, the band weights', the cut's) follow full
-        blocks, and a scene's last block is shorter (both stages are linear in the frames). At
-        ALPHA 0.3 one such block of a third of the frames made a stage look 20% faster, at the
-        shot's start where the cut is chosen."""
-        fpb = self.facts.get("frames_per_block")
-        return fpb / shape[1] if fpb and shape and len(shape) > 1 and shape[1] > 0 else 1.0
-
     def _latent_hw(self, width: int, height: int) -> tuple[int, int]:
         sf = self.facts["spatial_factor"]
         return height // sf, width // sf
@@ -792,8 +783,7 @@ class Scheduler:
         self.stage_ms["dit"] += msg.compute_ms
         self.metrics.stage_seconds.labels("dit").observe(msg.compute_ms / 1000)
         self.metrics.dit_batched_blocks.labels(str(msg.batch)).inc()
-        full = self._full_block(msg.shape)
-        ms, busy = full * msg.compute_ms, full * msg.busy_ms
+        ms, busy = msg.compute_ms, msg.busy_ms
         predicted = self.capacity.observe(sess.dit, (sess.width, sess.height), ms, msg.batch)
         if predicted:
             self.metrics.block_cost_ratio.labels("dit").observe(ms / predicted)
@@ -810,15 +800,14 @@ class Scheduler:
             return
         t.reported.add(msg.rank)
         t.skipped |= msg.skipped
-        full = self._full_block(t.shape)
         if not msg.skipped:
             shard = self.topology.vae_groups[sess.group][msg.rank]
-            self.balance.observe(shard, full * msg.busy_ms, msg.rows, self._latent_hw(sess.width, sess.height)[1])
+            self.balance.observe(shard, msg.busy_ms, msg.rows, self._latent_hw(sess.width, sess.height)[1])
         if not msg.skipped and msg.rank == 0:
             self.stage_ms["vae"] += msg.compute_ms
             self.metrics.stage_seconds.labels("vae").observe(msg.compute_ms / 1000)
             self.metrics.vae_batched_blocks.labels(str(msg.batch)).inc()
-            unit, ms = self._group_unit(sess.group), full * msg.compute_ms
+            unit, ms = self._group_unit(sess.group), msg.compute_ms
             predicted = self.capacity.observe(unit, (sess.width, sess.height), ms, msg.batch)
             if predicted:
                 self.metrics.block_cost_ratio.labels("vae").observe(ms / predicted)

@@ -39,8 +39,11 @@ class SamplerConfig:
         if self.frames_per_block < 1:
             raise ValueError(f"frames_per_block must be >= 1, got {self.frames_per_block}")
         for name, steps in (("steps", self.steps), ("first_block_steps", self.first_block_steps or (1,))):
-            if not steps or any(not 0 < s <= 1000 for s in steps):
-                raise ValueError(f"{name} must be a non-empty list of integers in 1..1000, got {steps}")
+            # 0 may only end a list (Krea's last pass at t = 0, after re-noising to the smallest sigma)
+            if not steps or any(not 0 < s <= 1000 for s in steps[:-1]) or not 0 <= steps[-1] <= 1000 or steps[0] == 0:
+                raise ValueError(
+                    f"{name} must be a non-empty list of integers in 1..1000 (a last 0 allowed), got {steps}"
+                )
         if self.window_frames - self.sink_frames < self.frames_per_block:
             raise ValueError(
                 f"window_frames ({self.window_frames}) - sink_frames ({self.sink_frames}) "
@@ -56,11 +59,16 @@ def _schedule(shift: float) -> torch.Tensor:
     return 1000.0 * shift * sigma / (1 + (shift - 1) * sigma)
 
 
-def warped_timesteps(steps: Sequence[int], shift: float) -> list[float]:
+def warped_timesteps(steps: Sequence[float], shift: float) -> list[float]:
     """Map raw steps (1000 = pure noise) to shifted timesteps, as Self-Forcing's
-    `warp_denoising_step`: step k selects t[1000 - k] of the shifted schedule."""
-    t = _schedule(shift)
-    return [float(t[1000 - int(k)]) for k in steps]
+    `warp_denoising_step`: step k selects t[1000 - k] of the shifted schedule, which is the
+    shift applied to sigma = k / 1000; written as the formula so that Krea's last step, 0, maps
+    to 0 (its schedule is linspace(1000, 0, n) warped the same way)."""
+    out = []
+    for k in steps:
+        sigma = torch.tensor(float(k) / 1000.0, dtype=torch.float64)
+        out.append(float(1000.0 * shift * sigma / (1 + (shift - 1) * sigma)))
+    return out
 
 
 def step_timesteps(steps: Sequence[int], shift: float, warp: bool) -> list[float]:
