@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .presets import ModelSpec, build_dit, build_text_encoder, build_vae
+from .presets import ModelSpec, build_dit, build_text_encoder, build_vae, describe_load
 from .wan.dit import DiTState
 from .wan.kernels import CPU_DECODE_WORKING_SET_BYTES, DecodePlan, plan_block
 from .wan.sampler import denoise_block, denoise_sessions, sigma_of, step_timesteps
@@ -32,6 +32,7 @@ class DiTEngine:
     def __init__(self, spec: ModelSpec, device: str = "cpu", prompt_cache: int = 16) -> None:
         self.device = device
         self.model, self.preset = build_dit(spec, device)
+        self.loaded = describe_load(spec, self.preset)  # what it was built from (log, /health, /v1/models)
         self.text = build_text_encoder(spec, device)
         s = self.preset.sampler
         self.timesteps = step_timesteps(s.steps, s.shift, s.warp)

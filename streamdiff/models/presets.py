@@ -14,7 +14,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -194,6 +194,30 @@ def build_dit(spec: ModelSpec, device: str = "cpu") -> tuple[WanDiT, Preset]:
             sd = merge_lora_file(sd, spec.lora, alpha, spec.lora_rank or (lora.rank if lora else None))
         load_into(model, sd, "DiT checkpoint")
     return model.cast(dtype).to(device).eval().requires_grad_(False), preset
+
+
+def describe_load(spec: ModelSpec, preset: Preset) -> dict:
+    """What the DiT was built from, as the log, /health and /v1/models say it: the preset, its
+    DiT configuration, the checkpoint file and weight set, the LoRA, the sampler's settings."""
+    cp, lora = preset.checkpoint, None
+    if spec.lora:
+        own = cp.lora if cp else None
+        lora = {
+            "file": spec.lora,
+            "alpha": spec.lora_alpha or (own.alpha if own else None),
+            "rank": spec.lora_rank or (own.rank if own else None),
+        }
+    return {
+        "preset": preset.name,
+        "dit": cp.dit if cp else preset.name,
+        "source": cp.source if cp else None,
+        "weights_dir": spec.path,
+        "checkpoint": spec.dit_checkpoint,
+        "weights": weight_set(spec, preset) if spec.dit_checkpoint else None,
+        "lora": lora,
+        "embedded": preset.embedded,
+        "sampler": {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(preset.sampler).items()},
+    }
 
 
 def build_vae(spec: ModelSpec, device: str = "cpu") -> tuple[WanVAEDecoder, Preset]:

@@ -192,7 +192,11 @@ class Supervisor:
             for key in ("frames_per_block", "spatial_factor", "temporal_factor", "latent_channels"):
                 if key in info and info[key] != self.facts[key]:
                     raise RuntimeError(f"worker {w.spec.name} reports {key}={info[key]}, expected {self.facts[key]}")
-            self.facts.update({k: v for k, v in info.items() if k in ("model", "size_multiple", "embedded_weights")})
+            self.facts.update(
+                {k: v for k, v in info.items() if k in ("model", "size_multiple", "embedded_weights", "loaded")}
+            )
+        if "loaded" in self.facts:
+            log.info("model: %s", describe_loaded(self.facts["loaded"]))
 
     def _probe_encoder(self) -> None:
         from ..media.encoder import HW_ENCODERS, hardware_available
@@ -336,6 +340,7 @@ class Supervisor:
             "tasks_alive": alive,
             "pipeline": self.scheduler.snapshot() if self.scheduler else {},
             "placement": self.placement.as_dict() if self.placement else None,
+            "model": self.facts.get("loaded"),
         }
 
     # -- stop -----------------------------------------------------------------------------------
@@ -390,3 +395,23 @@ class Supervisor:
         if self.runtime_dir:
             shutil.rmtree(self.runtime_dir, ignore_errors=True)
         self.state = STOPPED
+
+
+def describe_loaded(d: dict) -> str:
+    """One log line of what the DiT workers loaded (the READY message's `loaded`)."""
+    s = d["sampler"]
+    parts = [f"preset {d['preset']} (DiT {d['dit']}{', ' + d['source'] if d.get('source') else ''})"]
+    if d.get("embedded"):
+        parts.append("embedded seeded weights")
+    if d.get("checkpoint"):
+        parts.append(f"checkpoint {d['checkpoint']} (weight set {d['weights']})")
+    if d.get("lora"):
+        lo = d["lora"]
+        parts.append(f"LoRA {lo['file']} (rank {lo['rank'] or 'as in the file'}, alpha {lo['alpha']})")
+    first = f", first block {s['first_block_steps']}" if s.get("first_block_steps") else ""
+    parts.append(
+        f"{s['kind']} sampler: steps {s['steps']}{first}, shift {s['shift']:g}, warp {s['warp']}, "
+        f"{s['frames_per_block']} latent frames per block, window {s['window_frames']}, sink {s['sink_frames']}"
+        f"{' (global)' if s['global_sink'] else ''}, re-cache {s['recache']}"
+    )
+    return "; ".join(parts)

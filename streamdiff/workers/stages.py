@@ -207,6 +207,7 @@ class DiTStage:
             "latent_channels": p.dit.in_channels,
             "default_size": list(p.default_size),
             "embedded_weights": p.embedded,
+            "loaded": self.engine.loaded,
             **self.calibration,
         }
 

@@ -1,0 +1,181 @@
+"""Tiny random models written in each published checkpoint's real layout (test helper).
+
+A base in the Wan 2.1 diffusers layout (small widths, a word-level tokenizer), and for each
+checkpoint preset the file its authors ship, holding the sets their training code writes:
+`generator` and `generator_ema` under the generator wrapper's `model.` prefix, the EMA with the
+FSDP and activation-checkpoint segments at the root and inside every block, a `critic` beside
+them where the authors keep one, LongLive's base with its `model` set and its PEFT LoRA file,
+Krea's flat safetensors. Every set holds other values, so loading the wrong one shows.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+from torch.distributed.fsdp._common_utils import FSDP_WRAPPED_MODULE
+
+from streamdiff.models.catalog import CHECKPOINT_PRESETS
+from streamdiff.models.presets import ModelSpec, build_dit
+from streamdiff.models.wan.dit import Block, WanDiT
+
+from .helpers import write_tokenizer
+
+SMALL_DIT = dict(  # diffusers WanTransformer3DModel: 2 heads of 24, 2 layers, text width 32
+    num_attention_heads=2,
+    attention_head_dim=24,
+    in_channels=16,
+    out_channels=16,
+    text_dim=32,
+    freq_dim=256,
+    ffn_dim=64,
+    num_layers=2,
+    cross_attn_norm=True,
+    rope_max_seq_len=1024,
+)
+SMALL_T5 = dict(
+    vocab_size=40,
+    d_model=32,
+    d_kv=8,
+    d_ff=64,
+    num_layers=2,
+    num_heads=4,
+    relative_attention_num_buckets=32,
+    relative_attention_max_distance=128,
+    feed_forward_proj="gated-gelu",
+    layer_norm_epsilon=1e-6,
+    dropout_rate=0.0,
+)
+
+
+class _Wrapper(nn.Module):
+    """The authors' generator wrapper (`WanDiffusionWrapper`): the WanModel as `.model`."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+
+class _FSDPUnit(nn.Module):
+    """Where FSDP1's auto-wrap puts a unit: the wrapped module under torch's attribute name."""
+
+    def __init__(self, module: nn.Module) -> None:
+        super().__init__()
+        setattr(self, FSDP_WRAPPED_MODULE, module)
+
+
+def generator_sd(dit: nn.Module) -> dict[str, torch.Tensor]:
+    """`generator` as the trainers save it: `model.` + the original Wan names."""
+    return {k: v.clone() for k, v in _Wrapper(dit).state_dict().items()}
+
+
+def ema_sd(dit: nn.Module) -> dict[str, torch.Tensor]:
+    """`generator_ema`: named parameters of the FSDP-wrapped generator, whose blocks are FSDP units
+    around activation-checkpoint wrappers (the segments sit at the root and inside each block)."""
+    wrapped = _Wrapper(copy.deepcopy(dit))
+    blocks = wrapped.model.blocks
+    for i in range(len(blocks)):
+        blocks[i] = _FSDPUnit(checkpoint_wrapper(blocks[i]))
+    root = _FSDPUnit(wrapped)
+    return {n: p.detach().clone() for n, p in root.named_parameters()}
+
+
+def shifted(dit: WanDiT, by: float) -> WanDiT:
+    out = copy.deepcopy(dit)
+    with torch.no_grad():
+        for p in out.parameters():
+            p.add_(by)
+    return out
+
+
+def write_base(root: Path) -> Path:
+    """The Wan 2.1 base in the diffusers layout (Wan-AI/Wan2.1-T2V-1.3B-Diffusers), small."""
+    from diffusers import AutoencoderKLWan, WanTransformer3DModel
+    from transformers import UMT5Config, UMT5EncoderModel
+
+    d = root / "wan-base"
+    torch.manual_seed(0)
+    WanTransformer3DModel(**SMALL_DIT).eval().save_pretrained(str(d / "transformer"))
+    AutoencoderKLWan(base_dim=8, num_res_blocks=1).eval().save_pretrained(str(d / "vae"))
+    UMT5EncoderModel(UMT5Config(**SMALL_T5)).eval().save_pretrained(str(d / "text_encoder"))
+    write_tokenizer(d / "tokenizer")
+    (d / "model_index.json").write_text(json.dumps({"_class_name": "WanPipeline"}))
+    return d
+
+
+@dataclass
+class Published:
+    """One preset's files: the flags that serve it, and the DiT weights its authors' script
+    loads (original key names), to compare against."""
+
+    preset: str
+    flags: list[str]
+    expected: dict[str, torch.Tensor]
+    files: dict[str, Path]
+
+
+def write_published(preset: str, root: Path, base: Path) -> Published:
+    """The file(s) the authors of `preset` ship, with a tiny DiT on `base`'s configuration."""
+    cp = CHECKPOINT_PRESETS[preset]
+    dit, _ = build_dit(ModelSpec(preset="wan2.1-t2v-1.3b", path=str(base)))
+    trained, ema = shifted(dit, 0.01), shifted(dit, -0.01)  # the two sets differ from each other
+    d = root / preset
+    d.mkdir(parents=True)
+    ck = d / Path(cp.checkpoint).name
+    files = {"checkpoint": ck}
+    flags = ["--preset", preset, "--model", str(base), "--dit-checkpoint", str(ck)]
+    critic = {"critic": {"model.head.head.weight": torch.zeros(3, 3)}}
+    if preset == "krea-realtime-14b":  # a flat safetensors of the generator, `model.blocks.*`
+        save_file({k: v.contiguous() for k, v in generator_sd(trained).items()}, str(ck))
+        expected = trained
+    elif preset == "causvid":  # the generator alone
+        torch.save({"generator": generator_sd(trained)}, ck)
+        expected = trained
+    elif preset == "rolling-forcing":  # the EMA alone, FSDP segments in its keys
+        torch.save({"generator_ema": ema_sd(ema)}, ck)
+        expected = ema
+    elif preset == "longlive":
+        torch.save({"generator": generator_sd(trained), "generator_ema": ema_sd(ema), "model": generator_sd(dit)}, ck)
+        lora_file, expected = write_longlive_lora(trained, cp.lora.rank, cp.lora.alpha, d / "lora.pt")
+        files["lora"] = lora_file
+        flags += ["--lora", str(lora_file)]
+    else:  # Self-Forcing, CausVid's successors, Causal Forcing: both sets (and a critic)
+        sets = {"generator": generator_sd(trained), "generator_ema": ema_sd(ema)}
+        torch.save({**sets, **(critic if preset == "self-forcing" else {})}, ck)
+        expected = ema if cp.weights == "ema" else trained
+    return Published(preset, flags, {k: v.clone() for k, v in expected.state_dict().items()}, files)
+
+
+def longlive_targets(model: nn.Module) -> list[str]:
+    """LongLive's `configure_lora_for_model`: every Linear inside each transformer block."""
+    return sorted(
+        sub_name
+        for name, m in model.named_modules()
+        if isinstance(m, Block)
+        for sub_name, sub in m.named_modules(prefix=name)
+        if isinstance(sub, nn.Linear)
+    )
+
+
+def write_longlive_lora(base: WanDiT, rank: int, alpha: float, path: Path) -> tuple[Path, WanDiT]:
+    """LongLive's lora.pt: PEFT's adapter state of the wrapped `.model` under `generator_lora`,
+    beside `critic_lora` and `step`; returns it and PEFT's own merge of it (the reference)."""
+    import peft
+
+    model = copy.deepcopy(base)
+    cfg = peft.LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=0.0, target_modules=longlive_targets(model))
+    wrapped = peft.get_peft_model(model, cfg)
+    g = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for name, p in wrapped.named_parameters():
+            if "lora_" in name:  # PEFT starts B at zero: give both factors values
+                p.copy_(torch.randn(p.shape, generator=g) * 0.02)
+    adapter = peft.get_peft_model_state_dict(wrapped)
+    torch.save({"generator_lora": adapter, "critic_lora": {}, "step": 100}, path)
+    return path, wrapped.merge_and_unload()
