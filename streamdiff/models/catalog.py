@@ -121,6 +121,12 @@ def _p(name: str, source: str, checkpoint: str, weights: str, **kw) -> Checkpoin
     return CheckpointPreset(name, source, checkpoint, weights, **base)
 
 
+# Krea (release_server.py): before each block the KV cache is rebuilt from kv_cache_num_frames = 3
+# clean context frames (the first frame and the newest two) at t=0 under the current prompt, and
+# the block attends to those 3 plus itself: a window of 6 with the first frame as a sink of 1.
+# Their default re-encodes the first context frame from a decoded pixel frame (a VAE encoder the
+# DiT worker does not have); this is their `keep_first_frame` form, which keeps the shot's first
+# latent (docs/published-models.md).
 CHECKPOINT_PRESETS: dict[str, CheckpointPreset] = {
     p.name: p
     for p in (
@@ -139,7 +145,7 @@ CHECKPOINT_PRESETS: dict[str, CheckpointPreset] = {
         _p("rolling-forcing", "TencentARC/RollingForcing", "rolling_forcing_dmd.pt", "ema",
            steps=(1000, 800, 600, 400, 200), window=21, sink=3, sampler="rolling"),
         _p("krea-realtime-14b", "krea-ai/realtime-video", "krea-realtime-video-14b.safetensors", "generator",
-           steps=(1000, 750, 500, 250, 0), window=6, recache="never", dit="wan2.1-t2v-14b", kv_recompute=True),
+           steps=(1000, 750, 500, 250, 0), window=6, sink=1, dit="wan2.1-t2v-14b", kv_recompute=True),
     )
 }  # fmt: skip
 

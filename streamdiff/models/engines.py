@@ -78,8 +78,13 @@ class DiTEngine:
             sess.shot_blocks = 0
         if seed is not None:
             sess.generator.manual_seed(seed)
-        if recache and not cut:
-            self.model.recache(sess.state, self.encode_prompt(prompt), self.preset.sampler.context_t)
+        s = self.preset.sampler
+        if recache and not cut and s.kv_recompute:  # the held context again, Krea's way, under the new prompt
+            self.model.set_prompt(sess.state, self.encode_prompt(prompt))
+            self.model.recompute(sess.state, s.frames_per_block, s.context_t)
+            sess.prompt = prompt
+        elif recache and not cut:
+            self.model.recache(sess.state, self.encode_prompt(prompt), s.context_t)
             sess.prompt = prompt
         elif cut or prompt != sess.prompt:
             self.model.set_prompt(sess.state, self.encode_prompt(prompt))
@@ -105,16 +110,26 @@ class DiTEngine:
             for i in range(len(ts) - 1):
                 renoise[i].append(torch.randn(shape, generator=sess.generator))
         ctx_t, shift = self.preset.sampler.context_t, self.preset.sampler.shift
+        recompute = self.preset.sampler.kv_recompute  # Krea: the recompute takes the clean pass's place
         sigmas = [sigma_of(ts, shift) for ts in steps]
         if len(sessions) == 1:
             x0 = denoise_block(
-                self.model, sessions[0].state, noise[0], steps[0], [r[0] for r in renoise], ctx_t, sigmas[0]
+                self.model,
+                sessions[0].state,
+                noise[0],
+                steps[0],
+                [r[0] for r in renoise],
+                ctx_t,
+                sigmas[0],
+                commit=not recompute,
             )
         else:
             states = [s.state for s in sessions]
             noise_b, renoise_b = torch.cat(noise), [torch.cat(r) for r in renoise]
-            x0 = denoise_sessions(self.model, states, noise_b, steps, renoise_b, ctx_t, sigmas)
-        for sess in sessions:
+            x0 = denoise_sessions(self.model, states, noise_b, steps, renoise_b, ctx_t, sigmas, commit=not recompute)
+        for i, sess in enumerate(sessions):
+            if recompute:
+                self.model.commit_and_recompute(sess.state, x0[i : i + 1], frames, ctx_t)
             sess.shot_blocks += 1
         return [x.float().cpu() for x in x0.split(1)]
 

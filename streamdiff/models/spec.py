@@ -55,6 +55,15 @@ PRESET_FACTS = {
 }
 
 
+# The real DiT configurations' dimensions (presets.py's DiTConfig, equal by test), for pricing a
+# model before any worker builds it (placement/cost.py).
+_WAN = {"freq_dim": 256, "text_dim": 4096, "text_len": 512, "in_channels": 16, "out_channels": 16}
+DIT_DIMS = {
+    "wan2.1-t2v-1.3b": {"dim": 1536, "ffn_dim": 8960, "num_heads": 12, "num_layers": 30, **_WAN},
+    "wan2.1-t2v-14b": {"dim": 5120, "ffn_dim": 13824, "num_heads": 40, "num_layers": 40, **_WAN},
+}
+
+
 def preset_facts(name: str) -> dict:
     """PRESET_FACTS of a DiT configuration, or of a checkpoint preset (its DiT's, with its block)."""
     if name in PRESET_FACTS:

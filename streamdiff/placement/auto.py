@@ -10,9 +10,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..config import Config, ConfigError, explicit_layout, planned
+from ..models.spec import DIT_DIMS
 from ..supervisor.topology import model_facts
+from .cost import DoesNotFit, ModelCost, dit_name, model_cost
 from .planner import plan
-from .profile import Profile, cache_path, device_count, load_cached, measure
+from .profile import Profile, cache_path, device_count, device_memory, load_cached, measure
 from .sim import Layout, cut_exchange
 
 
@@ -72,9 +74,33 @@ def profile_for(cfg: Config, size: tuple[int, int], devices: int, log, rounds: i
     return prof, path
 
 
+def dtype_bytes(cfg: Config, device: str | None = None) -> int:
+    """Bytes per weight as the workers will load them on `device` (default the configured one;
+    presets.resolve_dtype)."""
+    d = cfg.model.dtype
+    if d == "auto":
+        return 4 if (device or cfg.topology.device) == "cpu" else 2
+    return 4 if d in ("float32", "fp32") else 2
+
+
+def check_memory(cfg: Config, size: tuple[int, int], memory_bytes: int) -> ModelCost | None:
+    """Refuse, before any worker loads weights, a model whose DiT worker (weights, text encoder,
+    one block's activations and one session's caches) cannot fit one device; None where the
+    model has no priced configuration (tiny) or the device's memory is not known (the CPU)."""
+    if memory_bytes <= 0 or dit_name(cfg.model.preset) not in DIT_DIMS:
+        return None
+    cost = model_cost(cfg.model.preset, size, dtype_bytes(cfg))
+    try:
+        cost.check(memory_bytes)
+    except DoesNotFit as exc:
+        raise ConfigError(str(exc)) from None
+    return cost
+
+
 def place(cfg: Config, log=print) -> tuple[Config, Placement]:
     """cfg with its layout resolved, and what was placed and why."""
     t = cfg.topology
+    check_memory(cfg, tuple(model_facts(cfg)["default_size"]), device_memory(t.device))
     if not planned(t):
         resolved = dataclasses.replace(cfg, topology=explicit_layout(t))
         lay = layout_of(resolved)

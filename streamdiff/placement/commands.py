@@ -110,9 +110,17 @@ def plan_main(argv: list[str]) -> int:
     p.add_argument("--w2-size", type=_size, help="frame size of the concurrent streams (default: --size)")
     p.add_argument("--top", type=int, default=10)
     p.add_argument("--json", action="store_true")
+    p.add_argument(
+        "--preset",
+        help="plan for this model (a DiT configuration or checkpoint preset), its DiT priced from the "
+        "profile's by FLOPs per block (e.g. krea-realtime-14b from a 1.3B profile)",
+    )
+    p.add_argument("--memory-gib", type=float, help="one device's memory (default: the profile's, where it says)")
     a = p.parse_args(argv)
+    from ..models.spec import DIT_DIMS, known_presets, preset_facts
     from ..supervisor.topology import model_facts
-    from .auto import state_dir
+    from .auto import dtype_bytes, state_dir
+    from .cost import GIB, DoesNotFit, dit_name, model_cost, priced_profile
     from .planner import plan
     from .profile import Profile, cache_path
 
@@ -124,9 +132,16 @@ def plan_main(argv: list[str]) -> int:
     except (OSError, ValueError) as exc:
         print(f"streamdiffd plan: cannot read the profile {path}: {exc}", file=sys.stderr)
         return 2
-    if prof.preset != cfg.model.preset:  # plan for the profile's model (its facts; no weights needed)
-        from ..models.spec import preset_facts
-
+    priced = None
+    if a.preset and a.preset != prof.preset:  # another model, priced from the profile's
+        if a.preset not in known_presets():
+            p.error(f"--preset: unknown model {a.preset!r} (known: {', '.join(known_presets())})")
+        for name in (a.preset, prof.preset):
+            if dit_name(name) not in DIT_DIMS:
+                p.error(f"--preset: {name!r} has no DiT dimensions to price by (known: {', '.join(DIT_DIMS)})")
+        prof, priced = priced_profile(prof, a.preset), prof.preset
+        facts = preset_facts(a.preset)
+    elif prof.preset != cfg.model.preset:  # plan for the profile's model (its facts; no weights needed)
         facts = {**preset_facts(prof.preset), "frames_per_block": facts["frames_per_block"]}
     size = a.size or (tuple(facts["default_size"]) if "x".join(map(str, facts["default_size"])) in prof.sizes else None)
     size = size or _size(next(iter(prof.sizes)))
@@ -136,6 +151,22 @@ def plan_main(argv: list[str]) -> int:
     devices = a.devices or prof.devices
     if devices < 1:
         p.error(f"--devices: {devices} must be at least 1")
+    memory = int(a.memory_gib * GIB) if a.memory_gib else prof.memory_bytes
+    if dit_name(prof.preset) in DIT_DIMS:
+        cost = model_cost(prof.preset, size, dtype_bytes(cfg, prof.device))
+        if priced:
+            base = model_cost(priced, size)
+            print(
+                f"{prof.preset}: DiT priced from {priced}'s at {cost.block_flops / base.block_flops:.2f}x "
+                f"its FLOPs per block ({cost.block_flops / 1e12:.1f} TFLOP)",
+                file=sys.stderr,
+            )
+        if memory:
+            try:
+                cost.check(memory)
+            except DoesNotFit as exc:
+                print(f"streamdiffd plan: {exc}", file=sys.stderr)
+                return 2
     out = {}
     for obj in OBJECTIVES if a.objective == "all" else (a.objective,):
         ranked = plan(cfg, prof, devices, obj, facts, size, a.w2_size)

@@ -78,6 +78,18 @@ def device_count(kind: str) -> int:
     return mod.device_count() if mod.is_available() else 0
 
 
+def device_memory(kind: str) -> int:
+    """One accelerator's total memory in bytes; 0 on the CPU or where the runtime does not say."""
+    if kind == "cpu":
+        return 0
+    import torch
+
+    mod = getattr(torch, kind, None)
+    if mod is None or not mod.is_available() or not hasattr(mod, "get_device_properties"):
+        return 0
+    return int(mod.get_device_properties(0).total_memory)
+
+
 def device_name(kind: str) -> str:
     if kind == "cpu":
         return cpu_model()
@@ -98,6 +110,7 @@ class Profile:
     sizes: dict = field(default_factory=dict)
     created: float = 0.0
     version: int = VERSION
+    memory_bytes: int = 0  # one device's memory (accelerators; 0: not known), what a model must fit (cost.py)
 
     def to_json(self) -> str:
         return json.dumps(self.__dict__, indent=1, sort_keys=True)
@@ -758,6 +771,7 @@ def measure(cfg, sizes: list[tuple[int, int]], rounds: int = 1, log=print, timeo
     if n < 1:
         raise RuntimeError(f"no {kind} device visible")
     prof = Profile(kind, device_name(kind), n, cfg.model.preset, model_key(cfg), created=time.time())
+    prof.memory_bytes = device_memory(kind)
     t0 = time.perf_counter()
     results = []
     for r in range(rounds):

@@ -127,6 +127,13 @@ class KVCache:
         self.blocks += [self._next_block] * f
         self._next_block += 1
 
+    def commit_latents(self, x: torch.Tensor, first_position: int) -> None:
+        """Hold a denoised block (x: (batch, C, f, h, w)) by its clean latents only, evicting to
+        make room; its keys/values are left for a `WanDiT.recompute` to write."""
+        self.make_room(x.shape[2])
+        self.keep_latents(x, first_position)
+        self.frames += x.shape[2]
+
     def runs(self) -> list[tuple[int, int]]:
         """The held frames as (first index, end index) runs to recompute together: one committed
         block each, split where eviction left a gap in its positions."""
@@ -417,6 +424,38 @@ class WanDiT(nn.Module):
             t = torch.full((b, j - i), context_t, device=latents.device)
             self._forward(latents[:, :, i:j], t, [state], commit=True)
         state.next_frame = next_frame
+
+    @torch.no_grad()
+    def recompute(self, state: DiTState, chunk_frames: int, context_t: float = 0.0) -> None:
+        """Rewrite the keys/values of every held frame from its clean latent under the current
+        prompt (Krea Realtime's per-block KV recompute): the held frames are laid at consecutive
+        positions from 0, passed at timestep `context_t` in chunks of `chunk_frames` from the
+        oldest (each chunk sees itself and the chunks before: the authors' block-causal mask),
+        and the next block follows them at position `frames`."""
+        kv = state.kv
+        n = kv.frames
+        if n == 0:
+            state.next_frame = 0
+            return
+        latents = kv.latents[:, :, :n].clone()
+        kv.frames, kv.positions, kv.blocks = 0, [], []
+        state.next_frame = 0
+        for i in range(0, n, chunk_frames):
+            j = min(i + chunk_frames, n)
+            t = torch.full((latents.shape[0], j - i), context_t, device=latents.device)
+            self._forward(latents[:, :, i:j], t, [state], commit=True)
+
+    @torch.no_grad()
+    def commit_and_recompute(self, state: DiTState, x0: torch.Tensor, block_frames: int, context_t: float = 0.0):
+        """Commit a denoised block Krea's way, in place of the clean pass: hold its latents,
+        evict down to the context the next block keeps (the window less one block: the sinks and
+        the newest frames), and recompute that context under the prompt the block was made with.
+        Krea recomputes at the start of the next block, before a prompt switch reaches the
+        cross-attention cache, so doing it here gives the same keys from the same inputs."""
+        kv = state.kv
+        kv.commit_latents(x0, state.next_frame)
+        kv.make_room(block_frames)
+        self.recompute(state, block_frames, context_t)
 
     def cast(self, dtype: torch.dtype) -> WanDiT:
         """Cast to `dtype`, keeping the small precision-sensitive parts (time MLP, modulation

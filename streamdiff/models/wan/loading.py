@@ -314,9 +314,9 @@ def _summarise(names: list[str], limit: int = 12) -> str:
     return shown + (f", ... ({len(names) - limit} more)" if len(names) > limit else "")
 
 
-def load_into(model: nn.Module, sd: Mapping[str, torch.Tensor], what: str) -> None:
-    """Strictly copy `sd` into `model` (casting to each parameter's dtype/device), or raise one
-    `CheckpointError` naming every missing key, unexpected key and shape mismatch."""
+def check_keys(model: nn.Module, sd: Mapping[str, torch.Tensor], what: str) -> None:
+    """Raise one `CheckpointError` naming every missing key, unexpected key and shape mismatch of
+    `sd` against `model`; reads shapes only, so it runs on meta tensors (a 14B model unbuilt)."""
     own = model.state_dict()
     missing = sorted(k for k in own if k not in sd)
     unexpected = sorted(k for k in sd if k not in own)
@@ -334,6 +334,13 @@ def load_into(model: nn.Module, sd: Mapping[str, torch.Tensor], what: str) -> No
         problems.append(f"{len(shapes)} with wrong shape: {_summarise(shapes)}")
     if problems:
         raise CheckpointError(f"{what} does not match the model config: " + "; ".join(problems))
+
+
+def load_into(model: nn.Module, sd: Mapping[str, torch.Tensor], what: str) -> None:
+    """Strictly copy `sd` into `model` (casting to each parameter's dtype/device), or raise one
+    `CheckpointError` naming every missing key, unexpected key and shape mismatch."""
+    check_keys(model, sd, what)
+    own = model.state_dict()
     with torch.no_grad():
         for k, t in own.items():
             src = sd[k]

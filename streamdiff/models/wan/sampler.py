@@ -93,8 +93,10 @@ def denoise_block(
     renoise: Sequence[torch.Tensor],
     context_t: float = 0.0,
     sigmas: Sequence[float] | None = None,
+    commit: bool = True,
 ) -> torch.Tensor:
-    """Denoise one block and commit it to the session's KV cache.
+    """Denoise one block and commit it to the session's KV cache (`commit=False`: leave the
+    commit to the caller, as Krea's per-block recompute does, `WanDiT.commit_and_recompute`).
 
     noise: (B, C, f, H, W) initial noise; renoise: one noise tensor per step after the first;
     sigmas: each step's noise level (`sigma_of`; default timestep / 1000, exact for warped steps).
@@ -104,7 +106,7 @@ def denoise_block(
     steps = torch.tensor(timesteps, dtype=torch.float32)[:, None].expand(-1, b)
     sig = torch.tensor(sigmas, dtype=torch.float32)[:, None].expand(-1, b) if sigmas is not None else steps / 1000.0
     return _denoise(
-        lambda x, t, commit: model.forward_block(x, t, state, commit), model, noise, steps, sig, renoise, context_t
+        lambda x, t, c: model.forward_block(x, t, state, c), model, noise, steps, sig, renoise, context_t, commit
     )
 
 
@@ -117,6 +119,7 @@ def denoise_sessions(
     renoise: Sequence[torch.Tensor],
     context_t: float = 0.0,
     sigmas: Sequence[Sequence[float]] | None = None,
+    commit: bool = True,
 ) -> torch.Tensor:
     """`denoise_block` for several sessions at once: row i of noise/renoise is session i's, and
     `timesteps[i]` (`sigmas[i]`) its step list (all of one length: the sessions take their steps together)."""
@@ -125,12 +128,12 @@ def denoise_sessions(
     steps = torch.tensor(list(timesteps), dtype=torch.float32).T  # (steps, S)
     sig = torch.tensor(list(sigmas), dtype=torch.float32).T if sigmas is not None else steps / 1000.0
     return _denoise(
-        lambda x, t, commit: model.forward_sessions(x, t, states, commit), model, noise, steps, sig, renoise, context_t
+        lambda x, t, c: model.forward_sessions(x, t, states, c), model, noise, steps, sig, renoise, context_t, commit
     )
 
 
 def _denoise(
-    forward, model: WanDiT, noise, steps: torch.Tensor, sigmas: torch.Tensor, renoise, context_t: float
+    forward, model: WanDiT, noise, steps: torch.Tensor, sigmas: torch.Tensor, renoise, context_t: float, commit: bool
 ) -> torch.Tensor:
     """The few-step flow sampler; steps, sigmas: (n_steps, B), one column per row of the batch.
     For each step: x0 = x - sigma * v; then re-noise to the next step's sigma; finally one pass at
@@ -148,5 +151,6 @@ def _denoise(
         if i + 1 < steps.shape[0]:
             s_next = sigmas[i + 1].view(b, 1, 1, 1, 1)
             x = (1.0 - s_next) * x0 + s_next * renoise[i].to(dev, torch.float32)
-    forward(x0, torch.full((b, f), context_t, device=dev), True)
+    if commit:
+        forward(x0, torch.full((b, f), context_t, device=dev), True)
     return x0

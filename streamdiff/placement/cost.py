@@ -1,0 +1,161 @@
+"""A model's cost from its DiT configuration (supervisor and `streamdiffd plan`; plain arithmetic, no torch).
+
+What the planner needs of a model it has no profile of: the bytes a DiT worker holds (weights,
+each session's KV and prompt caches, the peak of one block's activations) and the work of one
+block in FLOPs, so that a profile of one configuration prices another (the 1.3B's prices the
+14B: same blocks, wider and deeper). The dimensions are those of `presets.py`'s `DiTConfig`s
+(`spec.DIT_DIMS`, checked equal in the tests); the sampler's by the checkpoint preset, or the
+block sampler's defaults.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+
+from ..models.catalog import checkpoint_preset
+from ..models.spec import DIT_DIMS
+
+GIB = 2**30
+# The block sampler's defaults (models/wan/sampler.py SamplerConfig) for a bare DiT configuration.
+DEFAULT_STEPS = 4
+DEFAULT_WINDOW_FRAMES = 21
+DEFAULT_FRAMES_PER_BLOCK = 3
+# umT5-XXL's encoder (the text encoder a real preset's DiT worker holds on its device): vocabulary
+# 256384 x 4096, 24 layers of attention (4 x 4096 x 4096) and gated FFN (3 x 4096 x 10240), their
+# norms, and each layer's relative-position table (32 buckets x 64 heads).
+UMT5_XXL_ENCODER_PARAMS = 256384 * 4096 + 24 * (4 * 4096 * 4096 + 3 * 4096 * 10240 + 2 * 4096 + 32 * 64) + 4096
+
+
+class DoesNotFit(ValueError):
+    """The model cannot run on one device of this memory: the message names it and the numbers."""
+
+
+def dit_name(preset: str) -> str:
+    """The DiT configuration a preset runs on (a checkpoint preset's `dit`, else itself)."""
+    cp = checkpoint_preset(preset)
+    return cp.dit if cp else preset
+
+
+def sampler_of(preset: str) -> tuple[int, int, int]:
+    """(forward passes per steady block, window frames incl. the block, frames per block): the
+    steps plus the clean pass (or Krea's recompute, which takes its place)."""
+    cp = checkpoint_preset(preset)
+    if cp is None:
+        return DEFAULT_STEPS + 1, DEFAULT_WINDOW_FRAMES, DEFAULT_FRAMES_PER_BLOCK
+    return len(cp.steps) + 1, cp.window_frames, cp.frames_per_block
+
+
+def tokens_per_frame(size: tuple[int, int], spatial_factor: int = 8, patch: int = 2) -> int:
+    w, h = size
+    return (h // spatial_factor // patch) * (w // spatial_factor // patch)
+
+
+@dataclass(frozen=True)
+class ModelCost:
+    name: str  # the preset priced
+    dit: str  # its DiT configuration
+    params: int  # DiT parameters
+    text_params: int  # the text encoder's, held beside the DiT
+    weight_bytes: int  # DiT + text encoder at the dtype
+    session_bytes: int  # one session's KV window and prompt cache
+    activation_bytes: int  # the peak of one block's forward
+    block_flops: float  # one steady block: every pass of the sampler
+
+    def needs(self, sessions: int = 1) -> int:
+        return self.weight_bytes + self.activation_bytes + sessions * self.session_bytes
+
+    def check(self, memory_bytes: int, sessions: int = 1) -> None:
+        """Raise DoesNotFit naming the model and the numbers when `sessions` do not fit."""
+        if self.needs(sessions) > memory_bytes:
+            raise DoesNotFit(
+                f"{self.name} ({self.dit}) needs {(self.weight_bytes + self.activation_bytes) / GIB:.1f} GiB for "
+                f"weights + activations + {self.session_bytes / GIB:.2f} GiB per session; the device has "
+                f"{memory_bytes / GIB:.1f} GiB"
+            )
+
+
+def dit_params(d: dict) -> int:
+    """Parameters of a Wan 2.1 DiT of dimensions `d` (the module tree of models/wan/dit.py)."""
+    dim, ffn, layers, text_dim, freq = d["dim"], d["ffn_dim"], d["num_layers"], d["text_dim"], d["freq_dim"]
+    out = d.get("out_channels", 16) * 4  # patch 1x2x2
+    block = 8 * (dim * dim + dim) + 4 * dim + 2 * dim * ffn + ffn + dim + 2 * dim + 6 * dim
+    embed = (d.get("in_channels", 16) * 4 * dim + dim) + (text_dim * dim + dim + dim * dim + dim)
+    embed += (freq * dim + dim + dim * dim + dim) + (6 * dim * dim + 6 * dim)
+    head = dim * out + out + 2 * dim
+    return layers * block + embed + head
+
+
+def block_flops(d: dict, tpf: int, frames: int, window: int, passes: int) -> float:
+    """Multiply-adds x 2 of one block: per pass, every token of the block through each layer's
+    projections (self q/k/v/o, cross q/o: the prompt's k/v are cached) and FFN, and attention
+    over the window's tokens (self) and the prompt's (cross)."""
+    dim, ffn, layers, text_len = d["dim"], d["ffn_dim"], d["num_layers"], d["text_len"]
+    n = tpf * frames
+    linear = 2 * n * (6 * dim * dim + 2 * dim * ffn)
+    attn = 4 * n * dim * (window * tpf + text_len)
+    return float(passes * layers * (linear + attn))
+
+
+def model_cost(preset: str, size: tuple[int, int], dtype_bytes: int = 2) -> ModelCost:
+    """The cost of `preset` at frame size `size` with weights and caches of `dtype_bytes`."""
+    dit = dit_name(preset)
+    if dit not in DIT_DIMS:
+        raise ValueError(f"no DiT dimensions for {preset!r} (known: {', '.join(DIT_DIMS)})")
+    d = DIT_DIMS[dit]
+    passes, window, frames = sampler_of(preset)
+    tpf = tokens_per_frame(size)
+    params, text = dit_params(d), UMT5_XXL_ENCODER_PARAMS
+    kv = d["num_layers"] * 2 * window * tpf * d["dim"] * dtype_bytes
+    cross = d["num_layers"] * 2 * d["text_len"] * d["dim"] * dtype_bytes
+    # One block's peak: the FFN's hidden, the block's q/k/v/o and residuals (float32 where the
+    # modulation runs), and the attention's output over the window: a few dim-wide rows and one
+    # ffn-wide per token, held twice over for the allocator's slack.
+    n = tpf * frames
+    act = 2 * n * (d["ffn_dim"] * dtype_bytes + 8 * d["dim"] * 4)
+    return ModelCost(
+        preset,
+        dit,
+        params,
+        text,
+        (params + text) * dtype_bytes,
+        kv + cross,
+        act,
+        block_flops(d, tpf, frames, window, passes),
+    )
+
+
+def priced_profile(profile, preset: str):
+    """`profile` (measured or published for another DiT configuration) with its DiT figures
+    scaled to `preset` by the ratio of one block's FLOPs at each size; the VAE's and encoder's
+    stay (the same VAE). A DiT group's all-to-alls move activations: scaled by width x depth."""
+    out = copy.deepcopy(profile)
+    src = DIT_DIMS.get(dit_name(profile.preset))
+    if src is None:
+        raise ValueError(f"the profile's model {profile.preset!r} has no DiT dimensions to price from")
+    dst = DIT_DIMS[dit_name(preset)]
+    link = (dst["dim"] * dst["num_layers"]) / (src["dim"] * src["num_layers"])
+    for key, fig in out.sizes.items():
+        w, h = (int(x) for x in key.split("x"))
+        ratio = model_cost(preset, (w, h)).block_flops / model_cost(profile.preset, (w, h)).block_flops
+        for t in fig.get("dit", {}).values():
+            _scale(t, ratio)
+        for g in fig.get("dit_group", {}).values():
+            block, coll = g.get("block_ms", 0.0), g.get("collective_ms", 0.0)
+            _scale(g, ratio)
+            if "collective_ms" in g:  # the link's share scales with the bytes, not the FLOPs
+                g["collective_ms"] = coll * link
+                g["block_ms"] = (block - coll) * ratio + coll * link
+        fig.pop("hybrid", None)  # a probe of the other model's DiT beside a shard: not priced
+    out.preset = preset
+    out.model = {**out.model, "priced_from": profile.preset}
+    return out
+
+
+def _scale(node: dict, ratio: float, times: bool = False) -> None:
+    """Every time in `node` (a key ending in _ms, or any number under one: batch_ms by size)."""
+    for k, v in node.items():
+        if isinstance(v, dict):
+            _scale(v, ratio, times or k.endswith("_ms"))
+        elif (times or k.endswith("_ms")) and isinstance(v, (int, float)):
+            node[k] = v * ratio
