@@ -69,8 +69,15 @@ class DiTEngine:
         self, sess: DiTSession, prompt: str, cut: bool, seed: int | None = None, recache: bool = False
     ) -> None:
         """Start a scene. `cut`: a new shot (fresh KV cache, positions from 0, first-block steps).
-        Otherwise `continue`: keep the visual history, swap the prompt (cross-attention cache);
-        with `recache`, also recompute the held frames' keys/values under the new prompt."""
+        Otherwise `continue`: keep the visual history, swap the prompt (cross-attention cache),
+        and re-cache the window under it (`WanDiT.recache`) as the sampler's `recache` policy
+        says: `every_switch` at every continuing scene (LongLive re-caches at each of its
+        segment switches), `on_request` where the scene asks, `never` refuses a scene that asks
+        (the API refuses it first, with a 400)."""
+        policy = self.preset.sampler.recache
+        if recache and policy == "never":
+            raise ValueError("this model's sampler.recache is 'never': a scene cannot ask for recache")
+        recache = recache or policy == "every_switch"
         if cut:
             s = self.preset.sampler
             sess.state = self.model.new_state(*sess.latent_hw, s.window_frames, s.sink_frames)
@@ -78,7 +85,8 @@ class DiTEngine:
         if seed is not None:
             sess.generator.manual_seed(seed)
         if recache and not cut:
-            self.model.recache(sess.state, self.encode_prompt(prompt), self.preset.sampler.context_t)
+            s = self.preset.sampler
+            self.model.recache(sess.state, self.encode_prompt(prompt), s.context_t, s.global_sink)
             sess.prompt = prompt
         elif cut or prompt != sess.prompt:
             self.model.set_prompt(sess.state, self.encode_prompt(prompt))
