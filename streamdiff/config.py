@@ -180,6 +180,13 @@ class Config:
         return self.model.name or self.model.preset
 
     @property
+    def recache_policy(self) -> str:
+        """When a prompt switch re-caches (sampler.recache, else the checkpoint preset's, else
+        on_request): what the API checks a scene's `recache` against."""
+        cp = checkpoint_preset(self.model.preset)
+        return self.sampler.recache or (cp.recache if cp else "on_request")
+
+    @property
     def node(self) -> str:
         """This node's id: [server] node_id, else the hostname, as lowercase letters, digits and '-'."""
         return node_name(self.server.node_id or socket.gethostname())

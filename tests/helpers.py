@@ -174,13 +174,13 @@ def leave_mid_stream(url: str, body: dict, after_bytes: int = 5_000) -> None:
 TOKENIZER_WORDS = "a red fox runs through snow blue whale city at night".split()
 
 
-def write_tokenizer(path: Path) -> None:
+def write_tokenizer(path: Path, words: list[str] = TOKENIZER_WORDS) -> None:
     """A word-level tokenizer in the Hugging Face layout, standing in for umT5's (the tests'
-    checkpoints and tools/device_check's random release)."""
+    checkpoints and tools/device_check's random release); `words` its vocabulary."""
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    vocab = {"<pad>": 0, "</s>": 1, "<unk>": 2, **{w: i + 3 for i, w in enumerate(TOKENIZER_WORDS)}}
+    vocab = {"<pad>": 0, "</s>": 1, "<unk>": 2, **{w: i + 3 for i, w in enumerate(words)}}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     PreTrainedTokenizerFast(

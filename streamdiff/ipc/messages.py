@@ -48,6 +48,7 @@ class GenerateBlock(Message, tag="gen"):
     cut: bool = False
     seed: int | None = None
     recache: bool = False  # with a continuing prompt: recompute the window's keys/values under it
+    shot_frames: int = 0  # with a prompt: latent frames from this block to the shot's end (0: live, unbounded)
     vae_cut: int = 0  # topology.vae_cut: the decoder stages to run on it (set at a shot's start; 0: the worker's)
 
 

@@ -23,9 +23,14 @@ from .wan.vae import Halo, VAEState, to_uint8_frames
 class DiTSession:
     state: DiTState
     latent_hw: tuple[int, int]
-    generator: torch.Generator
+    generator: torch.Generator  # on the model's device: the stream torch.manual_seed(seed) gives it
     shot_blocks: int = 0  # blocks generated since the last cut (the first uses its own steps)
     prompt: str | None = None
+    # "authors": the shot's noise was drawn up front (a fixed length), "per_block": drawn as
+    # each block starts (a live shot, whose length nobody knows). See docs/design.md, Seeding.
+    seeding: str = "per_block"
+    shot_noise: torch.Tensor | None = None  # (1, F, C, h, w), the authors' layout, model dtype
+    shot_pos: int = 0  # latent frames of shot_noise used so far
 
 
 class DiTEngine:
@@ -34,6 +39,7 @@ class DiTEngine:
         self.model, self.preset = build_dit(spec, device)
         self.loaded = describe_load(spec, self.preset)  # what it was built from (log, /health, /v1/models)
         self.text = build_text_encoder(spec, device)
+        self.noise_dtype = self.model.patch_embedding.weight.dtype  # the authors draw in the model's dtype
         s = self.preset.sampler
         self.timesteps = step_timesteps(s.steps, s.shift, s.warp)
         self.first_timesteps = step_timesteps(s.first_block_steps or s.steps, s.shift, s.warp)
@@ -54,7 +60,7 @@ class DiTEngine:
         h, w = self.latent_size(width, height)
         s = self.preset.sampler
         state = self.model.new_state(h, w, s.window_frames, s.sink_frames)
-        return DiTSession(state, (h, w), torch.Generator().manual_seed(seed))
+        return DiTSession(state, (h, w), torch.Generator(device=self.device).manual_seed(seed))
 
     def encode_prompt(self, prompt: str) -> torch.Tensor:
         emb = self._prompts.get(prompt)
@@ -67,24 +73,48 @@ class DiTEngine:
         return emb
 
     def set_scene(
-        self, sess: DiTSession, prompt: str, cut: bool, seed: int | None = None, recache: bool = False
+        self,
+        sess: DiTSession,
+        prompt: str,
+        cut: bool,
+        seed: int | None = None,
+        recache: bool = False,
+        shot_frames: int = 0,
     ) -> None:
         """Start a scene. `cut`: a new shot (fresh KV cache, positions from 0, first-block steps).
-        Otherwise `continue`: keep the visual history, swap the prompt (cross-attention cache);
-        with `recache`, also recompute the held frames' keys/values under the new prompt."""
+        Otherwise `continue`: keep the visual history, swap the prompt (cross-attention cache),
+        and re-cache the window under it (`WanDiT.recache`) as the sampler's `recache` policy
+        says: `every_switch` at every continuing scene (LongLive re-caches at each of its
+        segment switches), `on_request` where the scene asks, `never` refuses a scene that asks
+        (the API refuses it first, with a 400).
+
+        `shot_frames`: the latent frames from this scene's first block to the shot's end (0: a
+        live shot, unbounded). Where the noise starts afresh (a cut, or a scene with a seed) and
+        the length is known, the whole rest of the shot's noise is drawn now, as the authors'
+        scripts draw the whole video's (`seeding = "authors"`); otherwise per block."""
+        policy = self.preset.sampler.recache
+        if recache and policy == "never":
+            raise ValueError("this model's sampler.recache is 'never': a scene cannot ask for recache")
+        recache = recache or policy == "every_switch"
         if cut:
             s = self.preset.sampler
             sess.state = self.model.new_state(*sess.latent_hw, s.window_frames, s.sink_frames)
             sess.shot_blocks = 0
         if seed is not None:
             sess.generator.manual_seed(seed)
+        if cut or seed is not None:
+            sess.shot_noise, sess.shot_pos, sess.seeding = None, 0, "per_block"
+            if shot_frames > 0:
+                c, (h, w) = self.model.cfg.in_channels, sess.latent_hw
+                sess.shot_noise = self._randn((1, shot_frames, c, h, w), sess.generator)
+                sess.seeding = "authors"
         s = self.preset.sampler
         if recache and not cut and s.kv_recompute:  # the held context again, Krea's way, under the new prompt
             self.model.set_prompt(sess.state, self.encode_prompt(prompt))
             self.model.recompute(sess.state, s.frames_per_block, s.context_t)
             sess.prompt = prompt
         elif recache and not cut:
-            self.model.recache(sess.state, self.encode_prompt(prompt), s.context_t)
+            self.model.recache(sess.state, self.encode_prompt(prompt), s.context_t, s.global_sink)
             sess.prompt = prompt
         elif cut or prompt != sess.prompt:
             self.model.set_prompt(sess.state, self.encode_prompt(prompt))
@@ -93,6 +123,27 @@ class DiTEngine:
     def steps_of(self, sess: DiTSession) -> list[float]:
         """The step list of the session's next block (a shot's first block has its own)."""
         return self.first_timesteps if sess.shot_blocks == 0 else self.timesteps
+
+    def _randn(self, shape: tuple[int, ...], generator: torch.Generator) -> torch.Tensor:
+        """A draw as the authors make it: in the model's dtype, on its device."""
+        return torch.randn(shape, generator=generator, dtype=self.noise_dtype, device=generator.device)
+
+    def draw_noise(self, sess: DiTSession, frames: int, renoises: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """The next block's noise in the authors' order: its initial noise (a slice of the shot's,
+        drawn up front, or drawn now per block), then one `randn_like` of the flattened
+        (f, C, h, w) prediction per step after the first. Returned in our (1, C, f, h, w) layout."""
+        c, (h, w) = self.model.cfg.in_channels, sess.latent_hw
+        if sess.shot_noise is not None and sess.shot_pos + frames > sess.shot_noise.shape[1]:
+            # A steer lengthened the shot past what was drawn: go on per block (no authors' video
+            # has a steer to match), rather than fail the stream.
+            sess.shot_noise, sess.seeding = None, "per_block"
+        if sess.shot_noise is not None:
+            first = sess.shot_noise[:, sess.shot_pos : sess.shot_pos + frames]
+            sess.shot_pos += frames
+        else:
+            first = self._randn((1, frames, c, h, w), sess.generator)
+        again = [self._randn((frames, c, h, w), sess.generator).unsqueeze(0) for _ in range(renoises)]
+        return first.permute(0, 2, 1, 3, 4), [x.permute(0, 2, 1, 3, 4) for x in again]
 
     def generate_block(self, sess: DiTSession, frames: int) -> torch.Tensor:
         """Denoise the next `frames` latent frames -> (1, C, frames, h, w) float32 on the CPU."""
@@ -105,10 +156,10 @@ class DiTEngine:
         steps = [self.steps_of(s) for s in sessions]
         noise, renoise = [], [[] for _ in steps[0][1:]]
         for sess, ts in zip(sessions, steps, strict=True):
-            shape = (1, self.model.cfg.in_channels, frames, *sess.latent_hw)
-            noise.append(torch.randn(shape, generator=sess.generator))
-            for i in range(len(ts) - 1):
-                renoise[i].append(torch.randn(shape, generator=sess.generator))
+            n, r = self.draw_noise(sess, frames, len(ts) - 1)
+            noise.append(n)
+            for i, x in enumerate(r):
+                renoise[i].append(x)
         ctx_t, shift = self.preset.sampler.context_t, self.preset.sampler.shift
         recompute = self.preset.sampler.kv_recompute  # Krea: the recompute takes the clean pass's place
         sigmas = [sigma_of(ts, shift) for ts in steps]

@@ -258,7 +258,7 @@ def parse_steer(data, cfg: Config) -> Scene:
     if transition not in ("cut", "continue"):
         raise bad(f"'transition' must be 'cut' or 'continue', got {transition!r}", "transition")
     seed = _integer(data["seed"], "seed", 0, MAX_SEED) if data.get("seed") is not None else None
-    return Scene(prompt, 1, transition, seed, _recache(data, transition))
+    return Scene(prompt, 1, transition, seed, _recache(data, transition, cfg))
 
 
 def _parse_scenes(raw, total: int | None, fps: int, cfg: Config) -> list[Scene]:
@@ -284,7 +284,7 @@ def _parse_scenes(raw, total: int | None, fps: int, cfg: Config) -> list[Scene]:
         if i == 0 and transition == "continue":
             transition = "cut"  # the first scene always starts a shot
         seed = _integer(sc["seed"], p + "seed", 0, MAX_SEED) if sc.get("seed") is not None else None
-        recache = _recache(sc, transition, p)
+        recache = _recache(sc, transition, cfg, p)
         lengths.append(_length(sc, fps, p, lim.max_frames))
         parsed.append((prompt, transition, seed, recache))
     missing = [i for i, n in enumerate(lengths) if n is None]
@@ -306,8 +306,16 @@ def _parse_scenes(raw, total: int | None, fps: int, cfg: Config) -> list[Scene]:
     return [Scene(p, n, t, s, r) for (p, t, s, r), n in zip(parsed, lengths)]
 
 
-def _recache(obj: dict, transition: str, prefix: str = "") -> bool:
+def _recache(obj: dict, transition: str, cfg: Config, prefix: str = "") -> bool:
     recache = _bool(obj["recache"], prefix + "recache") if obj.get("recache") is not None else False
     if recache and transition != "continue":
         raise bad(f"'{prefix}recache' applies to a 'continue' transition (a cut starts afresh)", prefix + "recache")
+    # An operator who set sampler.recache = "never" ruled the recompute out on this server:
+    # honouring the request would make the setting mean nothing, ignoring it would hand back a
+    # video without what was asked for. (every_switch re-caches anyway: the flag changes nothing.)
+    if recache and cfg.recache_policy == "never":
+        raise bad(
+            f"'{prefix}recache' is refused: this server's model re-caches never (sampler.recache = 'never')",
+            prefix + "recache",
+        )
     return recache

@@ -703,11 +703,22 @@ class Scheduler:
                     cut=b.shot_start and first,
                     seed=scene.seed if first else None,
                     recache=first and scene.recache and not b.shot_start,
+                    shot_frames=self._shot_frames(sess, b.index) if first and not sess.live else 0,
                     vae_cut=t.vae_cut,
                 )
             )
         for w in self.topology.members(dit):  # a DiT group's ranks all run it (rank 0 answers)
             self._out.append(Send(w, m.GenerateBatch(msgs)))
+
+    @staticmethod
+    def _shot_frames(sess, index: int) -> int:
+        """Latent frames from block `index` to the end of its shot (the DiT draws them up front)."""
+        n = 0
+        for b in sess.blocks[index:]:
+            if b.shot_start and b.index != index:
+                break
+            n += b.latent_frames
+        return n
 
     def _send_decodes(self, group: int, unit: str, batch: list) -> None:
         bid = self._new_batch(unit, batch)

@@ -348,7 +348,9 @@ class DiTStage:
         for msg, sess in run:
             self.faults.hit("compute", self.seeds.get(msg.session))
             if msg.prompt is not None:
-                self.engine.set_scene(sess, msg.prompt, cut=msg.cut, seed=msg.seed, recache=msg.recache)
+                self.engine.set_scene(
+                    sess, msg.prompt, cut=msg.cut, seed=msg.seed, recache=msg.recache, shot_frames=msg.shot_frames
+                )
         groups: dict[tuple, list] = {}  # sessions denoise together where size and step count agree
         for msg, sess in run:
             groups.setdefault((sess.latent_hw, msg.frames, len(self.engine.steps_of(sess))), []).append((msg, sess))

@@ -180,61 +180,6 @@ def test_continue_differs_from_cut(dit_pair):
     assert (after_continue - after_cut).abs().max().item() > 1e-3
 
 
-def test_recache_equals_a_recompute_under_the_new_prompt(dit_pair):
-    """`continue` with re-cache (LongLive): the held frames' keys/values are recomputed under the
-    new prompt, so the next block equals a block-causal recompute in which every earlier frame
-    was seen under prompt B — not under A as a plain `continue` keeps them."""
-    ref, ours = dit_pair
-    a, b = prompts(2)
-    state = ours.new_state(LAT_H, LAT_W, window_frames=9)
-    ours.set_prompt(state, a)
-    reference = Reference(ref)
-    blocks = noises(5, [2, 3, 2], len(TS))
-    for noise, renoise in blocks[:2]:
-        denoise_block(ours, state, noise, TS, renoise)
-        reference.denoise(noise, TS, renoise, [a, b], 0)
-    positions = list(state.kv.positions)
-    ours.recache(state, b)
-    assert state.kv.frames == 5 and state.kv.positions == positions and state.next_frame == 5
-    reference.prompt_of_block = [1, 1]  # the history, recomputed under B
-    noise, renoise = blocks[2]
-    got = denoise_block(ours, state, noise, TS, renoise)
-    expected = reference.denoise(noise, TS, renoise, [a, b], 1)
-    assert (got - expected).abs().max().item() <= 1e-4
-    plain = ours.new_state(LAT_H, LAT_W, window_frames=9)  # the same without re-cache differs
-    ours.set_prompt(plain, a)
-    for n, r in blocks[:2]:
-        denoise_block(ours, plain, n, TS, r)
-    ours.set_prompt(plain, b)
-    assert (denoise_block(ours, plain, noise, TS, renoise) - expected).abs().max().item() > 1e-3
-
-
-@pytest.mark.parametrize("window,sink", [(5, 1), (6, 3)])
-def test_recache_keeps_the_window_and_its_sinks(dit_pair, window, sink):
-    """After eviction the held frames are the sinks plus the newest: a re-cache keeps exactly
-    those frames at their positions; under the same prompt, with nothing evicted, it changes
-    nothing."""
-    _, ours = dit_pair
-    (a,) = prompts(1)
-    state = ours.new_state(LAT_H, LAT_W, window_frames=window, sink_frames=sink)
-    ours.set_prompt(state, a)
-    for noise, renoise in noises(6, [1, 2, 2, 2], len(TS)):
-        denoise_block(ours, state, noise, TS, renoise)
-    held, positions = state.kv.frames, list(state.kv.positions)
-    assert positions[:sink] == list(range(sink)) and positions[-1] == 6  # sinks + the newest frames
-    latents = state.kv.latents[:, :, :held].clone()
-    ours.recache(state, a)
-    assert state.kv.frames == held and state.kv.positions == positions and state.next_frame == 7
-    assert torch.equal(state.kv.latents[:, :, :held], latents)
-    fresh = ours.new_state(LAT_H, LAT_W, window_frames=9)
-    ours.set_prompt(fresh, a)
-    for noise, renoise in noises(7, [2, 2], len(TS)):
-        denoise_block(ours, fresh, noise, TS, renoise)
-    k_before = [k.clone() for k in fresh.kv.k]
-    ours.recache(fresh, a)
-    assert max((k1 - k0).abs().max().item() for k0, k1 in zip(k_before, fresh.kv.k, strict=True)) <= 1e-5
-
-
 def test_frame_positions_run_past_the_rope_table():
     """The frame axis is computed at any position: below Wan's 1024-entry table it equals the
     table, and a live shot's frames go on past it with the same formula."""

@@ -66,9 +66,9 @@ def krea_loop(engine: DiTEngine, prompts: list[str], seed: int) -> list[torch.Te
                 model.forward_block(c, torch.zeros(1, c.shape[2]), state, commit=True)
             assert state.next_frame == start
         model.set_prompt(state, engine.encode_prompt(prompt))
-        shape = (1, 16, fpb, *hw)
-        noisy = torch.randn(shape, generator=gen)
-        renoise = [torch.randn(shape, generator=gen) for _ in steps[1:]]
+        # (frames, C, h, w) draws, as the engine makes them (Self-Forcing's order and layout)
+        noisy = torch.randn((1, fpb, 16, *hw), generator=gen).permute(0, 2, 1, 3, 4)
+        renoise = [torch.randn((fpb, 16, *hw), generator=gen)[None].permute(0, 2, 1, 3, 4) for _ in steps[1:]]
         for i, t in enumerate(steps):
             flow = model.forward_block(noisy, torch.full((1, fpb), t), state, commit=False)
             denoised = noisy - krea_sigma(t, shift) * flow

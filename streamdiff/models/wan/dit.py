@@ -92,17 +92,21 @@ class KVCache:
         self.positions: list[int] = []
         self.blocks: list[int] = []
         self._next_block = 0
+        # The last `sink` evicted frames' latents and positions: LongLive's re-cache without a
+        # global sink recomputes the last `window` frames, which reach back past the held ones.
+        self.tail: torch.Tensor | None = None
+        self.tail_positions: list[int] = []
 
     def make_room(self, new_frames: int) -> None:
         """Evict the oldest non-sink frames so that `new_frames` more fit in the window."""
-        if new_frames > self.window - self.sink:
+        excess = self.frames + new_frames - self.window
+        if excess <= 0:
+            return
+        if excess > self.frames - self.sink:  # only frames past the sinks can go (an empty cache takes a window)
             raise ValueError(
                 f"a block of {new_frames} frames does not fit a window of {self.window} "
                 f"frames with {self.sink} sink frames"
             )
-        excess = self.frames + new_frames - self.window
-        if excess <= 0:
-            return
         t = self.tpf
         lo, hi = self.sink * t, self.frames * t
         for buf in (*self.k, *self.v):
@@ -110,6 +114,13 @@ class KVCache:
             buf[:, :, lo : hi - excess * t] = buf[:, :, lo + excess * t : hi].clone()
         if self.latents is not None:
             lat = self.latents
+            if self.sink:
+                gone = lat[:, :, self.sink : self.sink + excess].clone()
+                tail = gone if self.tail is None else torch.cat([self.tail, gone], dim=2)
+                self.tail = tail[:, :, -self.sink :]
+                self.tail_positions = (self.tail_positions + self.positions[self.sink : self.sink + excess])[
+                    -self.sink :
+                ]
             lat[:, :, self.sink : self.frames - excess] = lat[:, :, self.sink + excess : self.frames].clone()
         del self.positions[self.sink : self.sink + excess], self.blocks[self.sink : self.sink + excess]
         self.frames -= excess
@@ -134,19 +145,14 @@ class KVCache:
         self.keep_latents(x, first_position)
         self.frames += x.shape[2]
 
-    def runs(self) -> list[tuple[int, int]]:
-        """The held frames as (first index, end index) runs to recompute together: one committed
-        block each, split where eviction left a gap in its positions."""
-        out, i = [], 0
-        while i < self.frames:
-            j = i + 1
-            while (
-                j < self.frames and self.blocks[j] == self.blocks[i] and self.positions[j] == self.positions[j - 1] + 1
-            ):
-                j += 1
-            out.append((i, j))
-            i = j
-        return out
+    def latents_at(self, positions: range) -> torch.Tensor:
+        """The clean latents of the frames at `positions` (held, or among the last evicted)."""
+        known = {p: (self.latents, i) for i, p in enumerate(self.positions[: self.frames])}
+        known.update({p: (self.tail, i) for i, p in enumerate(self.tail_positions) if p not in known})
+        missing = [p for p in positions if p not in known]
+        if missing:
+            raise ValueError(f"frames {missing} are neither held nor among the last evicted")
+        return torch.cat([known[p][0][:, :, known[p][1] : known[p][1] + 1] for p in positions], dim=2)
 
 
 class DiTState:
@@ -406,24 +412,40 @@ class WanDiT(nn.Module):
         state.cross = [blk.cross_attn.project_context(ctx) for blk in self.blocks]
 
     @torch.no_grad()
-    def recache(self, state: DiTState, context: torch.Tensor, context_t: float = 0.0) -> None:
-        """Switch the prompt and recompute the keys/values of every frame held in the window
-        under it (LongLive's re-cache), so the new scene is not dragged along by the old prompt:
-        the held clean latents are passed again, block by block in order at their own positions
-        and timestep `context_t`, each attending to the frames recomputed before it."""
+    def recache(
+        self, state: DiTState, context: torch.Tensor, context_t: float = 0.0, global_sink: bool = False
+    ) -> None:
+        """Switch the prompt and recompute the window's keys/values under it, as LongLive's
+        `_recache_after_switch` does, so the new scene is not dragged along by the old prompt.
+
+        The last n = min(window, t) frames of the shot (t frames so far) pass again, clean, at
+        timestep `context_t` and their own positions, in ONE forward. In that forward they attend
+        to each other in both directions and to the frames kept before them: LongLive builds a
+        block-causal mask for it, but its attention with a KV cache never reads the mask.
+        - t <= window: every frame from 0 on is recomputed, sinks included (LongLive protects the
+          sinks only when the recompute does not start at frame 0).
+        - t > window with `global_sink`: the sinks keep the keys/values they were written with;
+          the other held frames are recomputed attending to them.
+        - t > window without: the cache is emptied and the last `window` frames (reaching back
+          past the held ones by `sink` frames) are recomputed; the first `sink` of them become the
+          sinks from now on, as in LongLive's cache.
+        """
         self.set_prompt(state, context)
-        kv = state.kv
+        kv, t = state.kv, state.next_frame
         if kv.frames == 0:
             return
-        latents, positions, runs = kv.latents[:, :, : kv.frames].clone(), list(kv.positions), kv.runs()
-        next_frame = state.next_frame
-        kv.frames, kv.positions, kv.blocks = 0, [], []
+        n = min(kv.window, t)
+        first = t - n
+        keep = kv.sink if first > 0 and global_sink else 0
+        if keep:  # LongLive recomputes the frames behind the sinks too, but stores none of them
+            first = t - (kv.frames - keep)
+        latents = kv.latents_at(range(first, t))
+        kv.frames = keep
+        del kv.positions[keep:], kv.blocks[keep:]
+        state.next_frame = first
         b = latents.shape[0]
-        for i, j in runs:
-            state.next_frame = positions[i]
-            t = torch.full((b, j - i), context_t, device=latents.device)
-            self._forward(latents[:, :, i:j], t, [state], commit=True)
-        state.next_frame = next_frame
+        self._forward(latents, torch.full((b, t - first), context_t, device=latents.device), [state], commit=True)
+        assert state.next_frame == t
 
     @torch.no_grad()
     def recompute(self, state: DiTState, chunk_frames: int, context_t: float = 0.0) -> None:

@@ -17,6 +17,8 @@ import math
 import re
 from pathlib import Path
 
+import ftfy
+import regex
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -25,8 +27,13 @@ from .loading import CheckpointError, load_into, read_state_dict
 
 
 def clean_prompt(text: str) -> str:
-    """What Wan's tokenizer wrapper does before tokenising: unescape, collapse whitespace."""
-    return re.sub(r"\s+", " ", html.unescape(html.unescape(text))).strip()
+    """What Wan's tokenizer wrapper does before tokenising (`tokenizers.py`, clean="whitespace",
+    the mode its T5 encoder uses): repair the text with ftfy (mojibake, curly quotes, full-width
+    letters), unescape HTML twice, strip, then collapse every run of whitespace to one space.
+    Both encoders use it, so a prompt pasted with typographic quotes gives the same video as its
+    plain-ASCII twin on the embedded default too."""
+    text = html.unescape(html.unescape(ftfy.fix_text(text))).strip()
+    return regex.sub(r"\s+", " ", text).strip()
 
 
 class TinyTextEncoder(nn.Module):
@@ -142,8 +149,8 @@ class UMT5TextEncoder:
             load_into(self.model, sd, f"text encoder {ckpt.name}")
         self.model.to(device=self.device, dtype=dtype).eval().requires_grad_(False)
 
-    @torch.no_grad()
-    def encode(self, prompts: list[str]) -> torch.Tensor:
+    def tokenize(self, prompts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Cleaned as Wan cleans them (`clean_prompt`), padded to text_len -> ids, mask (B, text_len)."""
         tok = self.tokenizer(
             [clean_prompt(p) for p in prompts],
             padding="max_length",
@@ -153,6 +160,11 @@ class UMT5TextEncoder:
             return_attention_mask=True,
             return_tensors="pt",
         )
-        ids, mask = tok.input_ids.to(self.device), tok.attention_mask.to(self.device)
+        return tok.input_ids, tok.attention_mask
+
+    @torch.no_grad()
+    def encode(self, prompts: list[str]) -> torch.Tensor:
+        ids, mask = self.tokenize(prompts)
+        ids, mask = ids.to(self.device), mask.to(self.device)
         out = self.model(input_ids=ids, attention_mask=mask).last_hidden_state
         return out * mask[..., None].to(out.dtype)
