@@ -49,6 +49,7 @@ class GenerateBlock(Message, tag="gen"):
     seed: int | None = None
     recache: bool = False  # with a continuing prompt: recompute the window's keys/values under it
     vae_cut: int = 0  # topology.vae_cut: the decoder stages to run on it (set at a shot's start; 0: the worker's)
+    shot_left: int = 0  # blocks of its shot from this one on, as planned now (0: open-ended); the rolling sampler's
 
 
 class GenerateBatch(Message, tag="genb"):

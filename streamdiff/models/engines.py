@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from .presets import ModelSpec, build_dit, build_text_encoder, build_vae
+from .wan import rolling
 from .wan.dit import DiTState
 from .wan.kernels import CPU_DECODE_WORKING_SET_BYTES, DecodePlan, plan_block
 from .wan.sampler import denoise_block, denoise_sessions, sigma_of, step_timesteps
@@ -26,6 +27,7 @@ class DiTSession:
     generator: torch.Generator
     shot_blocks: int = 0  # blocks generated since the last cut (the first uses its own steps)
     prompt: str | None = None
+    rolling: rolling.RollingState | None = None  # the rolling sampler's window (sampler kind "rolling")
 
 
 class DiTEngine:
@@ -36,6 +38,7 @@ class DiTEngine:
         s = self.preset.sampler
         self.timesteps = step_timesteps(s.steps, s.shift, s.warp)
         self.first_timesteps = step_timesteps(s.first_block_steps or s.steps, s.shift, s.warp)
+        self.rolling = rolling.Schedule.of(s) if s.kind == "rolling" else None
         self._prompts: OrderedDict[str, torch.Tensor] = OrderedDict()
         self._prompt_cache = prompt_cache
 
@@ -51,9 +54,17 @@ class DiTEngine:
 
     def open_session(self, width: int, height: int, seed: int) -> DiTSession:
         h, w = self.latent_size(width, height)
+        state, window = self._new_shot(h, w)
+        return DiTSession(state, (h, w), torch.Generator().manual_seed(seed), rolling=window)
+
+    def _new_shot(self, h: int, w: int) -> tuple[DiTState, rolling.RollingState | None]:
+        """A shot's fresh caches; with the rolling sampler, its window (whose finished history
+        is the session's `state`)."""
         s = self.preset.sampler
-        state = self.model.new_state(h, w, s.window_frames, s.sink_frames)
-        return DiTSession(state, (h, w), torch.Generator().manual_seed(seed))
+        if self.rolling is not None:
+            r = rolling.RollingState(self.model, h, w, s)
+            return r.store, r
+        return self.model.new_state(h, w, s.window_frames, s.sink_frames), None
 
     def encode_prompt(self, prompt: str) -> torch.Tensor:
         emb = self._prompts.get(prompt)
@@ -70,14 +81,22 @@ class DiTEngine:
     ) -> None:
         """Start a scene. `cut`: a new shot (fresh KV cache, positions from 0, first-block steps).
         Otherwise `continue`: keep the visual history, swap the prompt (cross-attention cache);
-        with `recache`, also recompute the held frames' keys/values under the new prompt."""
-        if cut:
-            s = self.preset.sampler
-            sess.state = self.model.new_state(*sess.latent_hw, s.window_frames, s.sink_frames)
+        with `recache`, also recompute the held frames' keys/values under the new prompt.
+
+        Rolling sampler: the authors' loop has one prompt per video. A new scene's first block
+        is the oldest in flight (every earlier block is finished), so all blocks in flight belong
+        to the new scene: they keep their noise levels and continue under its prompt from the
+        next window step on (a restart would stall the stream for a full window). A cut discards
+        them with the caches; the new shot fills its window afresh."""
+        if cut:  # rolling: the blocks in flight are discarded with the old shot's caches
+            sess.state, sess.rolling = self._new_shot(*sess.latent_hw)
             sess.shot_blocks = 0
         if seed is not None:
             sess.generator.manual_seed(seed)
-        if recache and not cut:
+        if recache and not cut and sess.rolling is not None:
+            rolling.recache(self.model, sess.rolling, self.encode_prompt(prompt), self.preset.sampler.context_t)
+            sess.prompt = prompt
+        elif recache and not cut:
             self.model.recache(sess.state, self.encode_prompt(prompt), self.preset.sampler.context_t)
             sess.prompt = prompt
         elif cut or prompt != sess.prompt:
@@ -88,14 +107,21 @@ class DiTEngine:
         """The step list of the session's next block (a shot's first block has its own)."""
         return self.first_timesteps if sess.shot_blocks == 0 else self.timesteps
 
-    def generate_block(self, sess: DiTSession, frames: int) -> torch.Tensor:
-        """Denoise the next `frames` latent frames -> (1, C, frames, h, w) float32 on the CPU."""
-        return self.generate_blocks([sess], frames)[0]
+    def generate_block(self, sess: DiTSession, frames: int, shot_left: int = 0) -> torch.Tensor:
+        """Denoise the next `frames` latent frames -> (1, C, frames, h, w) float32 on the CPU.
+        `shot_left`: the rolling sampler's blocks of this shot from this one on (0: open-ended)."""
+        return self.generate_blocks([sess], frames, [shot_left])[0]
 
-    def generate_blocks(self, sessions: list[DiTSession], frames: int) -> list[torch.Tensor]:
+    def generate_blocks(
+        self, sessions: list[DiTSession], frames: int, shots_left: list[int] | None = None
+    ) -> list[torch.Tensor]:
         """The next block of several sessions in one batched forward per step (same latent size
         and step count; any prompts and cache positions). Each session draws its noise from its
-        own generator exactly as alone, so each result equals its session run alone."""
+        own generator exactly as alone, so each result equals its session run alone.
+        The rolling sampler runs its sessions one after another (`shots_left`: see generate_block)."""
+        if self.rolling is not None:
+            left = shots_left or [0] * len(sessions)
+            return [self._rolling_block(s, frames, n) for s, n in zip(sessions, left, strict=True)]
         steps = [self.steps_of(s) for s in sessions]
         noise, renoise = [], [[] for _ in steps[0][1:]]
         for sess, ts in zip(sessions, steps, strict=True):
@@ -116,6 +142,29 @@ class DiTEngine:
         for sess in sessions:
             sess.shot_blocks += 1
         return [x.float().cpu() for x in x0.split(1)]
+
+    def _rolling_block(self, sess: DiTSession, frames: int, shot_left: int) -> torch.Tensor:
+        """The next finished block of a rolling session: the shot's first call fills the window
+        (one forward per level), later calls take one window step each (rolling.next_block)."""
+        fpb, r, g = self.frames_per_block, sess.rolling, sess.generator
+        if frames != fpb:
+            raise ValueError(f"the rolling sampler makes whole blocks of {fpb} latent frames, not {frames}")
+        shape = (1, self.model.cfg.in_channels, fpb, *sess.latent_hw)
+        if r.entered == 0 and shot_left > 0:
+            # The authors draw the whole video's noise before the loop, frame-major (1, F, C, h, w);
+            # so does a shot of known length here. Blocks past it (a live video, a shot lengthened
+            # by a steer) draw theirs as they enter.
+            r.noise = torch.randn((1, shot_left * fpb, shape[1], *shape[3:]), generator=g)
+
+        def noise_of(i: int) -> torch.Tensor:
+            if r.noise is not None and (i + 1) * fpb <= r.noise.shape[1]:
+                return r.noise[:, i * fpb : (i + 1) * fpb].transpose(1, 2)
+            return torch.randn((1, fpb, shape[1], *shape[3:]), generator=g).transpose(1, 2)
+
+        last = r.finished + shot_left - 1 if shot_left > 0 else None
+        x0 = rolling.next_block(self.model, r, self.rolling, last, noise_of, lambda s: torch.randn(s, generator=g))
+        sess.shot_blocks += 1
+        return x0.float().cpu()
 
 
 class VAEEngine:

@@ -322,6 +322,14 @@ class Session:
         return sum(t.state == T_EMITTED for t in self.tickets)
 
 
+def _shot_left(blocks: list[Block], index: int) -> int:
+    """Blocks of the shot of block `index` from it on, as planned now: what a rolling sampler
+    needs to stop letting new blocks into its window near the shot's end (a live video sends 0:
+    open-ended, its blocks keep entering until it is stopped)."""
+    end = next((b.index for b in blocks[index + 1 :] if b.shot_start), len(blocks))
+    return end - index
+
+
 class Scheduler:
     def __init__(
         self,
@@ -713,6 +721,7 @@ class Scheduler:
                     seed=scene.seed if first else None,
                     recache=first and scene.recache and not b.shot_start,
                     vae_cut=t.vae_cut,
+                    shot_left=0 if sess.live else _shot_left(sess.blocks, b.index),
                 )
             )
         for w in self.topology.members(dit):  # a DiT group's ranks all run it (rank 0 answers)

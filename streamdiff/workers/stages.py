@@ -304,6 +304,9 @@ class DiTStage:
         shape = (c, msg.frames, *sess.latent_hw)
         if msg.frames < 1:
             raise RequestError(f"a block of {msg.frames} latent frames")
+        fpb = self.engine.frames_per_block
+        if self.engine.rolling is not None and msg.frames != fpb:  # its window holds whole blocks
+            raise RequestError(f"the rolling sampler makes whole blocks of {fpb} latent frames, not {msg.frames}")
         rows = sess.latent_hw[0] // self.engine.model.cfg.patch_size[1]
         if rows < self.world:  # each rank of a DiT group computes at least one row of patches
             raise RequestError(f"{rows} rows of patches cannot be split over a DiT group of {self.world}")
@@ -353,7 +356,8 @@ class DiTStage:
             groups.setdefault((sess.latent_hw, msg.frames, len(self.engine.steps_of(sess))), []).append((msg, sess))
         latents = {}
         for group in groups.values():
-            outs = self.engine.generate_blocks([sess for _, sess in group], group[0][0].frames)
+            left = [msg.shot_left for msg, _ in group]
+            outs = self.engine.generate_blocks([sess for _, sess in group], group[0][0].frames, left)
             latents.update({msg.session: out[0] for (msg, _), out in zip(group, outs, strict=True)})
         data = self._cut_stages([(msg.session, msg.cut, latents[msg.session], cut_of(msg, self.cut)) for msg, _ in run])
         wall, own = self.clock.stop()

@@ -17,6 +17,7 @@ up front, then `randn_like` of the whole window per re-noised block.
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -328,3 +329,101 @@ def test_open_ended_matches_a_long_shot_until_its_drain():
     torch.testing.assert_close(live[:, :k], bounded[:, :k], rtol=1e-6, atol=1e-6)
     assert not torch.allclose(live[:, k : 3 * n], bounded[:, k:], atol=1e-3)  # the drain differs
     assert len(st.flight) == len(STEPS) - 1 and st.finished == n + 1
+
+
+# ----------------------------------------------------------------------------- the engine
+
+
+@pytest.fixture(scope="module")
+def engine():
+    from streamdiff.models.engines import DiTEngine
+    from streamdiff.models.presets import ModelSpec
+
+    rolling_settings = {"kind": "rolling", "steps": list(STEPS), "window_frames": 21, "sink_frames": 3}
+    return DiTEngine(ModelSpec(sampler=rolling_settings))
+
+
+def shot(engine, sess, prompt, blocks, seed=None, cut=True, live=False):
+    engine.set_scene(sess, prompt, cut=cut, seed=seed)
+    return [engine.generate_block(sess, 3, 0 if live else blocks - i) for i in range(blocks)]
+
+
+def test_engine_one_finished_block_per_call_in_the_authors_noise_order(engine):
+    """The engine draws the shot's noise up front, then the re-noising in the authors' order, from
+    the session's generator: its blocks equal the sampler fed those draws directly."""
+    sess = engine.open_session(64, 48, seed=4)
+    blocks = shot(engine, sess, "a red fox", 6)
+    assert [b.shape for b in blocks] == [(1, C, 3, 6, 8)] * 6
+    assert not sess.rolling.flight and sess.rolling.finished == 6
+
+    g = torch.Generator().manual_seed(4)
+    noise = torch.randn(1, 18, C, 6, 8, generator=g)
+    st = rolling.RollingState(engine.model, 6, 8, engine.preset.sampler)
+    engine.model.set_prompt(st.store, engine.encode_prompt("a red fox"))
+    want = [
+        rolling.next_block(
+            engine.model,
+            st,
+            engine.rolling,
+            5,
+            lambda i: noise[:, 3 * i : 3 * i + 3].transpose(1, 2),
+            lambda s: torch.randn(s, generator=g),
+        )
+        for _ in range(6)
+    ]
+    assert all(torch.equal(a, b) for a, b in zip(blocks, want, strict=True))
+
+
+def test_engine_cut_restarts_the_window(engine):
+    """A cut discards the blocks in flight: the new shot equals a fresh session's."""
+    sess = engine.open_session(64, 48, seed=4)
+    shot(engine, sess, "a red fox", 2, live=True)  # open-ended: blocks 2..5 are in flight
+    assert len(sess.rolling.flight) == len(STEPS) - 1
+    after = shot(engine, sess, "a city at night", 3, seed=7)
+    fresh = shot(engine, engine.open_session(64, 48, seed=99), "a city at night", 3, seed=7)
+    assert all(torch.equal(a, b) for a, b in zip(after, fresh, strict=True))
+
+
+def test_engine_prompt_switch_keeps_the_window(engine):
+    """A continue scene: the blocks in flight go on under the new prompt (not restarted)."""
+    sess = engine.open_session(64, 48, seed=4)
+    first = shot(engine, sess, "a red fox", 2, live=True)
+    levels = [b.level for b in sess.rolling.flight]
+    engine.set_scene(sess, "a city at night", cut=False)
+    assert [b.level for b in sess.rolling.flight] == levels
+    switched = engine.generate_block(sess, 3)
+    same = engine.open_session(64, 48, seed=4)
+    shot(engine, same, "a red fox", 2, live=True)
+    kept = engine.generate_block(same, 3)
+    assert torch.equal(first[0], shot(engine, engine.open_session(64, 48, seed=4), "a red fox", 1, live=True)[0])
+    assert not torch.allclose(switched, kept, atol=1e-4)
+
+
+def test_engine_refuses_a_partial_block(engine):
+    sess = engine.open_session(64, 48, seed=4)
+    engine.set_scene(sess, "a red fox", cut=True)
+    with pytest.raises(ValueError, match="whole blocks of 3 latent frames, not 2"):
+        engine.generate_block(sess, 2, 1)
+
+
+def test_engine_shortened_shot_drains(engine):
+    """A replan that ends the shot sooner (a stop, a steer) drops the blocks in flight past the
+    new end; the last call leaves nothing in flight."""
+    sess = engine.open_session(64, 48, seed=4)
+    engine.set_scene(sess, "a red fox", cut=True)
+    engine.generate_block(sess, 3, 8)
+    assert [b.index for b in sess.rolling.flight] == [1, 2, 3, 4]
+    engine.generate_block(sess, 3, 2)  # block 1, and block 2 is the shot's last now
+    assert [b.index for b in sess.rolling.flight] == [2]
+    engine.generate_block(sess, 3, 1)
+    assert not sess.rolling.flight and sess.rolling.finished == 3
+
+
+def test_shot_left_counts_to_the_next_cut():
+    """What the supervisor tells the DiT of each block: the blocks of its shot from it on (a
+    continue scene stays in the shot, a cut starts another)."""
+    from streamdiff.plan import Scene, plan_blocks
+    from streamdiff.supervisor.scheduler import _shot_left
+
+    blocks = plan_blocks([Scene("a", 33), Scene("b", 12, "continue"), Scene("c", 21, "cut")], 3)
+    assert [_shot_left(blocks, b.index) for b in blocks] == [4, 3, 2, 1, 2, 1]
