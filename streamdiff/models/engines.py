@@ -38,7 +38,7 @@ class DiTEngine:
         s = self.preset.sampler
         self.timesteps = step_timesteps(s.steps, s.shift, s.warp)
         self.first_timesteps = step_timesteps(s.first_block_steps or s.steps, s.shift, s.warp)
-        self.rolling = rolling.Schedule.of(s) if s.kind == "rolling" else None
+        self.rolling_schedule = rolling.Schedule.of(s) if s.kind == "rolling" else None
         self._prompts: OrderedDict[str, torch.Tensor] = OrderedDict()
         self._prompt_cache = prompt_cache
 
@@ -61,7 +61,7 @@ class DiTEngine:
         """A shot's fresh caches; with the rolling sampler, its window (whose finished history
         is the session's `state`)."""
         s = self.preset.sampler
-        if self.rolling is not None:
+        if self.rolling_schedule is not None:
             r = rolling.RollingState(self.model, h, w, s)
             return r.store, r
         return self.model.new_state(h, w, s.window_frames, s.sink_frames), None
@@ -119,7 +119,7 @@ class DiTEngine:
         and step count; any prompts and cache positions). Each session draws its noise from its
         own generator exactly as alone, so each result equals its session run alone.
         The rolling sampler runs its sessions one after another (`shots_left`: see generate_block)."""
-        if self.rolling is not None:
+        if self.rolling_schedule is not None:
             left = shots_left or [0] * len(sessions)
             return [self._rolling_block(s, frames, n) for s, n in zip(sessions, left, strict=True)]
         steps = [self.steps_of(s) for s in sessions]
@@ -162,7 +162,8 @@ class DiTEngine:
             return torch.randn((1, fpb, shape[1], *shape[3:]), generator=g).transpose(1, 2)
 
         last = r.finished + shot_left - 1 if shot_left > 0 else None
-        x0 = rolling.next_block(self.model, r, self.rolling, last, noise_of, lambda s: torch.randn(s, generator=g))
+        sched = self.rolling_schedule
+        x0 = rolling.next_block(self.model, r, sched, last, noise_of, lambda s: torch.randn(s, generator=g))
         sess.shot_blocks += 1
         return x0.float().cpu()
 

@@ -233,7 +233,9 @@ class DiTStage:
         self.vae_cuts.pop("calibration", None)
         kv = sess.state.kv
         tokens = kv.k[0].shape[2]  # window * tokens per frame
-        per_token = sum(t.numel() * t.element_size() for t in (*kv.k, *kv.v)) // tokens
+        # The rolling sampler holds a second cache (its window's context) beside the history.
+        held = [kv] + ([sess.rolling.scratch.kv] if sess.rolling is not None else [])
+        per_token = sum(t.numel() * t.element_size() for c in held for t in (*c.k, *c.v)) // tokens
         cross = sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in sess.state.cross)
         budget = memory_budget_bytes(self.device, self.cpu_budget)
         # Per-block share of a batched forward of two sessions (larger batches are measured as
@@ -305,7 +307,7 @@ class DiTStage:
         if msg.frames < 1:
             raise RequestError(f"a block of {msg.frames} latent frames")
         fpb = self.engine.frames_per_block
-        if self.engine.rolling is not None and msg.frames != fpb:  # its window holds whole blocks
+        if self.engine.rolling_schedule is not None and msg.frames != fpb:  # its window holds whole blocks
             raise RequestError(f"the rolling sampler makes whole blocks of {fpb} latent frames, not {msg.frames}")
         rows = sess.latent_hw[0] // self.engine.model.cfg.patch_size[1]
         if rows < self.world:  # each rank of a DiT group computes at least one row of patches

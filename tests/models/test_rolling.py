@@ -364,7 +364,7 @@ def test_engine_one_finished_block_per_call_in_the_authors_noise_order(engine):
         rolling.next_block(
             engine.model,
             st,
-            engine.rolling,
+            engine.rolling_schedule,
             5,
             lambda i: noise[:, 3 * i : 3 * i + 3].transpose(1, 2),
             lambda s: torch.randn(s, generator=g),
@@ -427,3 +427,20 @@ def test_shot_left_counts_to_the_next_cut():
 
     blocks = plan_blocks([Scene("a", 33), Scene("b", 12, "continue"), Scene("c", 21, "cut")], 3)
     assert [_shot_left(blocks, b.index) for b in blocks] == [4, 3, 2, 1, 2, 1]
+
+
+def test_engine_recache(engine):
+    """A re-cache recomputes the finished history and the anchor under the prompt: under the
+    same prompt (history not yet evicted) it changes nothing; under a new one it differs from a
+    plain switch."""
+
+    def after(prompt, recache):
+        sess = engine.open_session(64, 48, seed=4)
+        shot(engine, sess, "a red fox", 3, live=True)
+        engine.set_scene(sess, prompt, cut=False, recache=recache)
+        return [engine.generate_block(sess, 3) for _ in range(2)]
+
+    plain = after("a red fox", False)
+    assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(after("a red fox", True), plain, strict=True))
+    switched, recached = after("a city at night", False), after("a city at night", True)
+    assert not torch.allclose(switched[1], recached[1], atol=1e-4)
