@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from .presets import ModelSpec, build_dit, build_text_encoder, build_vae, describe_load
+from .wan import rolling
 from .wan.dit import DiTState
 from .wan.kernels import CPU_DECODE_WORKING_SET_BYTES, DecodePlan, plan_block
 from .wan.sampler import denoise_block, denoise_sessions, sigma_of, step_timesteps
@@ -31,6 +32,7 @@ class DiTSession:
     seeding: str = "per_block"
     shot_noise: torch.Tensor | None = None  # (1, F, C, h, w), the authors' layout, model dtype
     shot_pos: int = 0  # latent frames of shot_noise used so far
+    rolling: rolling.RollingState | None = None  # the rolling sampler's window (sampler kind "rolling")
 
 
 class DiTEngine:
@@ -43,6 +45,7 @@ class DiTEngine:
         s = self.preset.sampler
         self.timesteps = step_timesteps(s.steps, s.shift, s.warp)
         self.first_timesteps = step_timesteps(s.first_block_steps or s.steps, s.shift, s.warp)
+        self.rolling_schedule = rolling.Schedule.of(s) if s.kind == "rolling" else None
         self._prompts: OrderedDict[str, torch.Tensor] = OrderedDict()
         self._prompt_cache = prompt_cache
 
@@ -58,9 +61,17 @@ class DiTEngine:
 
     def open_session(self, width: int, height: int, seed: int) -> DiTSession:
         h, w = self.latent_size(width, height)
+        state, window = self._new_shot(h, w)
+        return DiTSession(state, (h, w), torch.Generator(device=self.device).manual_seed(seed), rolling=window)
+
+    def _new_shot(self, h: int, w: int) -> tuple[DiTState, rolling.RollingState | None]:
+        """A shot's fresh caches; with the rolling sampler, its window (whose finished history
+        is the session's `state`)."""
         s = self.preset.sampler
-        state = self.model.new_state(h, w, s.window_frames, s.sink_frames)
-        return DiTSession(state, (h, w), torch.Generator(device=self.device).manual_seed(seed))
+        if self.rolling_schedule is not None:
+            r = rolling.RollingState(self.model, h, w, s)
+            return r.store, r
+        return self.model.new_state(h, w, s.window_frames, s.sink_frames), None
 
     def encode_prompt(self, prompt: str) -> torch.Tensor:
         emb = self._prompts.get(prompt)
@@ -91,14 +102,19 @@ class DiTEngine:
         `shot_frames`: the latent frames from this scene's first block to the shot's end (0: a
         live shot, unbounded). Where the noise starts afresh (a cut, or a scene with a seed) and
         the length is known, the whole rest of the shot's noise is drawn now, as the authors'
-        scripts draw the whole video's (`seeding = "authors"`); otherwise per block."""
+        scripts draw the whole video's (`seeding = "authors"`); otherwise per block.
+
+        Rolling sampler: the authors' loop has one prompt per video. A new scene's first block
+        is the oldest in flight (every earlier block is finished), so all blocks in flight belong
+        to the new scene: they keep their noise levels and continue under its prompt from the
+        next window step on (a restart would stall the stream for a full window). A cut discards
+        them with the caches; the new shot fills its window afresh."""
         policy = self.preset.sampler.recache
         if recache and policy == "never":
             raise ValueError("this model's sampler.recache is 'never': a scene cannot ask for recache")
         recache = recache or policy == "every_switch"
-        if cut:
-            s = self.preset.sampler
-            sess.state = self.model.new_state(*sess.latent_hw, s.window_frames, s.sink_frames)
+        if cut:  # rolling: the blocks in flight are discarded with the old shot's caches
+            sess.state, sess.rolling = self._new_shot(*sess.latent_hw)
             sess.shot_blocks = 0
         if seed is not None:
             sess.generator.manual_seed(seed)
@@ -109,7 +125,10 @@ class DiTEngine:
                 sess.shot_noise = self._randn((1, shot_frames, c, h, w), sess.generator)
                 sess.seeding = "authors"
         s = self.preset.sampler
-        if recache and not cut and s.kv_recompute:  # the held context again, Krea's way, under the new prompt
+        if recache and not cut and sess.rolling is not None:
+            rolling.recache(self.model, sess.rolling, self.encode_prompt(prompt), s.context_t)
+            sess.prompt = prompt
+        elif recache and not cut and s.kv_recompute:  # the held context again, Krea's way, under the new prompt
             self.model.set_prompt(sess.state, self.encode_prompt(prompt))
             self.model.recompute(sess.state, s.frames_per_block, s.context_t)
             sess.prompt = prompt
@@ -128,31 +147,43 @@ class DiTEngine:
         """A draw as the authors make it: in the model's dtype, on its device."""
         return torch.randn(shape, generator=generator, dtype=self.noise_dtype, device=generator.device)
 
-    def draw_noise(self, sess: DiTSession, frames: int, renoises: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """The next block's noise in the authors' order: its initial noise (a slice of the shot's,
-        drawn up front, or drawn now per block), then one `randn_like` of the flattened
-        (f, C, h, w) prediction per step after the first. Returned in our (1, C, f, h, w) layout."""
+    def _initial_noise(self, sess: DiTSession, frames: int) -> torch.Tensor:
+        """A block's initial noise, (1, frames, C, h, w) as the authors lay it out: a slice of the
+        shot's, drawn up front, or drawn now where the shot's length is not known."""
         c, (h, w) = self.model.cfg.in_channels, sess.latent_hw
         if sess.shot_noise is not None and sess.shot_pos + frames > sess.shot_noise.shape[1]:
             # A steer lengthened the shot past what was drawn: go on per block (no authors' video
             # has a steer to match), rather than fail the stream.
             sess.shot_noise, sess.seeding = None, "per_block"
-        if sess.shot_noise is not None:
-            first = sess.shot_noise[:, sess.shot_pos : sess.shot_pos + frames]
-            sess.shot_pos += frames
-        else:
-            first = self._randn((1, frames, c, h, w), sess.generator)
+        if sess.shot_noise is None:
+            return self._randn((1, frames, c, h, w), sess.generator)
+        sess.shot_pos += frames
+        return sess.shot_noise[:, sess.shot_pos - frames : sess.shot_pos]
+
+    def draw_noise(self, sess: DiTSession, frames: int, renoises: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """The next block's noise in the authors' order: its initial noise, then one `randn_like`
+        of the flattened (f, C, h, w) prediction per step after the first. Returned in our
+        (1, C, f, h, w) layout."""
+        c, (h, w) = self.model.cfg.in_channels, sess.latent_hw
+        first = self._initial_noise(sess, frames)
         again = [self._randn((frames, c, h, w), sess.generator).unsqueeze(0) for _ in range(renoises)]
         return first.permute(0, 2, 1, 3, 4), [x.permute(0, 2, 1, 3, 4) for x in again]
 
-    def generate_block(self, sess: DiTSession, frames: int) -> torch.Tensor:
-        """Denoise the next `frames` latent frames -> (1, C, frames, h, w) float32 on the CPU."""
-        return self.generate_blocks([sess], frames)[0]
+    def generate_block(self, sess: DiTSession, frames: int, shot_left: int = 0) -> torch.Tensor:
+        """Denoise the next `frames` latent frames -> (1, C, frames, h, w) float32 on the CPU.
+        `shot_left`: the rolling sampler's blocks of this shot from this one on (0: open-ended)."""
+        return self.generate_blocks([sess], frames, [shot_left])[0]
 
-    def generate_blocks(self, sessions: list[DiTSession], frames: int) -> list[torch.Tensor]:
+    def generate_blocks(
+        self, sessions: list[DiTSession], frames: int, shots_left: list[int] | None = None
+    ) -> list[torch.Tensor]:
         """The next block of several sessions in one batched forward per step (same latent size
         and step count; any prompts and cache positions). Each session draws its noise from its
-        own generator exactly as alone, so each result equals its session run alone."""
+        own generator exactly as alone, so each result equals its session run alone.
+        The rolling sampler runs its sessions one after another (`shots_left`: see generate_block)."""
+        if self.rolling_schedule is not None:
+            left = shots_left or [0] * len(sessions)
+            return [self._rolling_block(s, frames, n) for s, n in zip(sessions, left, strict=True)]
         steps = [self.steps_of(s) for s in sessions]
         noise, renoise = [], [[] for _ in steps[0][1:]]
         for sess, ts in zip(sessions, steps, strict=True):
@@ -183,6 +214,22 @@ class DiTEngine:
                 self.model.commit_and_recompute(sess.state, x0[i : i + 1], frames, ctx_t)
             sess.shot_blocks += 1
         return [x.float().cpu() for x in x0.split(1)]
+
+    def _rolling_block(self, sess: DiTSession, frames: int, shot_left: int) -> torch.Tensor:
+        """The next finished block of a rolling session: the shot's first call fills the window
+        (one forward per level), later calls take one window step each (rolling.next_block)."""
+        fpb, r, g = self.frames_per_block, sess.rolling, sess.generator
+        if frames != fpb:
+            raise ValueError(f"the rolling sampler makes whole blocks of {fpb} latent frames, not {frames}")
+
+        def noise_of(i: int) -> torch.Tensor:  # blocks enter in order: the shot's noise, block by block
+            return self._initial_noise(sess, fpb).transpose(1, 2)
+
+        last = r.finished + shot_left - 1 if shot_left > 0 else None
+        sched = self.rolling_schedule
+        x0 = rolling.next_block(self.model, r, sched, last, noise_of, lambda s: self._randn(s, g))
+        sess.shot_blocks += 1
+        return x0.float().cpu()
 
 
 class VAEEngine:

@@ -322,6 +322,16 @@ class Session:
         return sum(t.state == T_EMITTED for t in self.tickets)
 
 
+def _shot_left(blocks: list[Block], index: int) -> int:
+    """Blocks of the shot of block `index` from it on, as planned now (every block is whole:
+    plan.py): at a scene's start the DiT draws the rest of the shot's noise up front, as the
+    authors draw a whole video's, and a rolling sampler stops letting new blocks into its window
+    near the shot's end. A live video sends 0: open-ended, its noise drawn per block, its blocks
+    entering until it is stopped."""
+    end = next((b.index for b in blocks[index + 1 :] if b.shot_start), len(blocks))
+    return end - index
+
+
 class Scheduler:
     def __init__(
         self,
@@ -703,22 +713,12 @@ class Scheduler:
                     cut=b.shot_start and first,
                     seed=scene.seed if first else None,
                     recache=first and scene.recache and not b.shot_start,
-                    shot_frames=self._shot_frames(sess, b.index) if first and not sess.live else 0,
                     vae_cut=t.vae_cut,
+                    shot_left=0 if sess.live else _shot_left(sess.blocks, b.index),
                 )
             )
         for w in self.topology.members(dit):  # a DiT group's ranks all run it (rank 0 answers)
             self._out.append(Send(w, m.GenerateBatch(msgs)))
-
-    @staticmethod
-    def _shot_frames(sess, index: int) -> int:
-        """Latent frames from block `index` to the end of its shot (the DiT draws them up front)."""
-        n = 0
-        for b in sess.blocks[index:]:
-            if b.shot_start and b.index != index:
-                break
-            n += b.latent_frames
-        return n
 
     def _send_decodes(self, group: int, unit: str, batch: list) -> None:
         bid = self._new_batch(unit, batch)

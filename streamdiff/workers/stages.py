@@ -234,7 +234,9 @@ class DiTStage:
         self.vae_cuts.pop("calibration", None)
         kv = sess.state.kv
         tokens = kv.k[0].shape[2]  # window * tokens per frame
-        per_token = sum(t.numel() * t.element_size() for t in (*kv.k, *kv.v)) // tokens
+        # The rolling sampler holds a second cache (its window's context) beside the history.
+        held = [kv] + ([sess.rolling.scratch.kv] if sess.rolling is not None else [])
+        per_token = sum(t.numel() * t.element_size() for c in held for t in (*c.k, *c.v)) // tokens
         cross = sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in sess.state.cross)
         budget = memory_budget_bytes(self.device, self.cpu_budget)
         # Per-block share of a batched forward of two sessions (larger batches are measured as
@@ -305,6 +307,9 @@ class DiTStage:
         shape = (c, msg.frames, *sess.latent_hw)
         if msg.frames < 1:
             raise RequestError(f"a block of {msg.frames} latent frames")
+        fpb = self.engine.frames_per_block
+        if self.engine.rolling_schedule is not None and msg.frames != fpb:  # its window holds whole blocks
+            raise RequestError(f"the rolling sampler makes whole blocks of {fpb} latent frames, not {msg.frames}")
         rows = sess.latent_hw[0] // self.engine.model.cfg.patch_size[1]
         if rows < self.world:  # each rank of a DiT group computes at least one row of patches
             raise RequestError(f"{rows} rows of patches cannot be split over a DiT group of {self.world}")
@@ -348,15 +353,17 @@ class DiTStage:
         for msg, sess in run:
             self.faults.hit("compute", self.seeds.get(msg.session))
             if msg.prompt is not None:
+                shot_frames = msg.shot_left * msg.frames  # whole blocks to the shot's end (0: live)
                 self.engine.set_scene(
-                    sess, msg.prompt, cut=msg.cut, seed=msg.seed, recache=msg.recache, shot_frames=msg.shot_frames
+                    sess, msg.prompt, cut=msg.cut, seed=msg.seed, recache=msg.recache, shot_frames=shot_frames
                 )
         groups: dict[tuple, list] = {}  # sessions denoise together where size and step count agree
         for msg, sess in run:
             groups.setdefault((sess.latent_hw, msg.frames, len(self.engine.steps_of(sess))), []).append((msg, sess))
         latents = {}
         for group in groups.values():
-            outs = self.engine.generate_blocks([sess for _, sess in group], group[0][0].frames)
+            left = [msg.shot_left for msg, _ in group]
+            outs = self.engine.generate_blocks([sess for _, sess in group], group[0][0].frames, left)
             latents.update({msg.session: out[0] for (msg, _), out in zip(group, outs, strict=True)})
         data = self._cut_stages([(msg.session, msg.cut, latents[msg.session], cut_of(msg, self.cut)) for msg, _ in run])
         wall, own = self.clock.stop()
