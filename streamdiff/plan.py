@@ -10,6 +10,7 @@ an exact number of frames; we generate the fewest latent frames that cover it, i
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 
 
@@ -61,6 +62,20 @@ def plan_blocks(scenes: list[Scene], frames_per_block: int, temporal_factor: int
             remaining_latent -= f
             first = False
     return blocks
+
+
+def scene_marker(block: Block, scene: Scene) -> tuple[int, str, bytes]:
+    """The event a video carries where a scene starts (an emsg box at the block's first frame):
+    (frame offset in the block, the scene's number, its facts as JSON). The daemon's streams and
+    `streamdiffd generate`'s files both carry it."""
+    info = {
+        "scene": block.scene,
+        "prompt": scene.prompt,
+        "start_frame": block.start_frame,
+        "frames": scene.frames,
+        "transition": scene.transition,
+    }
+    return 0, str(block.scene), json.dumps(info).encode()
 
 
 def replan_from(

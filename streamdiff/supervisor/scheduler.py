@@ -43,7 +43,6 @@ The policy:
 
 from __future__ import annotations
 
-import json
 import logging
 from collections import deque
 from collections.abc import Callable
@@ -55,7 +54,7 @@ from ..ipc.shm import SlotPool
 from ..metrics import Metrics
 from ..placement.bands import Balance
 from ..placement.cut import CutBalance
-from ..plan import Block, Scene, replan_from
+from ..plan import Block, Scene, replan_from, scene_marker
 from .capacity import CapacityModel, Demand
 from .engine import CANCELLED, DONE, FAILED, QUEUED, RUNNING
 from .topology import Topology
@@ -752,15 +751,7 @@ class Scheduler:
         b = t.block
         events = []
         if b.first_of_scene:
-            sc = sess.scenes[b.scene]
-            info = {
-                "scene": b.scene,
-                "prompt": sc.prompt,
-                "start_frame": b.start_frame,
-                "frames": sc.frames,
-                "transition": sc.transition,
-            }
-            events.append((0, str(b.scene), json.dumps(info).encode()))
+            events.append(scene_marker(b, sess.scenes[b.scene]))
         t.encoding = True
         shape = (b.frames_out, sess.height, sess.width, 3)
         idr = b.index % self.cfg.encoder.keyframe_every_blocks == 0
