@@ -23,31 +23,11 @@ from .config import Config, ConfigError, load
 log = logging.getLogger("streamdiff")
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
-        prog="streamdiffd",
-        description="Streaming text-to-video server (Wan 2.1 causal "
-        "DiT + VAE, disaggregated), OpenAI-compatible, fMP4 over HTTP.",
-        epilog="With no layout flags the layout is planned from a profile of this machine. Also: "
-        "'streamdiffd models' (the published checkpoints' presets), 'streamdiffd profile --help' (measure the "
-        "stages) and 'streamdiffd plan --help' (rank layouts).",
-    )
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    """The flags that choose and load the model: the daemon's and `streamdiffd generate`'s (one list, one
+    mapping to the config in `overrides_from_args`)."""
     p.add_argument("--config", help="TOML config file (see etc/streamdiff.toml); flags override it")
-    p.add_argument("--dit-gpus", type=int, metavar="N", help="DiT workers, one per device (default 1)")
-    p.add_argument("--vae-gpus", type=int, metavar="M", help="VAE shard workers, one per device (default 1)")
-    p.add_argument("--vae-group-size", type=int, metavar="K", help="shards per VAE group (default: all VAE devices)")
-    p.add_argument(
-        "--dit-group-size",
-        type=int,
-        metavar="G",
-        help="devices per DiT, sequence-parallel (Ulysses) over G of the --dit-gpus devices (default 1)",
-    )
     p.add_argument("--device", choices=("cpu", "cuda", "xpu"), help="device kind (default cpu)")
-    p.add_argument(
-        "--mode",
-        choices=("disaggregated", "aggregated", "hybrid"),
-        help="stage layout (default disaggregated; hybrid: the DiT's device also holds a VAE shard)",
-    )
     p.add_argument(
         "--model",
         metavar="PRESET|PATH",
@@ -69,6 +49,33 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--lora", metavar="FILE", help="a PEFT LoRA merged into the DiT at load (LongLive's lora.pt)")
     p.add_argument("--lora-alpha", type=float, metavar="A", help="the LoRA's alpha (default: the preset's)")
     p.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"))
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="streamdiffd",
+        description="Streaming text-to-video server (Wan 2.1 causal "
+        "DiT + VAE, disaggregated), OpenAI-compatible, fMP4 over HTTP.",
+        epilog="With no layout flags the layout is planned from a profile of this machine. Also: "
+        "'streamdiffd models' (the published checkpoints' presets), 'streamdiffd generate --help' (one video to "
+        "a file, no server), 'streamdiffd profile --help' (measure the stages) and 'streamdiffd plan --help' (rank "
+        "layouts).",
+    )
+    add_model_args(p)
+    p.add_argument("--dit-gpus", type=int, metavar="N", help="DiT workers, one per device (default 1)")
+    p.add_argument("--vae-gpus", type=int, metavar="M", help="VAE shard workers, one per device (default 1)")
+    p.add_argument("--vae-group-size", type=int, metavar="K", help="shards per VAE group (default: all VAE devices)")
+    p.add_argument(
+        "--dit-group-size",
+        type=int,
+        metavar="G",
+        help="devices per DiT, sequence-parallel (Ulysses) over G of the --dit-gpus devices (default 1)",
+    )
+    p.add_argument(
+        "--mode",
+        choices=("disaggregated", "aggregated", "hybrid"),
+        help="stage layout (default disaggregated; hybrid: the DiT's device also holds a VAE shard)",
+    )
     p.add_argument(
         "--size",
         metavar="WxH",
@@ -116,7 +123,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def overrides_from_args(a: argparse.Namespace) -> dict[str, dict]:
     o: dict[str, dict] = {"server": {}, "model": {}, "topology": {}, "encoder": {}, "store": {}}
     for flag, key in (("dit_gpus", "dit_devices"), ("vae_gpus", "vae_devices"), ("devices", "devices")):
-        v = getattr(a, flag)
+        v = getattr(a, flag, None)
         if v is not None and not 1 <= v <= 64:
             raise ConfigError(f"topology.{key} (--{flag.replace('_', '-')}): must be 1-64, got {v}")
     for flag, section, key in (
@@ -148,7 +155,7 @@ def overrides_from_args(a: argparse.Namespace) -> dict[str, dict]:
         ("size", "model", "size"),
         ("encoder", "encoder", "kind"),
     ):
-        v = getattr(a, flag)
+        v = getattr(a, flag, None)  # generate's parser has the model flags only
         if v is not None:
             o[section][key] = v
     if a.model is not None:
@@ -315,6 +322,10 @@ def main(argv: list[str] | None = None) -> int:
         from .models.catalog import main as models_main
 
         return models_main(argv[1:])
+    if argv and argv[0] == "generate":
+        from .generate import main as generate_main
+
+        return generate_main(argv[1:])
     if argv and argv[0] in ("profile", "plan"):
         from .placement.commands import main as placement_main
 

@@ -15,6 +15,7 @@ generated and not shown at a scene's end.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 
 
@@ -64,6 +65,20 @@ def plan_blocks(scenes: list[Scene], frames_per_block: int, temporal_factor: int
     return blocks
 
 
+def scene_marker(block: Block, scene: Scene) -> tuple[int, str, bytes]:
+    """The event a video carries where a scene starts (an emsg box at the block's first frame):
+    (frame offset in the block, the scene's number, its facts as JSON). The daemon's streams and
+    `streamdiffd generate`'s files both carry it."""
+    info = {
+        "scene": block.scene,
+        "prompt": scene.prompt,
+        "start_frame": block.start_frame,
+        "frames": scene.frames,
+        "transition": scene.transition,
+    }
+    return 0, str(block.scene), json.dumps(info).encode()
+
+
 def replan_from(
     scenes: list[Scene],
     blocks: list[Block],
@@ -91,3 +106,13 @@ def replan_from(
     if replanned[:at] != blocks[:at]:  # a scene cut at a block boundary keeps its blocks
         raise AssertionError(f"replanning changed blocks before {at}")
     return kept, replanned
+
+
+def shot_left(blocks: list[Block], index: int) -> int:
+    """Blocks of the shot of block `index` from it on, as planned now (all whole blocks): at a
+    scene's start the DiT draws the rest of the shot's noise up front, as the
+    authors draw a whole video's, and a rolling sampler stops letting new blocks into its window
+    near the shot's end. A live video sends 0: open-ended, its noise drawn per block, its blocks
+    entering until it is stopped."""
+    end = next((b.index for b in blocks[index + 1 :] if b.shot_start), len(blocks))
+    return end - index

@@ -7,9 +7,9 @@ from hypothesis import strategies as st
 
 from streamdiff.plan import Scene, plan_blocks, replan_from
 
-scenes_st = st.lists(
-    st.tuples(st.integers(1, 90), st.sampled_from(["cut", "continue"])), min_size=1, max_size=5
-).map(lambda xs: [Scene(f"p{i}", n, tr) for i, (n, tr) in enumerate(xs)])
+scenes_st = st.lists(st.tuples(st.integers(1, 90), st.sampled_from(["cut", "continue"])), min_size=1, max_size=5).map(
+    lambda xs: [Scene(f"p{i}", n, tr) for i, (n, tr) in enumerate(xs)]
+)
 
 
 @given(scenes_st, st.integers(1, 4))

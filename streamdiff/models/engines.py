@@ -90,7 +90,7 @@ class DiTEngine:
         cut: bool,
         seed: int | None = None,
         recache: bool = False,
-        shot_frames: int = 0,
+        shot_left: int = 0,
     ) -> None:
         """Start a scene. `cut`: a new shot (fresh KV cache, positions from 0, first-block steps).
         Otherwise `continue`: keep the visual history, swap the prompt (cross-attention cache),
@@ -99,8 +99,8 @@ class DiTEngine:
         segment switches), `on_request` where the scene asks, `never` refuses a scene that asks
         (the API refuses it first, with a 400).
 
-        `shot_frames`: the latent frames from this scene's first block to the shot's end (0: a
-        live shot, unbounded). Where the noise starts afresh (a cut, or a scene with a seed) and
+        `shot_left`: the blocks from this scene's first block to the shot's end (0: a live shot,
+        unbounded; plan.shot_left). Where the noise starts afresh (a cut, or a scene with a seed) and
         the length is known, the whole rest of the shot's noise is drawn now, as the authors'
         scripts draw the whole video's (`seeding = "authors"`); otherwise per block.
 
@@ -120,9 +120,9 @@ class DiTEngine:
             sess.generator.manual_seed(seed)
         if cut or seed is not None:
             sess.shot_noise, sess.shot_pos, sess.seeding = None, 0, "per_block"
-            if shot_frames > 0:
-                c, (h, w) = self.model.cfg.in_channels, sess.latent_hw
-                sess.shot_noise = self._randn((1, shot_frames, c, h, w), sess.generator)
+            if shot_left > 0:
+                c, (h, w), f = self.model.cfg.in_channels, sess.latent_hw, shot_left * self.frames_per_block
+                sess.shot_noise = self._randn((1, f, c, h, w), sess.generator)
                 sess.seeding = "authors"
         s = self.preset.sampler
         if recache and not cut and sess.rolling is not None:

@@ -235,9 +235,7 @@ class Costs:
         near = min(sizes, key=lambda k: (abs(k - n), k))
         return fig["batch_ms"][str(near)]
 
-    def dit_s(
-        self, n: int, shot_starts: int, cuts: list[int] | None = None, host: bool = True
-    ) -> float:
+    def dit_s(self, n: int, shot_starts: int, cuts: list[int] | None = None, host: bool = True) -> float:
         """A batch of n blocks (every block is whole: plan.py); `cuts`: each block's VAE cut
         (default: the layout's); `host`: the encoder is at work beside it (not before the first
         fragment)."""
@@ -530,9 +528,7 @@ class Sim:
         bands = split_rows(sess.height // SPATIAL, k, weights)
         rows = [r1 - r0 for r0, r1 in bands]
         busy = all(self.now - self.procs[q].free_at <= BUSY_GAP_S for q in job.procs)
-        dur, own = c.vae(
-            k, rows, len(blocks), blocks[0].reset, blocks[0].vae_cut or self.layout.cut, busy
-        )
+        dur, own = c.vae(k, rows, len(blocks), blocks[0].reset, blocks[0].vae_cut or self.layout.cut, busy)
         job.own, job.rows, job.dur = own, rows, dur
         self.vae_blocks += len(blocks)
         if self.layout.shared:  # one shard (1+1), whose speed follows whether the DiT runs beside it

@@ -43,7 +43,6 @@ The policy:
 
 from __future__ import annotations
 
-import json
 import logging
 from collections import deque
 from collections.abc import Callable
@@ -55,7 +54,7 @@ from ..ipc.shm import SlotPool
 from ..metrics import Metrics
 from ..placement.bands import Balance
 from ..placement.cut import CutBalance
-from ..plan import Block, Scene, replan_from
+from ..plan import Block, Scene, replan_from, scene_marker, shot_left
 from .capacity import CapacityModel, Demand
 from .engine import CANCELLED, DONE, FAILED, QUEUED, RUNNING
 from .topology import Topology
@@ -320,16 +319,6 @@ class Session:
     @property
     def emitted(self) -> int:
         return sum(t.state == T_EMITTED for t in self.tickets)
-
-
-def _shot_left(blocks: list[Block], index: int) -> int:
-    """Blocks of the shot of block `index` from it on, as planned now (every block is whole:
-    plan.py): at a scene's start the DiT draws the rest of the shot's noise up front, as the
-    authors draw a whole video's, and a rolling sampler stops letting new blocks into its window
-    near the shot's end. A live video sends 0: open-ended, its noise drawn per block, its blocks
-    entering until it is stopped."""
-    end = next((b.index for b in blocks[index + 1 :] if b.shot_start), len(blocks))
-    return end - index
 
 
 class Scheduler:
@@ -714,7 +703,7 @@ class Scheduler:
                     seed=scene.seed if first else None,
                     recache=first and scene.recache and not b.shot_start,
                     vae_cut=t.vae_cut,
-                    shot_left=0 if sess.live else _shot_left(sess.blocks, b.index),
+                    shot_left=0 if sess.live else shot_left(sess.blocks, b.index),
                 )
             )
         for w in self.topology.members(dit):  # a DiT group's ranks all run it (rank 0 answers)
@@ -754,15 +743,7 @@ class Scheduler:
         b = t.block
         events = []
         if b.first_of_scene:
-            sc = sess.scenes[b.scene]
-            info = {
-                "scene": b.scene,
-                "prompt": sc.prompt,
-                "start_frame": b.start_frame,
-                "frames": sc.frames,
-                "transition": sc.transition,
-            }
-            events.append((0, str(b.scene), json.dumps(info).encode()))
+            events.append(scene_marker(b, sess.scenes[b.scene]))
         t.encoding = True
         shape = (b.frames_out, sess.height, sess.width, 3)
         idr = b.index % self.cfg.encoder.keyframe_every_blocks == 0

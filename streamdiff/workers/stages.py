@@ -353,9 +353,8 @@ class DiTStage:
         for msg, sess in run:
             self.faults.hit("compute", self.seeds.get(msg.session))
             if msg.prompt is not None:
-                shot_frames = msg.shot_left * msg.frames  # whole blocks to the shot's end (0: live)
                 self.engine.set_scene(
-                    sess, msg.prompt, cut=msg.cut, seed=msg.seed, recache=msg.recache, shot_frames=shot_frames
+                    sess, msg.prompt, cut=msg.cut, seed=msg.seed, recache=msg.recache, shot_left=msg.shot_left
                 )
         groups: dict[tuple, list] = {}  # sessions denoise together where size and step count agree
         for msg, sess in run:

@@ -344,8 +344,8 @@ def engine():
 
 
 def shot(engine, sess, prompt, blocks, seed=None, cut=True, live=False):
-    """A scene of `blocks` blocks, as the DiT worker runs it (shot_frames as GenerateBlock gives it)."""
-    engine.set_scene(sess, prompt, cut=cut, seed=seed, shot_frames=0 if live else 3 * blocks)
+    """A scene of `blocks` blocks, as the DiT worker runs it (shot_left as GenerateBlock gives it)."""
+    engine.set_scene(sess, prompt, cut=cut, seed=seed, shot_left=0 if live else blocks)
     return [engine.generate_block(sess, 3, 0 if live else blocks - i) for i in range(blocks)]
 
 
@@ -423,11 +423,10 @@ def test_engine_shortened_shot_drains(engine):
 def test_shot_left_counts_to_the_next_cut():
     """What the supervisor tells the DiT of each block: the blocks of its shot from it on (a
     continue scene stays in the shot, a cut starts another)."""
-    from streamdiff.plan import Scene, plan_blocks
-    from streamdiff.supervisor.scheduler import _shot_left
+    from streamdiff.plan import Scene, plan_blocks, shot_left
 
     blocks = plan_blocks([Scene("a", 33), Scene("b", 12, "continue"), Scene("c", 21, "cut")], 3)
-    assert [_shot_left(blocks, b.index) for b in blocks] == [4, 3, 2, 1, 2, 1]
+    assert [shot_left(blocks, b.index) for b in blocks] == [4, 3, 2, 1, 2, 1]
 
 
 def test_engine_recache(engine):
