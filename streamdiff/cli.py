@@ -109,6 +109,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="with no layout flags the layout is planned for this (default throughput)",
     )
     p.add_argument("--devices", type=int, metavar="N", help="plan over N devices (default: every one visible)")
+    p.add_argument(
+        "--profile",
+        metavar="FILE",
+        help="with no layout flags, plan from this profile ('streamdiffd profile --out FILE' elsewhere: the "
+        "same model on the same device kind) instead of measuring this one",
+    )
     p.add_argument("--host", help="listen address (default 127.0.0.1)")
     p.add_argument("--port", type=int, help="listen port (default 8000)")
     p.add_argument("--instance", help="instance name for shared memory and runtime files")
@@ -145,6 +151,7 @@ def overrides_from_args(a: argparse.Namespace) -> dict[str, dict]:
         ("vae_cut_adapt", "topology", "vae_cut_adapt"),
         ("share_cores", "topology", "share_cores"),
         ("objective", "topology", "objective"),
+        ("profile", "topology", "profile"),
         ("devices", "topology", "devices"),
         ("preset", "model", "preset"),
         ("dit_checkpoint", "model", "dit_checkpoint"),

@@ -83,6 +83,7 @@ class TopologyConfig:
     vae_devices: int = 0  # VAE shard workers (one per device); 0: planned (mode auto) or 1
     devices: int = 0  # auto: plan over this many devices (0: every one visible)
     objective: str = "throughput"  # auto: throughput | latency | streams (see placement/planner.py)
+    profile: str = ""  # auto: plan from this profile (measured elsewhere: the same model, the same device kind)
     vae_group_size: int = 0  # shards per VAE group; 0 = all VAE devices in one group
     dit_group_size: int = 1  # devices per DiT (Ulysses sequence parallelism, disaggregated only); 1: one each
     threads_per_worker: int = 1  # CPU threads of each worker (on cpu: a "device" is a worker)

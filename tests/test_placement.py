@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import time
@@ -699,6 +700,33 @@ def test_streamdiffd_profile_measures_this_machine(tmp_path):
         assert all(x["dit"] > 0 and x["vae"] > 0 for x in lv["cuts"].values())
         assert fig["vae"]["1"]["first_busy_ms"] > 0 and fig["vae"]["1"]["first_ms"] > 0
     assert "DiT/VAE" in r.stdout
+    # the first start says what it measures, how far it is and how long is left, probe by probe
+    steps = re.findall(r"profile: \[(\d+)/(\d+)\] ", r.stderr)
+    assert [int(a) for a, _ in steps] == list(range(1, len(steps) + 1)) and {int(b) for _, b in steps} == {len(steps)}
+    assert len(steps) >= 2 and "s left)" in r.stderr.splitlines()[-1] + r.stderr
+
+
+def test_a_profile_measured_elsewhere_plans_the_daemon_and_a_wrong_one_is_refused_by_name(tmp_path):
+    """--profile FILE: the planner starts from it (nothing is measured here); one of another
+    model, device kind or size is refused naming what does not fit."""
+    from streamdiff.config import Config, ConfigError
+    from streamdiff.placement.auto import place
+
+    good = tmp_path / "elsewhere.json"
+    good.write_text(synthetic(100.0, 200.0, group=105.0, dit2=95.0, vae2=190.0).to_json())
+    said = []
+    cfg = Config().replace(topology={"profile": str(good), "devices": 2}, server={"state_dir": str(tmp_path / "s")})
+    _, placed = place(cfg, said.append)
+    assert placed.planned and placed.profile == str(good) and placed.layout == "hybrid-1+2"
+    assert not any("measuring" in line for line in said) and not (tmp_path / "s").exists()
+    other = synthetic(100.0, 200.0)
+    other.preset, other.device = "wan2.1-t2v-1.3b", "cuda"
+    bad = tmp_path / "other.json"
+    bad.write_text(other.to_json())
+    with pytest.raises(ConfigError, match=r"device kind 'cuda', not 'cpu'; model 'wan2.1-t2v-1.3b', not 'tiny'"):
+        place(cfg.replace(topology={"profile": str(bad)}), said.append)
+    with pytest.raises(ConfigError, match=r"no figures at 128x64"):
+        place(cfg.replace(model={"size": "128x64"}), said.append)
 
 
 def test_a_profiles_thread_rounds_take_their_level_from_the_interleaved_cycles():

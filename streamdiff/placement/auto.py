@@ -14,7 +14,7 @@ from ..models.spec import DIT_DIMS
 from ..supervisor.topology import model_facts
 from .cost import DoesNotFit, ModelCost, dit_name, model_cost
 from .planner import plan
-from .profile import Profile, cache_path, device_count, device_memory, load_cached, measure
+from .profile import Profile, cache_path, device_count, device_memory, load_cached, measure, model_key
 from .sim import Layout, cut_exchange
 
 
@@ -57,7 +57,11 @@ def layout_of(cfg: Config) -> Layout:
 
 
 def profile_for(cfg: Config, size: tuple[int, int], devices: int, log, rounds: int = 1) -> tuple[Profile, Path]:
-    """The cached profile for this device kind, model and size, or a new one (then cached)."""
+    """The profile given (`topology.profile`), else the cached one for this device kind, model
+    and size, else a new one (then cached)."""
+    if cfg.topology.profile:
+        path = Path(cfg.topology.profile).expanduser()
+        return given_profile(path, cfg, size, devices), path
     path = cache_path(str(state_dir(cfg)), cfg, size)
     prof = load_cached(path, cfg, size, devices)
     if prof is not None:
@@ -72,6 +76,26 @@ def profile_for(cfg: Config, size: tuple[int, int], devices: int, log, rounds: i
     except OSError as exc:
         log(f"cannot cache the profile at {path}: {exc}")
     return prof, path
+
+
+def given_profile(path: Path, cfg: Config, size: tuple[int, int], devices: int) -> Profile:
+    """A profile measured elsewhere, refused by name unless it is of this model on this device
+    kind, at this size, over at least these devices (its age and device name are its owner's
+    business: it was chosen)."""
+    try:
+        prof = Profile.from_json(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"topology.profile (--profile): cannot read {path}: {exc}") from None
+    want = {"device kind": cfg.topology.device, "model": cfg.model.preset, "model files": model_key(cfg)}
+    have = {"device kind": prof.device, "model": prof.preset, "model files": prof.model}
+    wrong = [f"{k} {have[k]!r}, not {want[k]!r}" for k in want if have[k] != want[k]]
+    if f"{size[0]}x{size[1]}" not in prof.sizes:
+        wrong.append(f"no figures at {size[0]}x{size[1]} (it has {', '.join(prof.sizes)})")
+    if prof.devices < devices:
+        wrong.append(f"measured on {prof.devices} devices, {devices} to plan over")
+    if wrong:
+        raise ConfigError(f"topology.profile (--profile): {path} does not fit: " + "; ".join(wrong))
+    return prof
 
 
 def dtype_bytes(cfg: Config, device: str | None = None) -> int:

@@ -138,6 +138,8 @@ class Profile:
 def model_key(cfg) -> dict:
     m = cfg.model
     key = {"dtype": m.dtype, "path": m.path, "dit_checkpoint": m.dit_checkpoint}
+    if m.lora:
+        key["lora"] = m.lora
     if m.preset == "tiny":
         key["dit_vae_ratio"] = m.dit_vae_ratio
     return key
@@ -199,7 +201,7 @@ def _dit_child(spec, device, cpus, threads, sizes, batches, rank, world, addr, h
 
         if world > 1:
             init_group(addr, rank, world, device, 120.0)
-        eng = DiTEngine(spec, device)
+        eng = DiTEngine(spec, device, text_encoder=False)
         sp = eng.model.parallel = SeqParallel(rank, world, eng.model.cfg.num_heads) if world > 1 else None
         fpb = eng.frames_per_block
         clock = Stopwatch(device, threads)
@@ -327,7 +329,7 @@ def _dit_beside_child(spec, device, cpus, size, stop, out) -> None:
         from ..models.engines import DiTEngine
         from ..workers.stages import Stopwatch
 
-        eng = DiTEngine(spec, device)
+        eng = DiTEngine(spec, device, text_encoder=False)
         fpb = eng.frames_per_block
         w, h = size
         sess = eng.open_session(w, h, seed=0)
@@ -531,7 +533,7 @@ def _level_child(role, spec, sizes, working_set, cmds, out) -> None:
         if role == "dit":
             from ..models.engines import DiTEngine
 
-            eng = DiTEngine(spec, "cpu")
+            eng = DiTEngine(spec, "cpu", text_encoder=False)
             fpb, sessions, vae, vae_states = eng.frames_per_block, {}, None, {}
             for w, h in sizes:
                 sess = sessions[(w, h)] = eng.open_session(w, h, seed=0)
@@ -762,6 +764,39 @@ def merge(rounds: list):
     return first
 
 
+class Progress:
+    """What the profile measures now, how far it is, and about how long is left (a first start
+    with no cached profile otherwise says nothing between "measuring" and "done")."""
+
+    def __init__(self, total: int, log) -> None:
+        self.total, self.done, self.log, self.t0 = total, 0, log, time.perf_counter()
+
+    def step(self, what: str) -> None:
+        elapsed = time.perf_counter() - self.t0
+        left = f", about {elapsed / self.done * (self.total - self.done):.0f}s left" if self.done else ""
+        self.log(f"profile: [{self.done + 1}/{self.total}] {what} ({elapsed:.0f}s in{left})")
+        self.done += 1
+
+
+def _threads(kind: str, n: int) -> list[int]:
+    """Thread counts a worker is measured at: on a CPU of 2+ cores, also 2 (the aggregated and
+    shared layouts run a stage on both)."""
+    return [1, 2] if kind == "cpu" and n >= 2 else [1]
+
+
+def _probe_count(spec, kind: str, n: int) -> int:
+    """The probes of one round, as `_measure_once` runs them."""
+    threads = _threads(kind, n)
+    return (
+        len(threads)
+        + (len(threads) > 1)  # the levels
+        + max(0, min(n, GROUP_SIZES_MAX, _heads(spec)) - 1)  # DiT groups
+        + max(0, min(n, GROUP_SIZES_MAX) - 1)  # VAE groups
+        + (kind == "cpu" and n >= 2)  # the hybrid
+        + 1  # the encoder
+    )
+
+
 def measure(cfg, sizes: list[tuple[int, int]], rounds: int = 1, log=print, timeout_s: float = 900.0) -> Profile:
     """Measure every figure the planner and the simulator use on the devices of
     `cfg.topology.device`; with several rounds, each figure is the median of its rounds (the
@@ -772,22 +807,25 @@ def measure(cfg, sizes: list[tuple[int, int]], rounds: int = 1, log=print, timeo
         raise RuntimeError(f"no {kind} device visible")
     prof = Profile(kind, device_name(kind), n, cfg.model.preset, model_key(cfg), created=time.time())
     prof.memory_bytes = device_memory(kind)
-    t0 = time.perf_counter()
+    from ..supervisor.topology import model_spec
+
+    progress = Progress(rounds * _probe_count(model_spec(cfg), kind, n), log)
     results = []
     for r in range(rounds):
-        results.append(_measure_once(cfg, kind, n, sizes, timeout_s))
-        log(f"profile: round {r + 1} of {rounds} done after {time.perf_counter() - t0:.0f}s")
+        results.append(_measure_once(cfg, kind, n, sizes, timeout_s, progress))
+        log(f"profile: round {r + 1} of {rounds} done after {time.perf_counter() - progress.t0:.0f}s")
     prof.sizes = merge(results)
     return prof
 
 
-def _measure_once(cfg, kind: str, n: int, sizes: list[tuple[int, int]], timeout_s: float) -> dict:
+def _measure_once(cfg, kind: str, n: int, sizes: list[tuple[int, int]], timeout_s: float, progress: Progress) -> dict:
     from ..supervisor.topology import free_port, model_facts, model_spec
 
     spec, facts = model_spec(cfg), model_facts(cfg)
     ws = cfg.pipeline.vae_cpu_working_set_bytes
     dev = (lambda i: "cpu") if kind == "cpu" else (lambda i: f"{kind}:{i}")
-    threads = [1, 2] if kind == "cpu" and n >= 2 else [1]
+    threads = _threads(kind, n)
+    at = ", ".join(f"{w}x{h}" for w, h in sizes)
     res: dict[str, dict] = {f"{w}x{h}": {"dit": {}, "vae": {}, "vae_group": {}, "dit_group": {}} for w, h in sizes}
     for t in threads:
         cpus = _cpus(0, t) if kind == "cpu" else ()
@@ -795,6 +833,8 @@ def _measure_once(cfg, kind: str, n: int, sizes: list[tuple[int, int]], timeout_
         # next core, as disagg-1+1 runs them. Measured minutes apart, a machine whose speed
         # drifts skewed their ratio, which is what a cut or a hybrid band is chosen by.
         together = kind == "cpu" and t == 1 and n >= 2
+        both = "side by side" if together else "one after the other"
+        progress.step(f"the DiT's and the VAE's blocks on {t} thread{'s' if t > 1 else ''}, {both}, at {at}")
         vae_cpus = _cpus(1, 1) if together else cpus
         vae_child = (_vae_child, (spec, dev(0), vae_cpus, t, 0, 1, "", sizes, [None], (2,), ws, 0))
         if kind == "cpu":  # the DiT beside the host's work per block, on the same cores
@@ -818,8 +858,10 @@ def _measure_once(cfg, kind: str, n: int, sizes: list[tuple[int, int]], timeout_
         offered = sorted({c for key in res for c in offered_cuts(res[key]["vae"]["1"].get("stages_ms") or [])})
         quick = max(res[key]["vae"]["1"]["block_ms"] for key in res) * PROBE_BLOCKS <= 1000 * LEVEL_WINDOW_S
         probes = sorted({offered[-1], offered[(len(offered) - 1) // 2]}) if offered and quick else []
+        progress.step("the levels: 1- and 2-thread stages in interleaved cycles" + (" and cuts" if probes else ""))
         _rescale(res, _levels(spec, sizes, ws, timeout_s, tuple(probes)))
     for g in range(2, min(n, GROUP_SIZES_MAX, _heads(spec)) + 1):
+        progress.step(f"a DiT group of {g} ranks over the real collective")
         addr = f"tcp://127.0.0.1:{free_port()}"
         targets = [
             (_dit_child, (spec, dev(r), _cpus(r, 1) if kind == "cpu" else (), 1, sizes, (2,), r, g, addr, None))
@@ -831,6 +873,7 @@ def _measure_once(cfg, kind: str, n: int, sizes: list[tuple[int, int]], timeout_
     for k in range(2, min(n, GROUP_SIZES_MAX) + 1):
         addr = f"tcp://127.0.0.1:{free_port()}"
         splits = [None, (1.0, 3.0)] if k == 2 else [None]
+        progress.step(f"a VAE group of {k} shards over the real collective")
         targets = [
             (_vae_child, (spec, dev(r), _cpus(r, 1) if kind == "cpu" else (), 1, r, k, addr, sizes, splits, (), ws, 0))
             for r in range(k)
@@ -839,8 +882,10 @@ def _measure_once(cfg, kind: str, n: int, sizes: list[tuple[int, int]], timeout_
         for key in res:
             res[key]["vae_group"][str(k)] = {split: [s[key][split] for s in shards] for split in shards[0][key]}
     if kind == "cpu" and n >= 2:
+        progress.step("the hybrid: a DiT below a VAE shard on its core")
         for key, probe in _hybrid_probe(spec, sizes, ws, timeout_s).items():
             res[key]["hybrid"] = probe
+    progress.step("libx264's time per block")
     for w, h in sizes:
         fpb, tf = facts["frames_per_block"], facts["temporal_factor"]
         res[f"{w}x{h}"]["encode"] = _encode_ms(w, h, 16, 1 + tf * (fpb - 1), tf * fpb)
