@@ -7,8 +7,8 @@ import tomllib
 
 import pytest
 
-from streamdiff.cli import overrides_from_args, parse_args
 from streamdiff.config import Config, ConfigError, load, to_dict
+from streamdiff.flags import overrides_from_args, parse_args
 
 from .helpers import ROOT
 

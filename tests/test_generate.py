@@ -10,8 +10,8 @@ import sys
 import pytest
 import torch
 
-from streamdiff.cli import overrides_from_args, parse_args
 from streamdiff.config import load
+from streamdiff.flags import overrides_from_args, parse_args
 from streamdiff.models.engines import DiTEngine
 from streamdiff.plan import Scene, plan_blocks, shot_left
 from streamdiff.supervisor.topology import model_spec

@@ -12,8 +12,8 @@ import sys
 import pytest
 import torch
 
-from streamdiff.cli import overrides_from_args, parse_args
 from streamdiff.config import ConfigError, load
+from streamdiff.flags import overrides_from_args, parse_args
 from streamdiff.models.catalog import CHECKPOINT_PRESETS, JSON_FIELDS
 from streamdiff.models.presets import build_dit
 from streamdiff.models.wan.loading import CheckpointError

@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 from ..config import OBJECTIVES, ConfigError, load
+from ..flags import add_model_args, overrides_from_args
 
 
 def _size(text: str) -> tuple[int, int]:
@@ -29,29 +30,14 @@ def _sizes(text: str) -> list[tuple[int, int]]:
     return [_size(x) for x in text.split(",") if x]
 
 
-def _common(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--config", help="TOML config file (the model and device it names)")
-    p.add_argument("--device", choices=("cpu", "cuda", "xpu"))
-    p.add_argument("--model", metavar="PRESET|PATH", help="as for streamdiffd")
-
-
 def _config(a: argparse.Namespace):
-    from ..cli import overrides_from_args
-
-    ns = argparse.Namespace(**{k: None for k in vars(_daemon_defaults())})
-    ns.device, ns.model = a.device, a.model
-    return load(a.config, overrides_from_args(ns))
-
-
-def _daemon_defaults() -> argparse.Namespace:
-    from ..cli import parse_args
-
-    return parse_args([])
+    """The config the daemon would run with these model flags (the rest of its flags unset)."""
+    return load(a.config, overrides_from_args(a))
 
 
 def profile_main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="streamdiffd profile", description="Measure the stages on this machine.")
-    _common(p)
+    add_model_args(p)
     p.add_argument("--sizes", type=_sizes, help="frame sizes, comma-separated (default: the model's size)")
     p.add_argument("--rounds", type=int, default=3, help="measurement rounds; each figure is their median")
     p.add_argument("--out", help="write the profile here (default: the state directory, where the daemon looks)")
@@ -102,7 +88,9 @@ def summary(prof) -> str:
 
 def plan_main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="streamdiffd plan", description="Rank the layouts of N devices from a profile.")
-    _common(p)
+    p.add_argument("--config", help="TOML config file (the device it names)")
+    p.add_argument("--device", choices=("cpu", "cuda", "xpu"))
+    p.add_argument("--model", metavar="PRESET|PATH", help="as for streamdiffd")
     p.add_argument("--profile", help="a profile (streamdiffd profile); default: this machine's cached one")
     p.add_argument("--devices", type=int, help="devices to plan for (default: the profile's)")
     p.add_argument("--objective", choices=(*OBJECTIVES, "all"), default="all")
@@ -124,7 +112,8 @@ def plan_main(argv: list[str]) -> int:
     from .planner import plan
     from .profile import Profile, cache_path
 
-    cfg = _config(a)
+    # --preset is the model to plan for, which needs no weights: not the daemon's --preset
+    cfg = _config(argparse.Namespace(config=a.config, device=a.device, model=a.model))
     facts = model_facts(cfg)
     path = Path(a.profile) if a.profile else cache_path(str(state_dir(cfg)), cfg, tuple(facts["default_size"]))
     try:
