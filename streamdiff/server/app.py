@@ -474,6 +474,7 @@ def _model_object(cfg: Config, sup: Supervisor) -> dict:
         "default_size": "x".join(map(str, f["default_size"])),
         "frames_per_block": f["frames_per_block"],
         "embedded_weights": f.get("embedded_weights", False),
+        "image_to_video": f.get("i2v", False),  # takes input_reference
         "max_size": f"{cfg.limits.max_width}x{cfg.limits.max_height}",
         "loaded": f.get("loaded"),  # the checkpoint, weight set, LoRA and sampler settings the DiT runs
     }

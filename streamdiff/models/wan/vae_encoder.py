@@ -47,6 +47,8 @@ class Downsample(nn.Module):
 class Encoder3d(nn.Module):
     def __init__(self, cfg: VAEConfig) -> None:
         super().__init__()
+        if cfg.num_res_blocks < 1:  # the blocks widen the channels before each downsampler
+            raise ValueError(f"a Wan VAE encoder needs num_res_blocks >= 1, got {cfg.num_res_blocks}")
         dims = [cfg.base_dim * u for u in (1, *cfg.dim_mult)]
         self.conv1 = CausalConv3d(3, dims[0], 3, padding=1)
         downs: list[nn.Module] = []
