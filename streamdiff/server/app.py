@@ -129,6 +129,9 @@ async def read_request_data(request: web.Request) -> dict:
             None,
             "unsupported_media_type",
         )
+    limit = request.app[CONFIG].server.max_body_bytes
+    if len(raw) > limit and b'"input_reference"' not in raw:  # only an image may take a body past the limit
+        raise web.HTTPRequestEntityTooLarge(max_size=limit, actual_size=len(raw))
     try:
         data = json.loads(raw or b"null")
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
@@ -136,7 +139,6 @@ async def read_request_data(request: web.Request) -> dict:
     if not isinstance(data, dict):
         raise bad("the request body must be a JSON object", None, "invalid_body")
     image = data.get("input_reference")
-    limit = request.app[CONFIG].server.max_body_bytes
     if len(raw) - (len(image) if isinstance(image, str) else 0) > limit:  # the image has a limit of its own
         raise web.HTTPRequestEntityTooLarge(max_size=limit, actual_size=len(raw))
     return data
