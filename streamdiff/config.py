@@ -150,6 +150,11 @@ class LimitsConfig:
     live_max_s: float = 3600.0  # the longest cap a live video may ask for
     max_pending_scenes: int = 2  # steered scenes waiting for their first block; more get 429
     max_prompt_chars: int = 2000
+    # image-to-video (input_reference): the largest image file, and the most pixels it may decode
+    # to (a small file can claim a huge canvas); the request body may exceed server.max_body_bytes
+    # by the image's size, and no more
+    max_image_bytes: int = 16 * 1024 * 1024
+    max_image_pixels: int = 4096 * 4096
     max_jobs: int = 1000  # jobs kept for GET /v1/videos (oldest finished removed first)
     keep_completed_bytes: int = 2 * 1024**3  # finished videos kept in memory, oldest removed first
     keep_completed_s: float = 24 * 3600.0
@@ -541,6 +546,8 @@ def validate(cfg: Config) -> None:
     )
     _check(lim.max_pending_scenes >= 1, "limits.max_pending_scenes", "must be >= 1", lim.max_pending_scenes)
     _check(lim.max_prompt_chars >= 1, "limits.max_prompt_chars", "must be >= 1", lim.max_prompt_chars)
+    _check(lim.max_image_bytes >= 1024, "limits.max_image_bytes", "must be >= 1024", lim.max_image_bytes)
+    _check(lim.max_image_pixels >= 1, "limits.max_image_pixels", "must be >= 1", lim.max_image_pixels)
     _check(lim.max_jobs >= 1, "limits.max_jobs", "must be >= 1", lim.max_jobs)
     _check(
         0 <= lim.keep_completed_min_s <= lim.keep_completed_s,

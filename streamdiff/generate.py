@@ -72,6 +72,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     length.add_argument("--seconds", metavar="S", help="length of the video in seconds (at --fps)")
     p.add_argument("--size", dest="frame_size", metavar="WxH", help="frame size (default: the model's)")
     p.add_argument("--fps", metavar="N", help="frames per second (default: the model's, 16)")
+    p.add_argument("--image", metavar="FILE", help="image-to-video: the first frame (PNG, JPEG or WebP)")
     p.add_argument("--decoder", choices=tuple(DECODERS), default="wan", help="the latent decoder (default wan)")
     p.add_argument("-o", "--output", required=True, metavar="OUT.mp4", help="the video file to write")
     p.add_argument(
@@ -113,6 +114,11 @@ def read_request(args: argparse.Namespace) -> tuple[dict, dict[str, str]]:
                 body.pop("seconds", None)
                 body.pop("num_frames", None)
             body[field], given[field] = value, flag
+    if args.image is not None:  # the API's input_reference, as a multipart file brings it
+        try:
+            body["input_reference"], given["input_reference"] = Path(args.image).read_bytes(), "--image"
+        except OSError as exc:
+            raise UsageError(f"--image {args.image}: cannot read it: {exc.strerror or exc}") from None
     return body, given
 
 
@@ -150,6 +156,7 @@ def generate(cfg: Config, req: VideoRequest, args: argparse.Namespace) -> tuple[
     from .models import engines
     from .models.wan.loading import CheckpointError
     from .supervisor.topology import model_spec
+    from .workers.stages import decode_png
 
     device = device_of(cfg)
     spec = model_spec(cfg)
@@ -179,8 +186,12 @@ def generate(cfg: Config, req: VideoRequest, args: argparse.Namespace) -> tuple[
                 if b.first_of_scene:  # what the scheduler sends with a scene's first block
                     bar.set_description(f"scene {b.scene + 1}/{len(req.scenes)}")
                     recache = scene.recache and not b.shot_start
-                    dit.set_scene(sess, scene.prompt, b.shot_start, scene.seed, recache, shot_left=left)
-                latent = dit.generate_block(sess, b.latent_frames, left)  # (1, C, f, h, w) float32, CPU
+                    image = scene.image is not None and b.shot_start  # its block is not drawn (F - 1)
+                    dit.set_scene(sess, scene.prompt, b.shot_start, scene.seed, recache, shot_left=left - image)
+                if b.shot_start and scene.image is not None:  # image-to-video: the picture's latent
+                    latent = dit.start_from_image(sess, decode_png(scene.image))
+                else:
+                    latent = dit.generate_block(sess, b.latent_frames, left)  # (1, C, f, h, w) float32, CPU
                 if args.latents:
                     latents.append(latent)
                 if b.shot_start or state is None:  # a new shot: the decoder's temporal cache starts afresh

@@ -11,12 +11,18 @@ Whole blocks because the published models were trained on blocks of one size onl
 last block of 1-2 latent frames, or a `continue` scene starting off the block grid, shows the
 DiT a block it never saw in training. The price is up to `frames_per_block - 1` latent frames
 generated and not shown at a scene's end.
+
+Image-to-video: a shot that starts from an image has the image's latent as its first latent
+frame, a block of one latent frame (1 output frame: the picture through the VAE) ahead of the
+whole blocks, as the authors' pipeline commits `initial_latent` before its first noise block.
+With frame-wise models (1 latent frame per block, the only ones their i2v runs) this is the
+same grid as text-to-video.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True)
@@ -26,6 +32,9 @@ class Scene:
     transition: str = "cut"  # how this scene starts: cut (new shot) | continue (same shot, new prompt)
     seed: int | None = None
     recache: bool = False  # continue: recompute the held frames' keys/values under the new prompt
+    # image-to-video (a shot's first scene): the input picture, resized and cropped to the video's
+    # size, as PNG bytes. It is the shot's first latent frame, a block of its own (see plan_blocks).
+    image: bytes | None = field(default=None, repr=False)
 
 
 @dataclass(frozen=True)
@@ -55,11 +64,14 @@ def plan_blocks(scenes: list[Scene], frames_per_block: int, temporal_factor: int
         shot_start = si == 0 or scene.transition == "cut"
         latent = latent_frames_for(scene.frames, shot_start, temporal_factor)
         remaining_out = scene.frames
-        for i in range(-(-latent // frames_per_block)):
+        sizes = [frames_per_block] * -(-latent // frames_per_block)
+        if shot_start and scene.image is not None:  # the image's latent frame: a block of its own
+            sizes = [1] + [frames_per_block] * -(-(latent - 1) // frames_per_block)
+        for i, size in enumerate(sizes):
             starts_shot = shot_start and i == 0
-            out = frames_per_block * temporal_factor - (temporal_factor - 1 if starts_shot else 0)
+            out = size * temporal_factor - (temporal_factor - 1 if starts_shot else 0)
             emit = min(out, remaining_out)
-            blocks.append(Block(len(blocks), si, frames_per_block, out, emit, timeline, i == 0, starts_shot))
+            blocks.append(Block(len(blocks), si, size, out, emit, timeline, i == 0, starts_shot))
             timeline += emit
             remaining_out -= emit
     return blocks
@@ -98,7 +110,7 @@ def replan_from(
     for sc in scenes:
         if start >= end:
             break
-        kept.append(Scene(sc.prompt, min(sc.frames, end - start), sc.transition, sc.seed, sc.recache))
+        kept.append(Scene(sc.prompt, min(sc.frames, end - start), sc.transition, sc.seed, sc.recache, sc.image))
         start += sc.frames
     if new is not None:
         kept.append(new)

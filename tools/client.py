@@ -10,6 +10,7 @@ MP4 file while it is generated, printing each fragment and scene as it arrives.
 from __future__ import annotations
 
 import argparse
+import base64
 import json
 import struct
 import sys
@@ -29,6 +30,7 @@ def main() -> int:
     ap.add_argument("--url", default="http://127.0.0.1:8000")
     ap.add_argument("--api-key", help="bearer key, if the server requires one")
     ap.add_argument("-o", "--out", default="out.mp4")
+    ap.add_argument("--image", help="image-to-video: the first frame (PNG, JPEG or WebP), sent as input_reference")
     a = ap.parse_args()
     if bool(a.prompt) == bool(a.scene):
         ap.error("give a prompt or --scene options")
@@ -46,6 +48,10 @@ def main() -> int:
     for key in ("size", "fps", "seed"):
         if getattr(a, key) is not None:
             body[key] = getattr(a, key)
+    if a.image:  # a data URL in the JSON body (the server also takes a multipart file)
+        kind = {"jpg": "jpeg"}.get(a.image.rsplit(".", 1)[-1].lower(), a.image.rsplit(".", 1)[-1].lower())
+        with open(a.image, "rb") as f:
+            body["input_reference"] = f"data:image/{kind};base64," + base64.b64encode(f.read()).decode()
     headers = {"Content-Type": "application/json"}
     if a.api_key:
         headers["Authorization"] = f"Bearer {a.api_key}"

@@ -52,6 +52,9 @@ class GenerateBlock(Message, tag="gen"):
     # blocks of its shot from this one on, as planned now (0: live, open-ended): the shot's noise drawn up
     # front at a scene's start, and the rolling sampler's window stops taking new blocks at its end
     shot_left: int = 0
+    # image-to-video: the shot's input picture at the video's size, as PNG bytes (an encoded file,
+    # not a tensor), on the shot's first block, which is then the picture's latent frame alone
+    image: bytes | None = None
 
 
 class GenerateBatch(Message, tag="genb"):

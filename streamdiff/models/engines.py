@@ -12,7 +12,15 @@ from dataclasses import dataclass
 
 import torch
 
-from .presets import ModelSpec, build_dit, build_text_encoder, build_vae, describe_load
+from .presets import (
+    ModelSpec,
+    build_dit,
+    build_text_encoder,
+    build_vae,
+    build_vae_encoder,
+    describe_load,
+    image_to_video,
+)
 from .wan import rolling
 from .wan.dit import DiTState
 from .wan.kernels import CPU_DECODE_WORKING_SET_BYTES, DecodePlan, plan_block
@@ -36,13 +44,18 @@ class DiTSession:
 
 
 class DiTEngine:
-    def __init__(self, spec: ModelSpec, device: str = "cpu", prompt_cache: int = 16, text_encoder: bool = True) -> None:
-        """`text_encoder=False`: prompts embed to zeros of the encoder's shape, for the profile's
-        probes, which time the DiT's blocks and not the prompt (umT5-XXL takes minutes to load)."""
+    def __init__(self, spec: ModelSpec, device: str = "cpu", prompt_cache: int = 16, probe: bool = False) -> None:
+        """`probe`: the profile's, which times the DiT's blocks and nothing else: no text encoder
+        (prompts embed to zeros of its shape; umT5-XXL takes minutes to load), no image encoder."""
         self.device = device
         self.model, self.preset = build_dit(spec, device)
         self.loaded = describe_load(spec, self.preset)  # what it was built from (log, /health, /v1/models)
-        self.text = build_text_encoder(spec, device) if text_encoder else None
+        self.text = build_text_encoder(spec, device) if not probe else None
+        # image-to-video: the VAE encoder beside the DiT (one image per shot; its latent then
+        # travels to the VAE workers in the ring as the shot's first block). Loaded only where
+        # the preset conditions on an image.
+        self.i2v = image_to_video(self.preset)
+        self.encoder = build_vae_encoder(spec, device) if self.i2v and not probe else None
         self.noise_dtype = self.model.patch_embedding.weight.dtype  # the authors draw in the model's dtype
         s = self.preset.sampler
         self.timesteps = step_timesteps(s.steps, s.shift, s.warp)
@@ -144,6 +157,30 @@ class DiTEngine:
         elif cut or prompt != sess.prompt:
             self.model.set_prompt(sess.state, self.encode_prompt(prompt))
             sess.prompt = prompt
+
+    @torch.no_grad()
+    def start_from_image(self, sess: DiTSession, image: torch.Tensor) -> torch.Tensor:
+        """Image-to-video, as the authors' `initial_latent`: encode the picture ((H, W, 3) uint8
+        at the video's size) into the shot's first latent frame, commit it to the KV cache with one
+        forward at t = 0 at position 0, and return it, (1, C, 1, h, w) float32 on the CPU: the
+        shot's first block, which the VAE decodes as the video's first frame. Call after the cut's
+        `set_scene` (with the noise of the blocks after this one: the authors draw F - 1 frames).
+        The next block is the shot's first denoised one (its own step list, at position 1)."""
+        if self.encoder is None:
+            raise ValueError(f"model {self.preset.name!r} does not condition on an image")
+        h, w = sess.latent_hw
+        f = self.preset.vae.spatial_factor
+        if tuple(image.shape) != (h * f, w * f, 3) or image.dtype != torch.uint8:
+            raise ValueError(f"the image is {tuple(image.shape)} {image.dtype}, not ({h * f}, {w * f}, 3) uint8")
+        if sess.shot_blocks or sess.state.next_frame:
+            raise ValueError("an image starts a shot: it must be the shot's first block")
+        x = image.permute(2, 0, 1)[None, :, None].float() / 127.5 - 1.0  # (1, 3, 1, H, W) in [-1, 1]
+        z = self.encoder.encode_image(x)
+        dev = self.model.patch_embedding.weight.device
+        # the authors' generator takes the latent in the model's dtype (they encode under bf16)
+        z = z.to(dev, self.noise_dtype).float()
+        self.model.forward_block(z, torch.zeros(1, 1, device=dev), sess.state, True)
+        return z.cpu()
 
     def steps_of(self, sess: DiTSession) -> list[float]:
         """The step list of the session's next block (a shot's first block has its own)."""

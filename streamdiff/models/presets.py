@@ -39,6 +39,7 @@ from .wan.lora import merge_lora_file
 from .wan.sampler import SamplerConfig
 from .wan.text import TinyTextEncoder, UMT5TextEncoder
 from .wan.vae import VAEConfig, WanVAEDecoder
+from .wan.vae_encoder import WanVAEEncoder, encoder_state_dict
 
 DTYPES = {
     "float32": torch.float32,
@@ -239,6 +240,38 @@ def build_vae(spec: ModelSpec, device: str = "cpu") -> tuple[WanVAEDecoder, Pres
     model = model.to(device=device, dtype=dtype)
     model.mean, model.std = model.mean.float(), model.std.float()
     return model.eval().requires_grad_(False), preset
+
+
+def image_to_video(preset: Preset) -> bool:
+    """Whether the preset conditions on an image: a published checkpoint as its catalog entry
+    says (the authors' --i2v), and the embedded default (its seeded encoder makes no meaningful
+    picture either, but lets the whole image-to-video path run end to end on a laptop)."""
+    return preset.checkpoint.i2v if preset.checkpoint is not None else preset.embedded
+
+
+def build_vae_encoder(spec: ModelSpec, device: str = "cpu") -> WanVAEEncoder:
+    """The VAE's encoder half, for image-to-video: the release's `encoder.*`/`conv1.*` (or
+    diffusers' `encoder.*`/`quant_conv.*`); the embedded default's from its own seed."""
+    preset = get_preset(spec)
+    dtype = resolve_dtype(spec, device)
+    if preset.embedded:
+        torch.manual_seed(spec.seed + 3)
+        # the tiny decoder has no residual blocks per stage; an encoder needs one to widen its channels
+        model = WanVAEEncoder(replace(preset.vae, num_res_blocks=max(1, preset.vae.num_res_blocks)))
+    else:
+        raw = _vae_weights(spec)
+        cfg = preset.vae
+        if not (Path(spec.path) / "vae" / "config.json").exists():  # original release: no config
+            cfg = vae_config_from_state_dict(normalize_vae_state_dict(raw, cfg), cfg)
+        with torch.device("meta"):
+            model = WanVAEEncoder(cfg)
+        model.to_empty(device="cpu")
+        model.mean.copy_(torch.tensor(cfg.latents_mean).view(1, -1, 1, 1, 1))
+        model.std.copy_(torch.tensor(cfg.latents_std).view(1, -1, 1, 1, 1))
+        load_into(model, encoder_state_dict(raw, cfg), "VAE checkpoint (encoder)")
+    model = model.to(device=device, dtype=dtype)
+    model.mean, model.std = model.mean.float(), model.std.float()
+    return model.eval().requires_grad_(False)
 
 
 def build_text_encoder(spec: ModelSpec, device: str = "cpu"):

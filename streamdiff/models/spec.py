@@ -66,12 +66,13 @@ DIT_DIMS = {
 
 def preset_facts(name: str) -> dict:
     """PRESET_FACTS of a DiT configuration, or of a checkpoint preset (its DiT's, with its block)."""
+    # i2v: whether the model conditions on an image (presets.image_to_video; the embedded default does)
     if name in PRESET_FACTS:
-        return dict(PRESET_FACTS[name])
+        return {**PRESET_FACTS[name], "i2v": name == "tiny"}
     cp = checkpoint_preset(name)
     if cp is None:
         raise KeyError(name)
-    return {**PRESET_FACTS[cp.dit], "frames_per_block": cp.frames_per_block}
+    return {**PRESET_FACTS[cp.dit], "frames_per_block": cp.frames_per_block, "i2v": cp.i2v}
 
 
 def known_presets() -> list[str]:

@@ -201,7 +201,7 @@ def _dit_child(spec, device, cpus, threads, sizes, batches, rank, world, addr, h
 
         if world > 1:
             init_group(addr, rank, world, device, 120.0)
-        eng = DiTEngine(spec, device, text_encoder=False)
+        eng = DiTEngine(spec, device, probe=True)
         sp = eng.model.parallel = SeqParallel(rank, world, eng.model.cfg.num_heads) if world > 1 else None
         fpb = eng.frames_per_block
         clock = Stopwatch(device, threads)
@@ -329,7 +329,7 @@ def _dit_beside_child(spec, device, cpus, size, stop, out) -> None:
         from ..models.engines import DiTEngine
         from ..workers.stages import Stopwatch
 
-        eng = DiTEngine(spec, device, text_encoder=False)
+        eng = DiTEngine(spec, device, probe=True)
         fpb = eng.frames_per_block
         w, h = size
         sess = eng.open_session(w, h, seed=0)
@@ -533,7 +533,7 @@ def _level_child(role, spec, sizes, working_set, cmds, out) -> None:
         if role == "dit":
             from ..models.engines import DiTEngine
 
-            eng = DiTEngine(spec, "cpu", text_encoder=False)
+            eng = DiTEngine(spec, "cpu", probe=True)
             fpb, sessions, vae, vae_states = eng.frames_per_block, {}, None, {}
             for w, h in sizes:
                 sess = sessions[(w, h)] = eng.open_session(w, h, seed=0)

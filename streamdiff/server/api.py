@@ -8,12 +8,15 @@ silently falls back to a default.
 
 from __future__ import annotations
 
+import base64
+import binascii
+import io
 import json
 import random
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
-from ..config import Config, parse_size
+from ..config import Config, LimitsConfig, parse_size
 from ..plan import Scene
 
 KNOWN_FIELDS = {
@@ -71,6 +74,7 @@ class VideoRequest:
     seed: int
     stream: bool
     live: bool = False  # open-ended: its length is a cap; steered and stopped while it plays
+    input_reference: dict | None = None  # image-to-video: the input image as received (prepare_image)
 
     @property
     def frames(self) -> int:
@@ -172,7 +176,6 @@ def parse_video_request(data, cfg: Config, facts: dict) -> VideoRequest:
         raise bad(f"Unrecognized request argument supplied: {', '.join(unknown)}", unknown[0], "unknown_parameter")
     lim = cfg.limits
     for param, why in (
-        ("input_reference", "image-to-video is not supported by this server"),
         ("negative_prompt", "the distilled causal models sample without classifier-free guidance"),
         ("num_inference_steps", "the step list is fixed by the model (see [sampler] steps)"),
     ):
@@ -240,7 +243,97 @@ def parse_video_request(data, cfg: Config, facts: dict) -> VideoRequest:
     frames = sum(s.frames for s in scenes)
     if frames > max_frames:
         raise bad(f"the request asks for {frames} frames; the limit is {max_frames}", "scenes", "too_long")
-    return VideoRequest(model or cfg.model_name, scenes, width, height, fps, seed, stream, live)
+    reference = None
+    if data.get("input_reference") not in (None, ""):
+        if not facts.get("i2v"):
+            raise bad(
+                f"'input_reference' is not supported: model '{facts.get('model') or cfg.model.preset}' does not "
+                "condition on an image (image-to-video needs a preset that does, e.g. causal-forcing-framewise)",
+                "input_reference",
+                "unsupported_parameter",
+            )
+        png, reference = prepare_image(image_bytes(data["input_reference"], lim), width, height, lim)
+        scenes[0] = replace(scenes[0], image=png)  # the first scene's shot starts from it
+    return VideoRequest(model or cfg.model_name, scenes, width, height, fps, seed, stream, live, reference)
+
+
+IMAGE_FORMATS = ("PNG", "JPEG", "WEBP")
+_DATA_URL = re.compile(r"data:image/(png|jpeg|jpg|webp);base64,(.*)", re.S)
+
+
+def image_bytes(value, lim: LimitsConfig) -> bytes:
+    """input_reference as sent: a file's bytes (multipart), or a base64 data URL (JSON)."""
+    if isinstance(value, bytes | bytearray):
+        raw = bytes(value)
+    elif isinstance(value, str):
+        m = _DATA_URL.fullmatch(value.strip())
+        if m is None:
+            raise bad(
+                "'input_reference' must be an image file (multipart) or a data URL "
+                "'data:image/png|jpeg|webp;base64,...'",
+                "input_reference",
+                "invalid_image",
+            )
+        if len(m[2]) > (lim.max_image_bytes + 2) // 3 * 4 + 4:
+            raise _too_big(len(m[2]) * 3 // 4, lim)
+        try:
+            raw = base64.b64decode(m[2], validate=True)
+        except (binascii.Error, ValueError) as exc:
+            raise bad(f"'input_reference' is not valid base64: {exc}", "input_reference", "invalid_image") from None
+    else:
+        raise bad("'input_reference' must be an image file or a data URL", "input_reference", "invalid_image")
+    if len(raw) > lim.max_image_bytes:
+        raise _too_big(len(raw), lim)
+    return raw
+
+
+def _too_big(n: int, lim: LimitsConfig) -> APIError:
+    return bad(
+        f"'input_reference' is {n} bytes; the limit is {lim.max_image_bytes} (limits.max_image_bytes)",
+        "input_reference",
+        "image_too_large",
+    )
+
+
+def prepare_image(raw: bytes, width: int, height: int, lim: LimitsConfig) -> tuple[bytes, dict]:
+    """Decode, check and fit an image to the video: cropped about its centre to the video's aspect
+    ratio, then resized to width x height with PIL's bilinear filter (the authors' i2v images are
+    cropped to the target aspect beforehand and resized by torchvision's `Resize`, which is PIL's
+    bilinear on a PIL image), RGB (alpha dropped, as their `convert('RGB')`). Returns the result
+    as PNG (lossless: the worker sees these exact pixels) and what the video object reports."""
+    from PIL import Image
+
+    param = "input_reference"
+    try:
+        img = Image.open(io.BytesIO(raw))
+        fmt, (w, h) = img.format, img.size
+    except Exception as exc:  # not an image PIL recognises (an SVG, text, a broken header)
+        raise bad(f"'{param}' does not decode as a PNG, JPEG or WebP image: {exc}", param, "invalid_image") from None
+    if fmt not in IMAGE_FORMATS:
+        raise bad(f"'{param}' is a {fmt} image; send PNG, JPEG or WebP", param, "invalid_image")
+    if w < 1 or h < 1:
+        raise bad(f"'{param}' has no pixels ({w}x{h})", param, "invalid_image")
+    if w * h > lim.max_image_pixels:
+        raise bad(
+            f"'{param}' is {w}x{h} = {w * h} pixels; the limit is {lim.max_image_pixels} (limits.max_image_pixels)",
+            param,
+            "image_too_large",
+        )
+    try:
+        img.load()  # a truncated or corrupt file fails here, whole
+        rgb = img.convert("RGB")
+    except Exception as exc:
+        raise bad(f"'{param}' does not decode ({fmt} {w}x{h}): {exc}", param, "invalid_image") from None
+    if w * height > h * width:  # wider than the video: crop the sides
+        cw, ch = max(1, round(h * width / height)), h
+    else:
+        cw, ch = w, max(1, round(w * height / width))
+    left, top = (w - cw) // 2, (h - ch) // 2
+    rgb = rgb.crop((left, top, left + cw, top + ch)).resize((width, height), Image.BILINEAR)
+    out = io.BytesIO()
+    rgb.save(out, "PNG", compress_level=1)
+    info = {"format": fmt.lower(), "width": w, "height": h, "bytes": len(raw), "crop": [left, top, cw, ch]}
+    return out.getvalue(), info
 
 
 def parse_steer(data, cfg: Config) -> Scene:

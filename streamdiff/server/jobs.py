@@ -194,6 +194,8 @@ class Job:
             "num_frames": total,
             "frames_done": self.frames_done,
             "seed": r.seed,
+            # image-to-video: the image was the video's first frame (what was received, and the crop)
+            "input_reference": r.input_reference,
             "scenes": [
                 {
                     "index": i,

@@ -193,7 +193,7 @@ class Supervisor:
                 if key in info and info[key] != self.facts[key]:
                     raise RuntimeError(f"worker {w.spec.name} reports {key}={info[key]}, expected {self.facts[key]}")
             self.facts.update(
-                {k: v for k, v in info.items() if k in ("model", "size_multiple", "embedded_weights", "loaded")}
+                {k: v for k, v in info.items() if k in ("model", "size_multiple", "embedded_weights", "loaded", "i2v")}
             )
         if "loaded" in self.facts:
             log.info("model: %s", describe_loaded(self.facts["loaded"]))

@@ -704,6 +704,7 @@ class Scheduler:
                     recache=first and scene.recache and not b.shot_start,
                     vae_cut=t.vae_cut,
                     shot_left=0 if sess.live else shot_left(sess.blocks, b.index),
+                    image=scene.image if b.shot_start and first else None,
                 )
             )
         for w in self.topology.members(dit):  # a DiT group's ranks all run it (rank 0 answers)

@@ -26,6 +26,19 @@ from .spec import WorkerSpec
 log = logging.getLogger("streamdiff.worker")
 
 
+def decode_png(data: bytes) -> torch.Tensor:
+    """GenerateBlock.image -> (H, W, 3) uint8 (the API made it: a PNG at the video's size)."""
+    import io
+
+    from PIL import Image
+
+    try:
+        with Image.open(io.BytesIO(data)) as img:
+            return torch.from_numpy(np.asarray(img.convert("RGB")).copy())
+    except Exception as exc:
+        raise RequestError(f"the image does not decode: {exc}") from None
+
+
 def _select_device(device: str) -> None:
     dev = torch.device(device)
     if dev.type == "cuda":
@@ -176,6 +189,7 @@ class DiTStage:
         self.sessions: dict = {}
         self.seeds: dict[str, int] = {}
         self.next_block: dict[str, int] = {}  # session -> the block index due next
+        self.images: dict[str, torch.Tensor] = {}  # session -> its checked image, until its block runs
         self.cpu_budget = spec.cpu_memory_budget_bytes
         self.max_batch = spec.max_batch
         # topology.vae_cut: the VAE decoder's first stages run here on each block, each session
@@ -207,6 +221,7 @@ class DiTStage:
             "latent_channels": p.dit.in_channels,
             "default_size": list(p.default_size),
             "embedded_weights": p.embedded,
+            "i2v": self.engine.i2v,
             "loaded": self.engine.loaded,
             **self.calibration,
         }
@@ -273,6 +288,7 @@ class DiTStage:
         self.sessions.pop(session, None)
         self.seeds.pop(session, None)
         self.next_block.pop(session, None)
+        self.images.pop(session, None)
         self.vae_states.pop(session, None)
         self.vae_cuts.pop(session, None)
 
@@ -310,6 +326,17 @@ class DiTStage:
         fpb = self.engine.frames_per_block
         if self.engine.rolling_schedule is not None and msg.frames != fpb:  # its window holds whole blocks
             raise RequestError(f"the rolling sampler makes whole blocks of {fpb} latent frames, not {msg.frames}")
+        if msg.image is not None:
+            if not self.engine.i2v:
+                raise RequestError(f"model {self.engine.preset.name!r} does not condition on an image")
+            if not msg.cut or msg.frames != 1 or self.engine.rolling_schedule is not None or self.cut:
+                raise RequestError(
+                    "an image is a shot's first block of one latent frame (no rolling sampler, no VAE cut)"
+                )
+            img, f = decode_png(msg.image), self.engine.preset.vae.spatial_factor
+            if tuple(img.shape) != (sess.latent_hw[0] * f, sess.latent_hw[1] * f, 3):
+                raise RequestError(f"the image is {img.shape[1]}x{img.shape[0]}, not the video's size")
+            self.images[msg.session] = img
         rows = sess.latent_hw[0] // self.engine.model.cfg.patch_size[1]
         if rows < self.world:  # each rank of a DiT group computes at least one row of patches
             raise RequestError(f"{rows} rows of patches cannot be split over a DiT group of {self.world}")
@@ -353,13 +380,16 @@ class DiTStage:
         for msg, sess in run:
             self.faults.hit("compute", self.seeds.get(msg.session))
             if msg.prompt is not None:
-                self.engine.set_scene(
-                    sess, msg.prompt, cut=msg.cut, seed=msg.seed, recache=msg.recache, shot_left=msg.shot_left
-                )
-        groups: dict[tuple, list] = {}  # sessions denoise together where size and step count agree
-        for msg, sess in run:
-            groups.setdefault((sess.latent_hw, msg.frames, len(self.engine.steps_of(sess))), []).append((msg, sess))
+                # an image block is not drawn: the authors draw the F - 1 frames after it
+                left = max(0, msg.shot_left - 1) if msg.image is not None else msg.shot_left
+                self.engine.set_scene(sess, msg.prompt, cut=msg.cut, seed=msg.seed, recache=msg.recache, shot_left=left)
         latents = {}
+        for msg, sess in run:  # image-to-video: the picture's latent is the shot's first block
+            if msg.image is not None:
+                latents[msg.session] = self.engine.start_from_image(sess, self.images.pop(msg.session))[0]
+        groups: dict[tuple, list] = {}  # sessions denoise together where size and step count agree
+        for msg, sess in (r for r in run if r[0].image is None):
+            groups.setdefault((sess.latent_hw, msg.frames, len(self.engine.steps_of(sess))), []).append((msg, sess))
         for group in groups.values():
             left = [msg.shot_left for msg, _ in group]
             outs = self.engine.generate_blocks([sess for _, sess in group], group[0][0].frames, left)

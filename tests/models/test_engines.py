@@ -101,7 +101,7 @@ def test_dit_vae_ratio_sets_depth_and_bad_values_are_rejected():
 
 
 def test_a_probe_engine_times_the_dit_without_loading_the_text_encoder(tmp_path):
-    """The profile's probes build `DiTEngine(..., text_encoder=False)`: a release without its
+    """The profile's probes build `DiTEngine(..., probe=True)`: a release without its
     text encoder still generates (umT5-XXL is minutes to load, and no probe times it), while the
     serving engine refuses it."""
     import shutil
@@ -113,7 +113,7 @@ def test_a_probe_engine_times_the_dit_without_loading_the_text_encoder(tmp_path)
     spec = ModelSpec(preset="wan2.1-t2v-1.3b", path=str(base))
     with pytest.raises(Exception, match="text_encoder|config|No such file"):
         DiTEngine(spec)
-    eng = DiTEngine(spec, text_encoder=False)
+    eng = DiTEngine(spec, probe=True)
     sess = eng.open_session(64, 32, seed=1)
     eng.set_scene(sess, "a red fox", cut=True)
     assert eng.text is None and eng.generate_block(sess, 3).shape == (1, 16, 3, 4, 8)
