@@ -416,6 +416,7 @@ def _model_object(cfg: Config, sup: Supervisor) -> dict:
         "frames_per_block": f["frames_per_block"],
         "embedded_weights": f.get("embedded_weights", False),
         "max_size": f"{cfg.limits.max_width}x{cfg.limits.max_height}",
+        "decoder": cfg.model.decoder,  # the latent decoder serving: wan (the Wan 2.1 VAE) or taehv
         "loaded": f.get("loaded"),  # the checkpoint, weight set, LoRA and sampler settings the DiT runs
     }
 
