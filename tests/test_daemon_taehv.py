@@ -43,7 +43,10 @@ def test_two_streams_on_two_replicas(daemon):
         "a": {"prompt": "a lighthouse in a storm", "num_frames": 45, "seed": 1},
         "b": {"prompt": "a desert at dawn", "num_frames": 33, "size": "192x112", "seed": 2},
     }
-    threads = [threading.Thread(target=lambda k=k, b=b: out.update({k: stream_video(daemon.url, b)[0]})) for k, b in bodies.items()]
+    threads = [
+        threading.Thread(target=lambda k=k, b=b: out.update({k: stream_video(daemon.url, b)[0]}))
+        for k, b in bodies.items()
+    ]
     for t in threads:
         t.start()
     for t in threads:

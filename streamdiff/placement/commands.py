@@ -33,6 +33,8 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", help="TOML config file (the model and device it names)")
     p.add_argument("--device", choices=("cpu", "cuda", "xpu"))
     p.add_argument("--model", metavar="PRESET|PATH", help="as for streamdiffd")
+    p.add_argument("--decoder", choices=("wan", "taehv"), help="the latent decoder to measure or plan for")
+    p.add_argument("--decoder-weights", metavar="FILE", help="TAEHV's weights (as for streamdiffd)")
 
 
 def _config(a: argparse.Namespace):
@@ -40,6 +42,7 @@ def _config(a: argparse.Namespace):
 
     ns = argparse.Namespace(**{k: None for k in vars(_daemon_defaults())})
     ns.device, ns.model = a.device, a.model
+    ns.decoder, ns.decoder_weights = a.decoder, a.decoder_weights
     return load(a.config, overrides_from_args(ns))
 
 

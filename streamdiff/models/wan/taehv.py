@@ -212,7 +212,9 @@ class TAEHVDecoder(nn.Module):
             raise ValueError(f"{z.shape[0]} blocks for {len(states)} sessions")
         if len({st.latent_frames == 0 for st in states}) > 1:
             raise ValueError("sessions at a shot's first block and later ones cannot decode together")
-        mem = {i: None if m is None else torch.cat([st.memory[i] for st in states]) for i, m in states[0].memory.items()}
+        mem = {
+            i: None if m is None else torch.cat([st.memory[i] for st in states]) for i, m in states[0].memory.items()
+        }
         merged = TAEHVState(mem, states[0].latent_frames)
         out = self.decode_rows(z, merged, plan)
         for b, st in enumerate(states):
