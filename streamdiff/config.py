@@ -52,6 +52,8 @@ class ModelConfig:
     lora: str = ""  # a PEFT LoRA merged into the DiT at load (LongLive's lora.pt)
     lora_alpha: float = 0.0  # the LoRA's alpha (0: the preset's)
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
+    decoder: str = "wan"  # wan (the Wan 2.1 VAE) | taehv (the tiny real-time decoder: faster, lower quality)
+    decoder_weights: str = ""  # taehv: taew2_1.pth / .safetensors (empty: seeded weights, embedded default only)
     dit_vae_ratio: float = 0.74  # tiny only: DiT cost per block relative to the VAE
     seed: int = 1234  # tiny only: weight seed
     name: str = ""  # model id in the API (default: the preset name)
@@ -263,6 +265,9 @@ def build(data: dict) -> Config:
     if unknown:
         raise ConfigError(f"unknown section(s): {', '.join(sorted(unknown))}")
     cfg = Config(**sections)
+    if cfg.model.decoder == "taehv" and cfg.topology.vae_group_size == 0:
+        # TAEHV is never height-sharded: --vae-gpus k means k decoder replicas, groups of one
+        cfg = dataclasses.replace(cfg, topology=dataclasses.replace(cfg.topology, vae_group_size=1))
     validate(cfg)
     return cfg
 
@@ -369,6 +374,26 @@ def validate(cfg: Config) -> None:
         "must be auto, float32, bfloat16 or float16",
         m.dtype,
     )
+    _check(m.decoder in ("wan", "taehv"), "model.decoder", "must be wan or taehv", m.decoder)
+    _check(
+        not m.decoder_weights or m.decoder == "taehv",
+        "model.decoder_weights",
+        "are TAEHV's (--decoder taehv); the Wan VAE's come with --model",
+        m.decoder_weights,
+    )
+    _check(
+        not m.decoder_weights or Path(m.decoder_weights).expanduser().is_file(),
+        "model.decoder_weights",
+        "file not found",
+        m.decoder_weights,
+    )
+    _check(
+        m.decoder != "taehv" or m.preset == "tiny" or bool(m.decoder_weights),
+        "model.decoder_weights",
+        f"--decoder taehv with preset {m.preset} needs TAEHV's weights (--decoder-weights taew2_1.pth); "
+        "only the embedded default draws them",
+        m.decoder_weights,
+    )
     _check(0 < m.dit_vae_ratio <= 20, "model.dit_vae_ratio", "must be in (0, 20]", m.dit_vae_ratio)
     _check(
         t.mode in ("auto", "disaggregated", "aggregated", "hybrid"),
@@ -418,6 +443,16 @@ def validate(cfg: Config) -> None:
         f"must be empty or {group} positive numbers (one per shard of a group)",
         list(t.vae_band_weights),
     )
+    taehv = m.decoder == "taehv"  # TAEHV decodes whole frames on one worker: no groups, no cut, no hybrid
+    _check(
+        not taehv or group == 1,
+        "topology.vae_group_size",
+        "height sharding is the Wan VAE's: TAEHV does not need it (--vae-gpus k runs k TAEHV replicas, "
+        "--vae-group-size 1)",
+        t.vae_group_size,
+    )
+    _check(not taehv or t.mode != "hybrid", "topology.mode", "hybrid shards the Wan VAE: not with TAEHV", t.mode)
+    _check(not taehv or t.vae_cut == 0, "topology.vae_cut", "cuts the Wan VAE's stages: not with TAEHV", t.vae_cut)
     _check(1 <= t.threads_per_worker <= 256, "topology.threads_per_worker", "must be 1-256", t.threads_per_worker)
     _check(0 <= t.vae_cut <= 64, "topology.vae_cut", "must be 0-64 (0: the VAE workers decode whole)", t.vae_cut)
     _check(

@@ -39,6 +39,15 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lora", metavar="FILE", help="a PEFT LoRA merged into the DiT at load (LongLive's lora.pt)")
     p.add_argument("--lora-alpha", type=float, metavar="A", help="the LoRA's alpha (default: the preset's)")
     p.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"))
+    p.add_argument(
+        "--decoder",
+        choices=("wan", "taehv"),
+        help="the latent decoder: wan (the Wan 2.1 VAE, default) or taehv (the tiny real-time decoder: "
+        "several times faster, lower quality; needs --decoder-weights except with the embedded default)",
+    )
+    p.add_argument(
+        "--decoder-weights", metavar="FILE", help="TAEHV's weights for Wan 2.1 (taew2_1.pth or .safetensors)"
+    )
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -149,6 +158,8 @@ def overrides_from_args(a: argparse.Namespace) -> dict[str, dict]:
         ("lora", "model", "lora"),
         ("lora_alpha", "model", "lora_alpha"),
         ("dtype", "model", "dtype"),
+        ("decoder", "model", "decoder"),
+        ("decoder_weights", "model", "decoder_weights"),
         ("size", "model", "size"),
         ("encoder", "encoder", "kind"),
     ):

@@ -26,10 +26,6 @@ from .flags import add_model_args, overrides_from_args
 from .plan import plan_blocks, scene_marker, shot_left
 from .server.api import APIError, VideoRequest, parse_video_request
 
-# The decoders `--decoder` chooses from: name -> engine class in models/engines.py, built as
-# cls(spec, device, cpu_working_set_bytes) with VAEEngine's session interface. A new decoder is one line.
-DECODERS = {"wan": "VAEEngine"}
-
 # The request's fields and the flags that give them: a refusal of a field names its flag.
 FLAG_OF = {
     "prompt": "--prompt",
@@ -73,7 +69,6 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--size", dest="frame_size", metavar="WxH", help="frame size (default: the model's)")
     p.add_argument("--fps", metavar="N", help="frames per second (default: the model's, 16)")
     p.add_argument("--image", metavar="FILE", help="image-to-video: the first frame (PNG, JPEG or WebP)")
-    p.add_argument("--decoder", choices=tuple(DECODERS), default="wan", help="the latent decoder (default wan)")
     p.add_argument("-o", "--output", required=True, metavar="OUT.mp4", help="the video file to write")
     p.add_argument(
         "--latents",
@@ -163,7 +158,7 @@ def generate(cfg: Config, req: VideoRequest, args: argparse.Namespace) -> tuple[
     print(f"streamdiffd generate: loading {cfg.model_name} on {device}", file=sys.stderr, flush=True)
     try:
         dit = engines.DiTEngine(spec, device)
-        vae = getattr(engines, DECODERS[args.decoder])(spec, device, cfg.pipeline.vae_cpu_working_set_bytes)
+        vae = engines.VAEEngine(spec, device, cfg.pipeline.vae_cpu_working_set_bytes)  # spec.decoder: wan or taehv
     except (CheckpointError, OSError, ValueError) as exc:  # a missing or mismatched file: one line, no traceback
         raise LoadError(f"cannot load the model: {exc}") from None
     blocks = plan_blocks(req.scenes, dit.frames_per_block, vae.preset.vae.temporal_factor)

@@ -28,6 +28,7 @@ def test_device_check_runs_on_the_cpu(tmp_path):
     st = res["stages"]
     assert st["chunkwise"]["frames_per_block"] == 3 and st["framewise"]["frames_per_block"] == 1
     assert st["chunkwise"]["dit_block_s"] > 0 and st["chunkwise"]["vae_block_s"] > 0
+    assert res["taehv"]["ok"] and res["taehv"]["taehv-published"]["frames"] == 12  # TAEHV timed (832x480 on a GPU)
     num = res["numerics"]
     assert num["dit"]["ok"] and num["vae"]["ok"] and num["dit"]["diffusers_bf16"] > 0
     assert res["vae_group"]["gloo"]["max_abs_diff"] <= 2e-2

@@ -25,6 +25,7 @@ from .wan import rolling
 from .wan.dit import DiTState
 from .wan.kernels import CPU_DECODE_WORKING_SET_BYTES, DecodePlan, plan_block
 from .wan.sampler import denoise_block, denoise_sessions, sigma_of, step_timesteps
+from .wan.taehv import TAEHVState
 from .wan.vae import Halo, VAEState, to_uint8_frames
 
 
@@ -278,10 +279,11 @@ class DiTEngine:
 class VAEEngine:
     def __init__(self, spec: ModelSpec, device: str = "cpu", working_set_bytes: int = CPU_DECODE_WORKING_SET_BYTES):
         self.device = device
-        self.model, self.preset = build_vae(spec, device)
+        self.model, self.preset = build_vae(spec, device)  # the Wan VAE, or TAEHV (spec.decoder)
+        self.decoder = spec.decoder
         self.working_set_bytes = working_set_bytes
 
-    def open_session(self) -> VAEState:
+    def open_session(self) -> VAEState | TAEHVState:
         return self.model.new_state()
 
     def frames_out(self, latent_frames: int, state: VAEState) -> int:
@@ -293,14 +295,20 @@ class VAEEngine:
         """The decode plan of `batch` blocks of this global shape over `world` shards, bands in
         proportion to `weights` (the same on every rank)."""
         cfg = self.preset.vae
+        if self.decoder == "taehv":  # whole frames on one worker; its widest full-size activation
+            if world != 1:
+                raise ValueError(f"TAEHV is never height-sharded: a group of {world} shards")
+            width, elem = self.model.cfg.widths[-1], self.model.weight.element_size()
+        else:
+            width, elem = cfg.base_dim, self.model.conv2.weight.element_size()
         return plan_block(
             latent_shape,
             world,
             torch.device(self.device).type,
-            cfg.base_dim,
+            width,
             cfg.spatial_factor,
             cfg.temporal_factor,
-            self.model.conv2.weight.element_size(),
+            elem,
             self.working_set_bytes,
             batch,
             weights,

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from .catalog import CheckpointPreset, checkpoint_preset
-from .spec import ModelSpec, known_presets
+from .spec import DECODERS, ModelSpec, known_presets
 from .wan.dit import DiTConfig, WanDiT
 from .wan.loading import (
     CheckpointError,
@@ -37,6 +37,7 @@ from .wan.loading import (
 )
 from .wan.lora import merge_lora_file
 from .wan.sampler import SamplerConfig
+from .wan.taehv import TINY_TAEHV, TAEHVDecoder, load_taehv, random_taehv
 from .wan.text import TinyTextEncoder, UMT5TextEncoder
 from .wan.vae import VAEConfig, WanVAEDecoder
 from .wan.vae_encoder import WanVAEEncoder, encoder_state_dict
@@ -217,12 +218,41 @@ def describe_load(spec: ModelSpec, preset: Preset) -> dict:
         "weights": weight_set(spec, preset) if spec.dit_checkpoint else None,
         "lora": lora,
         "embedded": preset.embedded,
+        "decoder": describe_decoder(spec, preset),
         "sampler": {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(preset.sampler).items()},
     }
 
 
-def build_vae(spec: ModelSpec, device: str = "cpu") -> tuple[WanVAEDecoder, Preset]:
+def describe_decoder(spec: ModelSpec, preset: Preset) -> dict:
+    """Which latent decoder serves, and from what (/health, /v1/models, the log)."""
+    if spec.decoder == "taehv":
+        return {"name": "taehv", "weights": spec.decoder_weights, "embedded": spec.decoder_weights is None}
+    return {"name": "wan", "weights": spec.path, "embedded": preset.embedded}
+
+
+def build_taehv(spec: ModelSpec, preset: Preset, device: str = "cpu") -> TAEHVDecoder:
+    """TAEHV from `decoder_weights` (the published file's widths), or, for the embedded default
+    only, at its small widths with weights drawn from the default's seed."""
+    if spec.decoder_weights:
+        model = load_taehv(spec.decoder_weights)
+    elif preset.embedded:
+        model = random_taehv(TINY_TAEHV, seed=spec.seed + 3)
+    else:
+        raise ValueError(
+            f"--decoder taehv with preset {preset.name!r} needs its weights: --decoder-weights FILE "
+            "(taew2_1.pth or taew2_1.safetensors from madebyollin/taehv)"
+        )
+    return model.to(device=device, dtype=resolve_dtype(spec, device)).eval().requires_grad_(False)
+
+
+def build_vae(spec: ModelSpec, device: str = "cpu") -> tuple[WanVAEDecoder | TAEHVDecoder, Preset]:
+    """The latent decoder `spec.decoder` names: the Wan 2.1 VAE or TAEHV (same latents, same
+    frame counts: `preset.vae` holds the factors both share)."""
     preset = get_preset(spec)
+    if spec.decoder not in DECODERS:
+        raise ValueError(f"unknown decoder {spec.decoder!r} (use {' or '.join(DECODERS)})")
+    if spec.decoder == "taehv":
+        return build_taehv(spec, preset, device), preset
     dtype = resolve_dtype(spec, device)
     if preset.embedded:
         torch.manual_seed(spec.seed + 1)

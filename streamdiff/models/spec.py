@@ -23,6 +23,8 @@ class ModelSpec:
     lora: str | None = None  # PEFT LoRA adapter file (LongLive's lora.pt) merged into the DiT at load
     lora_alpha: float | None = None  # its alpha (not stored in the file); required with `lora`
     lora_rank: int | None = None  # expected rank, checked against the file when given
+    decoder: str = "wan"  # "wan" (the Wan 2.1 VAE) | "taehv" (the tiny real-time decoder, models/wan/taehv.py)
+    decoder_weights: str | None = None  # TAEHV's file (taew2_1.pth / .safetensors); tiny: seeded if None
 
 
 # What the supervisor needs to know about each preset before any worker has started (it sizes
@@ -73,6 +75,9 @@ def preset_facts(name: str) -> dict:
     if cp is None:
         raise KeyError(name)
     return {**PRESET_FACTS[cp.dit], "frames_per_block": cp.frames_per_block, "i2v": cp.i2v}
+
+
+DECODERS = ("wan", "taehv")  # the latent decoders a daemon can serve with (--decoder)
 
 
 def known_presets() -> list[str]:

@@ -91,6 +91,8 @@ def plan_main(argv: list[str]) -> int:
     p.add_argument("--config", help="TOML config file (the device it names)")
     p.add_argument("--device", choices=("cpu", "cuda", "xpu"))
     p.add_argument("--model", metavar="PRESET|PATH", help="as for streamdiffd")
+    p.add_argument("--decoder", choices=("wan", "taehv"), help="the latent decoder to plan for")
+    p.add_argument("--decoder-weights", metavar="FILE", help="TAEHV's weights (as for streamdiffd)")
     p.add_argument("--profile", help="a profile (streamdiffd profile); default: this machine's cached one")
     p.add_argument("--devices", type=int, help="devices to plan for (default: the profile's)")
     p.add_argument("--objective", choices=(*OBJECTIVES, "all"), default="all")
@@ -113,7 +115,8 @@ def plan_main(argv: list[str]) -> int:
     from .profile import Profile, cache_path
 
     # --preset is the model to plan for, which needs no weights: not the daemon's --preset
-    cfg = _config(argparse.Namespace(config=a.config, device=a.device, model=a.model))
+    model_flags = ("config", "device", "model", "decoder", "decoder_weights")
+    cfg = _config(argparse.Namespace(**{k: getattr(a, k) for k in model_flags}))
     facts = model_facts(cfg)
     path = Path(a.profile) if a.profile else cache_path(str(state_dir(cfg)), cfg, tuple(facts["default_size"]))
     try:

@@ -13,6 +13,9 @@ workers, and one DiT and one VAE on n / 2 cores each that lend them to each othe
 wait (disagg-1+1/shared, where the profile timed both stages on n / 2 and n threads). Hybrid
 is not offered on accelerators: there two processes time-slice a device, and the simulator
 models only the CPU's strict priority of a shard over the DiT beside it.
+With TAEHV (`--decoder taehv`, or a profile measured with it) a decoder is never sharded or cut:
+only VAE groups of one (v decoder replicas), no hybrid; disaggregated d + v with d > 1 is where
+several DiT workers feed one decoder, as TAEHV's cost makes the DiT the bottleneck.
 Disaggregated layouts also come with their d DiT devices in DiT groups of every size g the
 profile measured (its all-to-alls timed over the real link), and where the profile measured a
 group of all n devices, the aggregated layout whose DiT and VAE each span all n (agg-spN: no
@@ -67,6 +70,16 @@ def candidates(
             for d in range(1, n):
                 out += [Layout("hybrid", d, n, g, t) for g in _divisors(n) if g > 1]
     return [x for x in out if _valid(x)]
+
+
+def decoder_of(cfg: Config, profile: Profile) -> str:
+    """The decoder the layouts are for: the one the profile measured, else the configured one."""
+    return (profile.model or {}).get("decoder") or cfg.model.decoder
+
+
+def whole_decoder(layouts: list[Layout]) -> list[Layout]:
+    """The layouts a decoder that is never sharded or cut (TAEHV) can run: VAE groups of one."""
+    return [x for x in layouts if x.group_size == 1 and x.mode != "hybrid" and x.cut == 0]
 
 
 def _valid(x: Layout) -> bool:
@@ -130,7 +143,7 @@ def plan(
     `size`) is simulated for every layout under `streams`, and for the leaders otherwise."""
     if objective not in OBJECTIVES:
         raise ValueError(f"objective {objective!r}: one of {', '.join(OBJECTIVES)}")
-    if devices < 2:  # one device: both stages on it
+    if devices < 2:  # one device: both stages on it (a group of one: any decoder)
         only = Layout("aggregated", 1, 1)
         return Plan(objective, devices, [(only, simulate(cfg, profile, only, facts, size))])
     fig = profile.size(*size)
@@ -140,6 +153,8 @@ def plan(
     threads_measured = {devices, devices // 2} <= have and {str(devices), str(devices // 2)} <= set(fig["vae"])
     shared = threads_measured and cfg.topology.pin_cpus  # lending pins each worker to its own cores
     layouts = candidates(devices, profile.device, tuple(t for t in threads if t in have), sp, cuts, shared)
+    if decoder_of(cfg, profile) == "taehv":
+        layouts = whole_decoder(layouts)
     w2 = w2_size or size
     preds = [(x, simulate(cfg, profile, x, facts, size, w2 if objective == "streams" else None)) for x in layouts]
     preds.sort(key=lambda lp: _key(objective, lp[1]))

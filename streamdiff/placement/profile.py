@@ -142,12 +142,15 @@ def model_key(cfg) -> dict:
         key["lora"] = m.lora
     if m.preset == "tiny":
         key["dit_vae_ratio"] = m.dit_vae_ratio
+    if m.decoder != "wan":  # the decoder measured (profiles of the Wan VAE keep their old key)
+        key["decoder"], key["decoder_weights"] = m.decoder, m.decoder_weights
     return key
 
 
 def cache_path(state_dir: str, cfg, size: tuple[int, int]) -> Path:
     t = cfg.topology
-    name = f"profile-{t.device}-{cfg.model.preset}-{size[0]}x{size[1]}.json"
+    dec = "" if cfg.model.decoder == "wan" else f"-{cfg.model.decoder}"
+    name = f"profile-{t.device}-{cfg.model.preset}{dec}-{size[0]}x{size[1]}.json"
     return Path(state_dir) / name
 
 
@@ -206,7 +209,7 @@ def _dit_child(spec, device, cpus, threads, sizes, batches, rank, world, addr, h
         fpb = eng.frames_per_block
         clock = Stopwatch(device, threads)
         vae = None
-        if host is not None:  # one DiT on the CPU, where a cut's decoder stages run (topology.vae_cut)
+        if host is not None and spec.decoder == "wan":  # one DiT on the CPU, where a cut's stages run (vae_cut)
             from ..models.engines import VAEEngine
 
             vae = VAEEngine(spec, device).model
@@ -470,7 +473,7 @@ def _vae_child(spec, device, cpus, threads, rank, world, addr, sizes, splits, ba
                 }
                 if watched:
                     entry["watched"] = watched
-                if world == 1 and weights is None:
+                if world == 1 and weights is None and eng.decoder == "wan":  # TAEHV is never cut
                     z = (1, p.dit.in_channels, fpb, h // sf, w // sf)
                     entry["stages_ms"] = stage_times(eng.model, state, partial(torch.randn, z, generator=g), device)
                 if weights is None and batches:
@@ -554,7 +557,7 @@ def _level_child(role, spec, sizes, working_set, cmds, out) -> None:
             shapes = {(w, h): (p.dit.in_channels, fpb, h // sf, w // sf) for w, h in sizes}
             plans = {size: eng.plan(shape, 1, 1) for size, shape in shapes.items()}
             acts: dict = {}  # (size, cut) -> a steady block's input to stage `cut`, and its own state
-            n_stages = len(decoder_stages(eng.model))
+            n_stages = len(decoder_stages(eng.model)) if eng.decoder == "wan" else 0  # TAEHV: never cut
 
             def block(size, cut):
                 if cut:  # as the VAE worker runs a cut (workers/stages.py `_decode_rest`)
@@ -786,13 +789,13 @@ def _threads(kind: str, n: int) -> list[int]:
 
 def _probe_count(spec, kind: str, n: int) -> int:
     """The probes of one round, as `_measure_once` runs them."""
-    threads = _threads(kind, n)
+    threads, sharded = _threads(kind, n), spec.decoder == "wan"  # TAEHV: no VAE groups, no hybrid
     return (
         len(threads)
         + (len(threads) > 1)  # the levels
         + max(0, min(n, GROUP_SIZES_MAX, _heads(spec)) - 1)  # DiT groups
-        + max(0, min(n, GROUP_SIZES_MAX) - 1)  # VAE groups
-        + (kind == "cpu" and n >= 2)  # the hybrid
+        + sharded * max(0, min(n, GROUP_SIZES_MAX) - 1)  # VAE groups
+        + (kind == "cpu" and n >= 2 and sharded)  # the hybrid
         + 1  # the encoder
     )
 
@@ -870,7 +873,8 @@ def _measure_once(cfg, kind: str, n: int, sizes: list[tuple[int, int]], timeout_
         rank0 = next(x for x in _run(targets, timeout_s) if x["rank"] == 0)
         for key in res:
             res[key]["dit_group"][str(g)] = rank0["sizes"][key]
-    for k in range(2, min(n, GROUP_SIZES_MAX) + 1):
+    whole = spec.decoder != "wan"  # TAEHV is never sharded: no VAE groups, no hybrid
+    for k in range(2, 1 if whole else min(n, GROUP_SIZES_MAX) + 1):
         addr = f"tcp://127.0.0.1:{free_port()}"
         splits = [None, (1.0, 3.0)] if k == 2 else [None]
         progress.step(f"a VAE group of {k} shards over the real collective")
@@ -881,7 +885,7 @@ def _measure_once(cfg, kind: str, n: int, sizes: list[tuple[int, int]], timeout_
         shards = [s["sizes"] for s in sorted(_run(targets, timeout_s), key=lambda s: s["rank"])]
         for key in res:
             res[key]["vae_group"][str(k)] = {split: [s[key][split] for s in shards] for split in shards[0][key]}
-    if kind == "cpu" and n >= 2:
+    if kind == "cpu" and n >= 2 and not whole:
         progress.step("the hybrid: a DiT below a VAE shard on its core")
         for key, probe in _hybrid_probe(spec, sizes, ws, timeout_s).items():
             res[key]["hybrid"] = probe

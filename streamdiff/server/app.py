@@ -478,6 +478,7 @@ def _model_object(cfg: Config, sup: Supervisor) -> dict:
         "embedded_weights": f.get("embedded_weights", False),
         "image_to_video": f.get("i2v", False),  # takes input_reference
         "max_size": f"{cfg.limits.max_width}x{cfg.limits.max_height}",
+        "decoder": cfg.model.decoder,  # the latent decoder serving: wan (the Wan 2.1 VAE) or taehv
         "loaded": f.get("loaded"),  # the checkpoint, weight set, LoRA and sampler settings the DiT runs
     }
 

@@ -408,6 +408,9 @@ def describe_loaded(d: dict) -> str:
     if d.get("lora"):
         lo = d["lora"]
         parts.append(f"LoRA {lo['file']} (rank {lo['rank'] or 'as in the file'}, alpha {lo['alpha']})")
+    if d.get("decoder"):
+        dec = d["decoder"]
+        parts.append(f"decoder {dec['name']} ({dec['weights'] or 'seeded weights'})")
     first = f", first block {s['first_block_steps']}" if s.get("first_block_steps") else ""
     parts.append(
         f"{s['kind']} sampler: steps {s['steps']}{first}, shift {s['shift']:g}, warp {s['warp']}, "
