@@ -138,7 +138,7 @@ class Profile:
 def model_key(cfg) -> dict:
     m = cfg.model
     key = {"dtype": m.dtype, "path": m.path, "dit_checkpoint": m.dit_checkpoint}
-    if m.preset == "tiny":
+    if m.preset in ("tiny", "tiny-random"):
         key["dit_vae_ratio"] = m.dit_vae_ratio
     return key
 
