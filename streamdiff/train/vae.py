@@ -5,7 +5,8 @@ modules and kernels it decodes with (`decode_clip`); the encoder (`encoder.py`) 
 after. Clips come from `synthetic.clip`: 1 + 4k frames of a captioned object, cropped around the
 object. Long clips train chunk by chunk (`chunk`): encoder and decoder carry their causal caches
 from one chunk to the next, detached (truncated backpropagation through time), one optimiser step
-per chunk, so the decoder learns the steady state a streamed video reaches after the first few
+per chunk (or, with `one_chunk`, one step per clip on a random chunk after the earlier ones ran
+forward only), so the decoder learns the steady state a streamed video reaches after the first few
 blocks, which clips shorter than its temporal receptive field (about 21 latent frames) never
 show. The loss is L1 + squared error on pixels, the object's pixels (its drawn shape, not its
 box) weighted up, since the object covers a few percent of a frame and is what the checker reads,
@@ -54,6 +55,10 @@ class VAERun:
     batch: int = 4
     frames: int = 9  # 1 + 4k: the shot's first frame and two 4-frame groups
     chunk: int = 0  # latent frames per chunk of a clip (0: the whole clip at once)
+    # One optimiser step per clip, on a chunk drawn at random, the chunks before it run forward
+    # only (no grad) to fill both caches: each step sees fresh clips, a shot's start (the first
+    # chunk) or its steady state, instead of `frames / chunk` steps in a row on the same clips.
+    one_chunk: bool = False
     crop: tuple[int, int] = (64, 48)  # (width, height) of the crop around the object, multiples of 16
     lr: float = 2e-3  # 1e-3 left the background colours unlearnt after 300 steps
     # The cosine schedule runs from the step a run starts (or resumes) at to `steps`: a run that
@@ -73,7 +78,19 @@ class VAERun:
         return {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(self).items() if k in _RECIPE}
 
 
-_RECIPE = ("steps", "batch", "frames", "chunk", "crop", "lr", "kl", "object_weight", "edge_weight", "edge_px")
+_RECIPE = (
+    "steps",
+    "batch",
+    "frames",
+    "chunk",
+    "one_chunk",
+    "crop",
+    "lr",
+    "kl",
+    "object_weight",
+    "edge_weight",
+    "edge_px",
+)
 
 
 def batch_of(run: VAERun, rng: random.Random, width: int = 256, height: int = 144) -> tuple[torch.Tensor, torch.Tensor]:
@@ -92,6 +109,11 @@ def batch_of(run: VAERun, rng: random.Random, width: int = 256, height: int = 14
         xs.append(torch.from_numpy(f).permute(3, 0, 1, 2).float() / 127.5 - 1.0)
         ms.append(torch.from_numpy(mask)[None])
     return torch.stack(xs), torch.stack(ms)
+
+
+def frame_range(i: int, n: int) -> slice:
+    """The frames of latent frames [i, i + n): the shot's first latent frame is one frame, later ones 4."""
+    return slice(0 if i == 0 else 1 + 4 * (i - 1), 1 + 4 * (i + n - 1))
 
 
 def edge_mask(mask: torch.Tensor, px: int = 1) -> torch.Tensor:
@@ -151,10 +173,13 @@ def train_vae(out: Path, cfg: VAEConfig, run: VAERun, log=print) -> None:
             x, mask = batch_of(run, rng)
             i, state = 0, dec.new_state()
             enc.stream(chunk < latents)
-        # Frames of latent frames [i, i + chunk): the first latent frame is one frame, later ones 4.
-        f0, f1 = (0 if i == 0 else 1 + 4 * (i - 1)), 1 + 4 * (i + chunk - 1)
-        xc, mc = x[:, :, f0:f1], mask[:, :, f0:f1]
-        i += chunk
+            if run.one_chunk:  # the chunks before a random one only fill the caches
+                with torch.no_grad():
+                    for _ in range(rng.randrange(latents // chunk)):
+                        decode_clip(dec, enc(x[:, :, frame_range(i, chunk)])[0], state)
+                        i += chunk
+        xc, mc = x[:, :, frame_range(i, chunk)], mask[:, :, frame_range(i, chunk)]
+        i = latents if run.one_chunk else i + chunk
         mu, _ = enc(xc)
         y = decode_clip(dec, mu, state)
         edge = edge_mask(mc, run.edge_px)

@@ -145,7 +145,7 @@ def test_a_killed_run_resumes_its_schedule_and_keeps_milestones(tmp_path):
     kept every keep_every steps, and each resumes a run."""
     from streamdiff.train.vae import VAERun, train_vae
 
-    run = VAERun(steps=4, batch=1, frames=9, chunk=1, crop=(32, 32), lr=1e-3, log_every=1, save_every=1)
+    run = VAERun(steps=4, batch=1, frames=5, chunk=1, crop=(32, 32), lr=1e-3, log_every=1, save_every=1)
     train_vae(tmp_path / "whole", VAE, run, log=lambda s: None)
 
     class Killed(Exception):
@@ -168,8 +168,11 @@ def test_a_killed_run_resumes_its_schedule_and_keeps_milestones(tmp_path):
 
     whole, resumed = lrs(tmp_path / "whole"), lrs(tmp_path / "killed")
     assert [resumed[s] for s in (1, 2, 3, 4)] == [whole[s] for s in (1, 2, 3, 4)]
-    train_vae(tmp_path / "killed", VAE, VAERun(**{**run.__dict__, "steps": 6, "lr": 2e-3}), log=lambda s: None)
-    assert lrs(tmp_path / "killed")[5] == 2e-3 / 100  # a new phase: the first step of its warmup
+    # Another recipe (one step per clip on a random chunk, another lr) starts a new phase.
+    other = VAERun(**{**run.__dict__, "steps": 6, "lr": 2e-3, "one_chunk": True})
+    train_vae(tmp_path / "killed", VAE, other, log=lambda s: None)
+    assert lrs(tmp_path / "killed")[5] == 2e-3 / 100  # the first step of its warmup
+    assert torch.load(tmp_path / "killed" / "vae.pt", weights_only=True)["meta"]["phase_start"] == 4
 
 
 def test_the_embedded_preset_loads_shipped_weights_and_tiny_random_never_does(tmp_path):
