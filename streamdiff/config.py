@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any, get_type_hints
 
 from .models.catalog import checkpoint_preset
-from .models.spec import known_presets
+from .models.spec import EMBEDDED_PRESETS, known_presets
 
 
 class ConfigError(ValueError):
@@ -45,7 +45,9 @@ class ServerConfig:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    preset: str = "tiny"  # tiny (embedded, seeded weights) | wan2.1-t2v-1.3b | wan2.1-t2v-14b | a checkpoint preset
+    preset: str = (
+        "tiny"  # tiny (embedded) | tiny-random (seeded) | wan2.1-t2v-1.3b | wan2.1-t2v-14b | a checkpoint preset
+    )
     path: str = ""  # weights directory for real presets
     dit_checkpoint: str = ""  # Causal Forcing / Self-Forcing generator .pt (a checkpoint preset's file)
     weights: str = ""  # ema | generator: the training checkpoint's weight set (empty: the preset's)
@@ -340,7 +342,7 @@ def validate(cfg: Config) -> None:
     for k in ("client_write_timeout_s", "request_read_timeout_s", "drain_timeout_s"):
         _check(getattr(s, k) > 0, f"server.{k}", "must be > 0", getattr(s, k))
     _check(m.preset in known_presets(), "model.preset", f"must be one of {', '.join(known_presets())}", m.preset)
-    _check(m.preset == "tiny" or bool(m.path), "model.path", "is required for real presets", m.path)
+    _check(m.preset in EMBEDDED_PRESETS or bool(m.path), "model.path", "is required for real presets", m.path)
     cp = checkpoint_preset(m.preset)
     _check(
         cp is None or bool(m.dit_checkpoint),

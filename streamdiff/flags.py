@@ -21,7 +21,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--model",
         metavar="PRESET|PATH",
-        help="'tiny' (embedded), 'wan2.1-t2v-1.3b', or a weights "
+        help="'tiny' (embedded), 'tiny-random' (the same, always seeded), 'wan2.1-t2v-1.3b', or a weights "
         "directory (Wan 2.1 release or diffusers layout; implies wan2.1-t2v-1.3b)",
     )
     p.add_argument(
@@ -167,12 +167,14 @@ def overrides_from_args(a: argparse.Namespace) -> dict[str, dict]:
         if v is not None:
             o[section][key] = v
     if a.model is not None:
-        if a.model in ("tiny", "wan2.1-t2v-1.3b"):
+        if a.model in ("tiny", "tiny-random", "wan2.1-t2v-1.3b"):
             o["model"]["preset"] = a.model
         else:
             path = Path(a.model).expanduser()
             if not path.is_dir():
-                raise ConfigError(f"--model: {a.model!r} is neither a preset (tiny, wan2.1-t2v-1.3b) nor a directory")
+                raise ConfigError(
+                    f"--model: {a.model!r} is neither a preset (tiny, tiny-random, wan2.1-t2v-1.3b) nor a directory"
+                )
             o["model"]["path"] = str(path.resolve())
             o["model"].setdefault("preset", "wan2.1-t2v-1.3b")
     return {k: v for k, v in o.items() if v}

@@ -7,6 +7,10 @@
   work per block is set by `dit_vae_ratio` (default 0.74, the ratio the reference
   implementation measured for the real 1.3B model on one Intel B70: 0.957 s DiT vs 1.290 s
   VAE per latent frame).
+  Trained weights shipped in the package (`weights/tiny-vae.safetensors`, written by
+  tools/train_default export) replace the seeded ones stage by stage where present.
+- `tiny-random`: the same architecture with the seeded weights always, for the benchmarks built
+  on them (issue 36).
 - `wan2.1-t2v-1.3b`: the real configuration; weights from a local directory (original Wan 2.1
   release, or the diffusers layout), optionally with a Causal Forcing / Self-Forcing generator
   checkpoint for the DiT.
@@ -90,7 +94,7 @@ def get_preset(spec: ModelSpec) -> Preset:
     DiT configuration with the authors' sampler settings; then the spec's own overrides."""
     cp = checkpoint_preset(spec.preset)
     arch = cp.dit if cp else spec.preset
-    if arch == "tiny":
+    if arch in ("tiny", "tiny-random"):
         dit = DiTConfig(
             dim=64,
             ffn_dim=256,
@@ -102,7 +106,7 @@ def get_preset(spec: ModelSpec) -> Preset:
         )
         vae = VAEConfig(base_dim=8, num_res_blocks=0)
         sampler = SamplerConfig(frames_per_block=3, window_frames=12)
-        p = Preset("tiny", dit, vae, sampler, "tiny", (256, 144), embedded=True)
+        p = Preset(arch, dit, vae, sampler, "tiny", (256, 144), embedded=True)
     elif arch in ("wan2.1-t2v-1.3b", "wan2.1-t2v-14b", "wan2.1"):
         dit = WAN_14B if arch == "wan2.1-t2v-14b" else DiTConfig()
         p = Preset(
@@ -130,6 +134,35 @@ def get_preset(spec: ModelSpec) -> Preset:
         p = replace(p, sampler=replace(p.sampler, **vals))
     p.sampler.validate()
     return p
+
+
+# Trained weights of the embedded default, one file per stage (tools/train_default export).
+WEIGHTS_DIR = Path(__file__).parent / "weights"
+
+
+def embedded_weights(preset: str, stage: str, root: Path = WEIGHTS_DIR) -> Path | None:
+    """The shipped trained weights of `stage` ("vae") of an embedded preset, None where there are
+    none: the seeded weights then. Only `tiny` loads them; `tiny-random` is the seeded one always."""
+    f = root / f"{preset}-{stage}.safetensors"
+    return f if preset == "tiny" and f.is_file() else None
+
+
+def load_embedded_vae(model: WanVAEDecoder, path: Path) -> None:
+    """A trained decoder's weights and its latent statistics (`mean`, `std`, which the DiT's
+    training data set) into `model`; a file that does not fit the preset is refused whole."""
+    from safetensors.torch import load_file
+
+    try:
+        sd = load_file(str(path))
+    except Exception as exc:
+        raise CheckpointError(f"cannot read embedded VAE weights {path}: {exc}") from exc
+    stats = {k: sd.pop(k, None) for k in ("mean", "std")}
+    shape = tuple(model.mean.shape)
+    if any(v is None or tuple(v.shape) != shape for v in stats.values()):
+        raise CheckpointError(f"{path}: embedded VAE weights need 'mean' and 'std' of shape {shape}")
+    load_into(model, sd, f"embedded VAE weights {path}")
+    model.mean.copy_(stats["mean"])
+    model.std.copy_(stats["std"])
 
 
 def weight_set(spec: ModelSpec, preset: Preset) -> str:
@@ -257,6 +290,9 @@ def build_vae(spec: ModelSpec, device: str = "cpu") -> tuple[WanVAEDecoder | TAE
     if preset.embedded:
         torch.manual_seed(spec.seed + 1)
         model = WanVAEDecoder(preset.vae)
+        trained = embedded_weights(preset.name, "vae")
+        if trained is not None:
+            load_embedded_vae(model, trained)
     else:
         sd = normalize_vae_state_dict(_vae_weights(spec), preset.vae)
         if not (Path(spec.path) / "vae" / "config.json").exists():  # original release: no config

@@ -11,7 +11,7 @@ from .catalog import CHECKPOINT_PRESETS, checkpoint_preset
 class ModelSpec:
     """What a worker needs to build its stage. Plain data: it crosses process boundaries."""
 
-    preset: str = "tiny"  # a DiT configuration (tiny, wan2.1-t2v-1.3b, ...) or a checkpoint preset (catalog.py)
+    preset: str = "tiny"  # a DiT configuration (tiny, tiny-random, wan2.1-t2v-1.3b, ...) or a checkpoint preset
     path: str | None = None  # local weights directory (real presets)
     dit_checkpoint: str | None = None  # Causal Forcing / Self-Forcing .pt, overrides the DiT weights
     weights: str | None = None  # "ema" | "generator": the training checkpoint's set (None: the preset's, else ema)
@@ -55,6 +55,13 @@ PRESET_FACTS = {
         "default_size": (832, 480),
     },
 }
+
+
+# The seeded default's architecture under its own name: `tiny` loads trained weights shipped in the
+# package where they exist (presets.embedded_weights); `tiny-random` never does, for the
+# benchmarks built on the seeded weights (issue 36).
+PRESET_FACTS["tiny-random"] = dict(PRESET_FACTS["tiny"])
+EMBEDDED_PRESETS = ("tiny", "tiny-random")  # weights built in the worker, no model.path
 
 
 # The real DiT configurations' dimensions (presets.py's DiTConfig, equal by test), for pricing a

@@ -140,7 +140,7 @@ def model_key(cfg) -> dict:
     key = {"dtype": m.dtype, "path": m.path, "dit_checkpoint": m.dit_checkpoint}
     if m.lora:
         key["lora"] = m.lora
-    if m.preset == "tiny":
+    if m.preset in ("tiny", "tiny-random"):
         key["dit_vae_ratio"] = m.dit_vae_ratio
     if m.decoder != "wan":  # the decoder measured (profiles of the Wan VAE keep their old key)
         key["decoder"], key["decoder_weights"] = m.decoder, m.decoder_weights

@@ -114,3 +114,90 @@ def test_a_training_run_logs_checkpoints_and_resumes(tmp_path):
     got = evaluate(tmp_path, cfg, VAE, sampler, text_seed=1, n=2, blocks=2, log=lambda s: None)
     report = json.loads((tmp_path / "eval_2.json").read_text())
     assert got["prompts"] == 2 and len(report["videos"]) == 2 and (tmp_path / "sheet_2.png").exists()
+
+
+def test_the_loss_weights_the_drawn_object_and_a_band_around_its_outline():
+    """The object's mask is its drawn pixels (a ball's, not its box), and the edge band is the
+    pixels within `px` of the outline on either side: where the first attempt blurred."""
+    import random
+
+    import numpy as np
+
+    from streamdiff.synthetic import COLOURS
+    from streamdiff.train.vae import VAERun, batch_of, edge_mask
+
+    x, mask = batch_of(VAERun(batch=1, frames=5, crop=(256, 144)), random.Random(3), 256, 144)
+    pixels = ((x[0].permute(1, 2, 3, 0) + 1) * 127.5).round().to(torch.uint8).numpy()  # (T, h, w, 3)
+    colours = {tuple(int(v) for v in p) for p in pixels[mask[0, 0].numpy() > 0]}
+    assert len(colours) == 1 and colours.pop() in COLOURS.values()
+    assert mask.sum() > 0 and (~(mask[0, 0].numpy() > 0)).any()
+    square = torch.zeros(1, 1, 1, 12, 12)
+    square[..., 3:9, 3:9] = 1.0  # 6x6
+    band = edge_mask(square, 1)
+    assert band.sum().item() == 8 * 8 - 4 * 4  # dilated to 8x8, eroded to 4x4
+    assert band[..., 5, 5].item() == 0 and band[..., 3, 3].item() == 1 and band[..., 2, 5].item() == 1
+    assert np.array_equal(edge_mask(torch.zeros(1, 1, 2, 5, 5)).numpy(), np.zeros((1, 1, 2, 5, 5)))
+
+
+def test_a_killed_run_resumes_its_schedule_and_keeps_milestones(tmp_path):
+    """Killed after a checkpoint, a run resumes on the learning rate it would have had; resumed
+    with another recipe it starts a new phase (its warmup) at that step. Milestone copies are
+    kept every keep_every steps, and each resumes a run."""
+    from streamdiff.train.vae import VAERun, train_vae
+
+    run = VAERun(steps=4, batch=1, frames=5, chunk=1, crop=(32, 32), lr=1e-3, log_every=1, save_every=1)
+    train_vae(tmp_path / "whole", VAE, run, log=lambda s: None)
+
+    class Killed(Exception):
+        pass
+
+    def kill_at_3(line):
+        if line.startswith("vae step 3:"):
+            raise Killed  # step 3 logged, not saved: the checkpoint holds step 2
+
+    killed = VAERun(**{**run.__dict__, "keep_every": 2})
+    try:
+        train_vae(tmp_path / "killed", VAE, killed, log=kill_at_3)
+    except Killed:
+        pass
+    assert torch.load(tmp_path / "killed" / "vae_step2.pt", weights_only=True)["step"] == 2
+    train_vae(tmp_path / "killed", VAE, killed, log=lambda s: None)
+
+    def lrs(d):
+        return {r["step"]: r["lr"] for r in map(json.loads, (d / "vae_curve.jsonl").read_text().splitlines())}
+
+    whole, resumed = lrs(tmp_path / "whole"), lrs(tmp_path / "killed")
+    assert [resumed[s] for s in (1, 2, 3, 4)] == [whole[s] for s in (1, 2, 3, 4)]
+    # Another recipe (one step per clip on a random chunk, another lr) starts a new phase.
+    other = VAERun(**{**run.__dict__, "steps": 6, "lr": 2e-3, "one_chunk": True})
+    train_vae(tmp_path / "killed", VAE, other, log=lambda s: None)
+    assert lrs(tmp_path / "killed")[5] == 2e-3 / 100  # the first step of its warmup
+    assert torch.load(tmp_path / "killed" / "vae.pt", weights_only=True)["meta"]["phase_start"] == 4
+
+
+def test_the_embedded_preset_loads_shipped_weights_and_tiny_random_never_does(tmp_path):
+    from streamdiff.models.presets import build_vae, embedded_weights, load_embedded_vae
+    from streamdiff.models.spec import ModelSpec
+    from streamdiff.models.wan.loading import CheckpointError
+    from streamdiff.train.vae import VAERun, export_vae, load_vae, train_vae
+
+    train_vae(tmp_path, VAE, VAERun(steps=1, batch=1, frames=5, crop=(32, 32)), log=lambda s: None)
+    dest = export_vae(tmp_path, VAE, tmp_path / "weights" / "tiny-vae.safetensors")
+    assert embedded_weights("tiny", "vae", tmp_path / "weights") == dest
+    assert embedded_weights("tiny-random", "vae", tmp_path / "weights") is None
+    model = WanVAEDecoder(VAE)
+    load_embedded_vae(model, dest)
+    _, trained, _ = load_vae(tmp_path, VAE)
+    z = torch.randn(1, 16, 2, 4, 6)
+    got, want = model.decode(z, model.new_state()), trained.decode(z, trained.new_state())
+    assert (got - want).abs().max().item() < 1e-5  # the same weights; safetensors keeps no layout
+    wrong = WanVAEDecoder(VAEConfig(base_dim=8, num_res_blocks=0))
+    try:
+        load_embedded_vae(wrong, dest)
+        raise AssertionError("weights of another width loaded")
+    except CheckpointError as exc:
+        assert "tiny-vae.safetensors" in str(exc)
+    seeded, _ = build_vae(ModelSpec(preset="tiny-random"))
+    default, _ = build_vae(ModelSpec())
+    same = all(torch.equal(a, b) for a, b in zip(seeded.state_dict().values(), default.state_dict().values()))
+    assert same == (embedded_weights("tiny", "vae") is None)  # tiny differs once trained weights ship
