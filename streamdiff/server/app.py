@@ -201,7 +201,7 @@ async def read_multipart(request: web.Request) -> dict:
 
 
 async def create_video(request: web.Request) -> web.StreamResponse:
-    job = start_job(request.app, await read_request_data(request))
+    job = await start_job(request.app, await read_request_data(request))
     if not job.request.stream:
         return web.json_response(job.video_object(), headers={"openai-poll-after-ms": "1000"})
     return await stream_job(request, job, live=True)

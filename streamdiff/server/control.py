@@ -4,6 +4,7 @@ envelope, the WebSocket as an `error` event."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import math
 
@@ -31,12 +32,21 @@ def supervisor_ready(app: web.Application) -> None:
         )
 
 
-def start_job(app: web.Application, data: dict) -> Job:
+async def start_job(app: web.Application, data: dict) -> Job:
     """Validate a request body, hand it to the engine, keep its job: the job, or APIError (400,
-    404 unknown model, 429 with Retry-After, 503)."""
+    404 unknown model, 429 with Retry-After, 503).
+
+    A body with an image is validated on a thread: decoding, cropping and re-encoding a large
+    image takes hundreds of milliseconds, which on the event loop would stall every stream's
+    writes. Validation is pure (the config and the model's facts), so it may run there."""
     sup, cfg, jobs = app[SUPERVISOR], app[CONFIG], app[JOBS]
     supervisor_ready(app)
-    req = parse_video_request(data, cfg, sup.facts)
+    if data.get("input_reference") not in (None, ""):
+        loop = asyncio.get_running_loop()
+        req = await loop.run_in_executor(None, parse_video_request, data, cfg, sup.facts)
+        supervisor_ready(app)  # it may have begun draining meanwhile
+    else:
+        req = parse_video_request(data, cfg, sup.facts)
     job = Job(req, live_consumer=req.stream, node=cfg.node)
     try:
         job.follow_session(sup.submit(req, job.id))

@@ -104,7 +104,7 @@ async def _start(request: web.Request, ws: web.WebSocketResponse, sock: _Socket)
             raise bad(f"'format' must be 'm4s' (fragmented MP4), got {event['format']!r}", "format")
         body = {k: v for k, v in event.items() if k not in IGNORED}
         live = body.get("seconds") is None and body.get("num_frames") is None and body.get("live") is None
-        job = start_job(request.app, {**body, "stream": True, **({"live": True} if live else {})})
+        job = await start_job(request.app, {**body, "stream": True, **({"live": True} if live else {})})
     except APIError as err:
         await sock.error(err)
         return None
