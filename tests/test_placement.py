@@ -284,6 +284,34 @@ def test_a_measured_cost_of_sharing_a_core_slows_the_predicted_hybrid():
     assert Costs(prof, (256, 144), 1).beside == pytest.approx(160 / (400 * 0.5))
 
 
+def test_an_image_to_video_requests_encoding_is_charged_once_to_its_first_block():
+    """The profile's `image_ms` (the image encoded and committed on the DiT's device) replaces the
+    first block's DiT time of a request that starts from an image; later blocks are unchanged,
+    so the whole video is later by the difference, once."""
+    from streamdiff.config import Config
+    from streamdiff.models.spec import PRESET_FACTS
+    from streamdiff.placement.sim import Layout, simulate
+
+    prof = synthetic(100.0, 200.0)
+    prof.sizes["256x144"]["dit"]["1"]["image_ms"] = 450.0
+    facts = dict(PRESET_FACTS["tiny"], frames_per_block=1)  # frame-wise, as the i2v checkpoint
+
+    def run(image: bool):
+        p = simulate(Config(), prof, Layout("disaggregated", 1, 1), facts, (256, 144), image=image)
+        return p.w1_ttff_s, sum(b.emit for b in plan_storyboard()) / p.w1_fps
+
+    (ttff, end), (ttff_img, end_img) = run(False), run(True)
+    assert ttff_img - ttff == pytest.approx(0.35, abs=0.01)
+    assert end_img - end == pytest.approx(0.35, abs=0.05)
+
+
+def plan_storyboard():
+    from streamdiff.placement.sim import storyboard
+    from streamdiff.plan import plan_blocks
+
+    return plan_blocks(storyboard(), 1, 4)
+
+
 def test_the_hosts_work_beside_the_dit_slows_the_aggregated_worker_not_the_disaggregated_pipeline():
     """On the CPU the supervisor encodes on the DiT workers' cores. The profile measured each
     DiT beside that work: 30 ms a block more. disagg-1+1 hides it in the DiT's slack (VAE-bound
@@ -670,6 +698,7 @@ def test_streamdiffd_profile_measures_this_machine(tmp_path):
     assert set(fig["dit"]["1"]["batch_ms"]) == {"2", "4"}
     assert len(fig["vae"]["1"]["stages_ms"]) == 9 and all(x > 0 for x in fig["vae"]["1"]["stages_ms"])
     assert all(d["host_block_ms"] > 0 for d in fig["dit"].values())  # beside the host's encoding
+    assert all(d["image_ms"] > 0 for d in fig["dit"].values())  # the embedded default does image-to-video
     # and each decoder stage in the DiT's process, after its block: what a cut adds there
     assert all(len(d["cut_stages_ms"]) == 9 and all(x > 0 for x in d["cut_stages_ms"]) for d in fig["dit"].values())
     if prof.devices >= 2:

@@ -46,8 +46,8 @@ class DiTSession:
 
 class DiTEngine:
     def __init__(self, spec: ModelSpec, device: str = "cpu", prompt_cache: int = 16, probe: bool = False) -> None:
-        """`probe`: the profile's, which times the DiT's blocks and nothing else: no text encoder
-        (prompts embed to zeros of its shape; umT5-XXL takes minutes to load), no image encoder."""
+        """`probe`: the profile's, which times the DiT's blocks and an image's encoding, not the
+        prompt's: no text encoder (prompts embed to zeros of its shape; umT5-XXL takes minutes)."""
         self.device = device
         self.model, self.preset = build_dit(spec, device)
         self.loaded = describe_load(spec, self.preset)  # what it was built from (log, /health, /v1/models)
@@ -56,7 +56,7 @@ class DiTEngine:
         # travels to the VAE workers in the ring as the shot's first block). Loaded only where
         # the preset conditions on an image.
         self.i2v = image_to_video(self.preset)
-        self.encoder = build_vae_encoder(spec, device) if self.i2v and not probe else None
+        self.encoder = build_vae_encoder(spec, device) if self.i2v else None
         self.noise_dtype = self.model.patch_embedding.weight.dtype  # the authors draw in the model's dtype
         s = self.preset.sampler
         self.timesteps = step_timesteps(s.steps, s.shift, s.warp)

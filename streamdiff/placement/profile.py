@@ -246,6 +246,7 @@ def _dit_child(spec, device, cpus, threads, sizes, batches, rank, world, addr, h
                 (beside if by_host else steady).append(timed(lambda s=sess: eng.generate_block(s, fpb)))
             beside = [x[0] for x in beside]
             firsts = [shot_start(eng.open_session(w, h, seed=i)) for i in range(1, FIRST_BLOCKS + 1)]
+            image_ms = _image_ms(eng, w, h, timed) if eng.i2v else None
             cut_stages = _cut_stages(vae, eng, sess, fpb, device) if vae is not None else None
             batch_ms = {}
             for b in batches:
@@ -264,6 +265,8 @@ def _dit_child(spec, device, cpus, threads, sizes, batches, rank, world, addr, h
             }
             if beside:
                 res[f"{w}x{h}"]["host_block_ms"] = _median(beside)
+            if image_ms is not None:
+                res[f"{w}x{h}"]["image_ms"] = image_ms
             if cut_stages:
                 res[f"{w}x{h}"]["cut_stages_ms"] = cut_stages
             if sp:
@@ -275,6 +278,20 @@ def _dit_child(spec, device, cpus, threads, sizes, batches, rank, world, addr, h
         if host is not None:
             host.put(None)
         _leave(world)
+
+
+def _image_ms(eng, w: int, h: int, timed) -> float:
+    """An image-to-video shot's first block on the DiT's device: the image encoded into the shot's
+    first latent frame and committed to the cache (`DiTEngine.start_from_image`): once a request."""
+    import torch
+
+    img = torch.randint(0, 256, (h, w, 3), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+    runs = []
+    for i in range(FIRST_BLOCKS):
+        s = eng.open_session(w, h, seed=20 + i)
+        eng.set_scene(s, "profile", cut=True)
+        runs.append(timed(lambda s=s: eng.start_from_image(s, img))[0])
+    return _median(runs)
 
 
 def _cut_stages(vae, eng, sess, fpb: int, device: str) -> list[float]:

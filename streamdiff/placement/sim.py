@@ -134,6 +134,9 @@ class Costs:
         # On the CPU the supervisor (the encoder threads) shares the DiT workers' cores: what
         # encoding a block takes from the DiT, measured beside it (0 where not measured).
         self.host_ms = max(0.0, self.dit.get("host_block_ms", self.dit["block_ms"]) - self.dit["block_ms"])
+        # an image-to-video request's first block: the image encoded and committed (profile.py `_image_ms`;
+        # where not measured, a first block's time)
+        self.image_ms = self.dit.get("image_ms", self.dit["first_ms"])
         self.fig = fig
         self.factors = self.cut_factors()
         self.cut_ms = self.dit_cut_ms(self.cut)
@@ -508,10 +511,14 @@ class Sim:
             blocks = job.msg.blocks
             sess = self.sessions[blocks[0].session]
             c = self.cost(sess.width, sess.height)
-            cuts = [b.vae_cut or self.layout.cut for b in blocks]
+            # an image-to-video shot's first block is the image, encoded and committed: once a request
+            # (no VAE cut runs with an image: the worker refuses one)
+            text = [b for b in blocks if b.image is None]
+            cuts = [b.vae_cut or self.layout.cut for b in text]
             # the encoder takes from the DiT's cores once it has a block to encode
             host = bool(self.result.fragments)
-            dur = c.dit_s(len(blocks), sum(1 for b in blocks if b.cut), cuts, host)
+            dur = c.dit_s(len(text), sum(1 for b in text if b.cut), cuts, host) if text else 0.0
+            dur += (len(blocks) - len(text)) * c.image_ms / 1000
             p = self.procs[job.procs[0]]
             p.left_s, p.since, p.rate = dur, self.now, self._free_rate(p)
             self._schedule(p)
@@ -679,10 +686,15 @@ def simulate(
     scene_seconds: float = 4.0,
     w2_seconds: float = 6.0,
     fps: int = 16,
+    image: bool = False,
 ) -> Prediction:
-    """W1 (one storyboard) and, with w2_size, W2's goodput, as tools/bench runs them."""
+    """W1 (one storyboard; `image`: its first scene starts from an image) and, with w2_size, W2's
+    goodput, as tools/bench runs them."""
     sim = Sim(cfg, profile, layout, size, facts)
-    sim.submit("w1", storyboard(scene_seconds, fps), *size, fps)
+    scenes = storyboard(scene_seconds, fps)
+    if image:
+        scenes[0] = replace(scenes[0], image=b"image")  # the simulator never reads the picture
+    sim.submit("w1", scenes, *size, fps)
     sim.run()
     frags = sim.result.fragments.get("w1", [])
     frames = sum(n for _, n in frags)
