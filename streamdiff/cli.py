@@ -49,6 +49,11 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lora", metavar="FILE", help="a PEFT LoRA merged into the DiT at load (LongLive's lora.pt)")
     p.add_argument("--lora-alpha", type=float, metavar="A", help="the LoRA's alpha (default: the preset's)")
     p.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"))
+    p.add_argument(
+        "--compile",
+        choices=("auto", "on", "off"),
+        help="torch.compile the DiT's blocks (auto: on accelerators; off on the CPU, where it measured slower)",
+    )
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -152,6 +157,7 @@ def overrides_from_args(a: argparse.Namespace) -> dict[str, dict]:
         ("lora", "model", "lora"),
         ("lora_alpha", "model", "lora_alpha"),
         ("dtype", "model", "dtype"),
+        ("compile", "model", "compile"),
         ("size", "model", "size"),
         ("encoder", "encoder", "kind"),
     ):

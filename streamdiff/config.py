@@ -52,6 +52,7 @@ class ModelConfig:
     lora: str = ""  # a PEFT LoRA merged into the DiT at load (LongLive's lora.pt)
     lora_alpha: float = 0.0  # the LoRA's alpha (0: the preset's)
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
+    compile: str = "auto"  # torch.compile the DiT's blocks: auto (accelerators only) | on | off
     dit_vae_ratio: float = 0.74  # tiny only: DiT cost per block relative to the VAE
     seed: int = 1234  # tiny only: weight seed
     name: str = ""  # model id in the API (default: the preset name)
@@ -356,6 +357,12 @@ def validate(cfg: Config) -> None:
         "sampler.recache",
         "must be never, on_request or every_switch",
         cfg.sampler.recache,
+    )
+    _check(
+        m.compile in ("auto", "on", "off"),
+        "model.compile",
+        "must be auto, on or off",
+        m.compile,
     )
     _check(
         m.dtype in ("auto", "float32", "bfloat16", "float16"),

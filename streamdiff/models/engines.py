@@ -14,7 +14,7 @@ import torch
 
 from .presets import ModelSpec, build_dit, build_text_encoder, build_vae, describe_load
 from .wan import rolling
-from .wan.dit import DiTState
+from .wan.dit import DiTState, use_compile
 from .wan.kernels import CPU_DECODE_WORKING_SET_BYTES, DecodePlan, plan_block
 from .wan.sampler import denoise_block, denoise_sessions, sigma_of, step_timesteps
 from .wan.vae import Halo, VAEState, to_uint8_frames
@@ -52,6 +52,8 @@ class DiTEngine:
         self.device = device
         self.model, self.preset = build_dit(spec, device)
         self.loaded = describe_load(spec, self.preset)  # what it was built from (log, /health, /v1/models)
+        self.compiled = use_compile(spec.compile, device)  # compiled lazily, at the first blocks
+        self.model.compile_blocks(self.compiled)
         self.text = build_text_encoder(spec, device)
         self.noise_dtype = self.model.patch_embedding.weight.dtype  # the authors draw in the model's dtype
         s = self.preset.sampler

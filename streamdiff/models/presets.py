@@ -216,6 +216,7 @@ def describe_load(spec: ModelSpec, preset: Preset) -> dict:
         "weights": weight_set(spec, preset) if spec.dit_checkpoint else None,
         "lora": lora,
         "embedded": preset.embedded,
+        "compile": spec.compile,
         "sampler": {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(preset.sampler).items()},
     }
 

@@ -43,6 +43,7 @@ def model_spec(cfg: Config) -> ModelSpec:
         lora=m.lora or None,
         lora_alpha=m.lora_alpha or None,
         dtype=m.dtype,
+        compile=m.compile,
         dit_vae_ratio=m.dit_vae_ratio,
         seed=m.seed,
         sampler=sampler_overrides(cfg),
