@@ -144,7 +144,7 @@ def test_a_storyboard_with_three_cuts_holds_one_cache():
             got.append([eng.generate_block(sess, 3) for _ in range(n)])
     assert big.seen == []
     assert sess.state.kv is kv and [t.data_ptr() for t in (*kv.k, *kv.v)] == buffers
-    for (seed, n), blocks_ in zip(shots, got, strict=True):
+    for (seed, _), blocks_ in zip(shots, got, strict=True):
         fresh = eng.open_session(256, 144, seed=seed)
         eng.set_scene(fresh, "a shot", cut=True)
         for b in blocks_:
