@@ -623,15 +623,16 @@ class WanDiT(nn.Module):
         kv.make_room(block_frames)
         self.recompute(state, block_frames, context_t)
 
-    def compile_blocks(self, on: bool) -> None:
+    def compile_blocks(self, on: bool, backend: str = "inductor") -> None:
         """Run each block's two halves around its attention (`block_qkv`, `block_rest`) compiled
         by `torch.compile`, or eager. The halves take tensors and the block's weights only (the
         KV cache and the sessions' bookkeeping stay outside, eager), so a shape compiles once for
         every layer and every position in a shot: a block's token count and the batch size are
         its only shapes; a new one (a frame size, a re-cache's frame count) compiles once more,
-        and dynamo marks the dimension dynamic after a second size."""
+        and dynamo marks the dimension dynamic after a second size. `backend`: inductor, or a
+        quicker one where only the path is checked (tools/device_check --quick)."""
         if on:
-            self.block_fns = (torch.compile(block_qkv), torch.compile(block_rest))
+            self.block_fns = (torch.compile(block_qkv, backend=backend), torch.compile(block_rest, backend=backend))
         else:
             self.block_fns = (block_qkv, block_rest)
 
