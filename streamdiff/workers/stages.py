@@ -261,7 +261,7 @@ class DiTStage:
             "dit_cost": {"block_ms": ms, "busy_ms": 1000 * own_s, "size": [w, h]},
             "dit_batch_ms": batch_ms,
             "dit_memory": {
-                "kv_bytes_per_token": per_token,  # every layer's keys and values
+                "kv_bytes_per_token": per_token,  # keys, values, latents and tail, exact (KVCache.nbytes)
                 "window_frames": kv.window,
                 "cross_bytes": cross,
                 "budget_bytes": budget,
