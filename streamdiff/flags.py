@@ -40,6 +40,11 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lora-alpha", type=float, metavar="A", help="the LoRA's alpha (default: the preset's)")
     p.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"))
     p.add_argument(
+        "--compile",
+        choices=("auto", "on", "off"),
+        help="torch.compile the DiT's blocks (auto: on accelerators; off on the CPU, where it did not pay)",
+    )
+    p.add_argument(
         "--decoder",
         choices=("wan", "taehv"),
         help="the latent decoder: wan (the Wan 2.1 VAE, default) or taehv (the tiny real-time decoder: "
@@ -158,6 +163,7 @@ def overrides_from_args(a: argparse.Namespace) -> dict[str, dict]:
         ("lora", "model", "lora"),
         ("lora_alpha", "model", "lora_alpha"),
         ("dtype", "model", "dtype"),
+        ("compile", "model", "compile"),
         ("decoder", "model", "decoder"),
         ("decoder_weights", "model", "decoder_weights"),
         ("size", "model", "size"),

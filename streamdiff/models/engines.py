@@ -22,11 +22,23 @@ from .presets import (
     image_to_video,
 )
 from .wan import rolling
-from .wan.dit import DiTState
+from .wan.dit import DiTState, use_compile
 from .wan.kernels import CPU_DECODE_WORKING_SET_BYTES, DecodePlan, plan_block
 from .wan.sampler import denoise_block, denoise_sessions, sigma_of, step_timesteps
 from .wan.taehv import TAEHVState
 from .wan.vae import Halo, VAEState, to_uint8_frames
+
+
+def to_host(x: torch.Tensor) -> torch.Tensor:
+    """A block's latent (float32) on the CPU: the one copy out of an accelerator per block, issued
+    non-blocking into pinned memory (page-locked: a DMA with no staging copy) and waited for once,
+    here, where the caller needs it for the ring. On the CPU it is the tensor itself."""
+    if x.device.type == "cpu":
+        return x.float()
+    out = torch.empty(x.shape, dtype=torch.float32, pin_memory=True)
+    out.copy_(x, non_blocking=True)
+    getattr(torch, x.device.type).current_stream(x.device).synchronize()
+    return out
 
 
 @dataclass
@@ -51,6 +63,8 @@ class DiTEngine:
         self.device = device
         self.model, self.preset = build_dit(spec, device)
         self.loaded = describe_load(spec, self.preset)  # what it was built from (log, /health, /v1/models)
+        self.compiled = use_compile(spec.compile, device)  # compiled lazily, at the first blocks
+        self.model.compile_blocks(self.compiled)
         self.text = build_text_encoder(spec, device) if not probe else None
         # image-to-video: the VAE encoder beside the DiT (one image per shot; its latent then
         # travels to the VAE workers in the ring as the shot's first block). Loaded only where
@@ -64,6 +78,7 @@ class DiTEngine:
         self.rolling_schedule = rolling.Schedule.of(s) if s.kind == "rolling" else None
         self._prompts: OrderedDict[str, torch.Tensor] = OrderedDict()
         self._prompt_cache = prompt_cache
+        self._sigmas: dict[tuple, list[float]] = {}
 
     @property
     def frames_per_block(self) -> int:
@@ -133,8 +148,8 @@ class DiTEngine:
         if recache and policy == "never":
             raise ValueError("this model's sampler.recache is 'never': a scene cannot ask for recache")
         recache = recache or policy == "every_switch"
-        if cut:  # rolling: the blocks in flight are discarded with the old shot's caches
-            sess.state, sess.rolling = self._new_shot(*sess.latent_hw)
+        if cut:  # the same buffers, emptied (one cache per session); rolling: the blocks in flight go
+            (sess.rolling or sess.state).new_shot()
             sess.shot_blocks = 0
         if seed is not None:
             sess.generator.manual_seed(seed)
@@ -237,7 +252,7 @@ class DiTEngine:
                 renoise[i].append(x)
         ctx_t, shift = self.preset.sampler.context_t, self.preset.sampler.shift
         recompute = self.preset.sampler.kv_recompute  # Krea: the recompute takes the clean pass's place
-        sigmas = [sigma_of(ts, shift) for ts in steps]
+        sigmas = [self._sigmas_of(ts, shift) for ts in steps]
         if len(sessions) == 1:
             x0 = denoise_block(
                 self.model,
@@ -257,7 +272,14 @@ class DiTEngine:
             if recompute:
                 self.model.commit_and_recompute(sess.state, x0[i : i + 1], frames, ctx_t)
             sess.shot_blocks += 1
-        return [x.float().cpu() for x in x0.split(1)]
+        return list(to_host(x0).split(1))
+
+    def _sigmas_of(self, timesteps: list[float], shift: float) -> list[float]:
+        """`sigma_of` once per step list (a search of the schedule: host work, not per block)."""
+        key = (tuple(timesteps), shift)
+        if key not in self._sigmas:
+            self._sigmas[key] = sigma_of(timesteps, shift)
+        return self._sigmas[key]
 
     def _rolling_block(self, sess: DiTSession, frames: int, shot_left: int) -> torch.Tensor:
         """The next finished block of a rolling session: the shot's first call fills the window
@@ -273,7 +295,7 @@ class DiTEngine:
         sched = self.rolling_schedule
         x0 = rolling.next_block(self.model, r, sched, last, noise_of, lambda s: self._randn(s, g))
         sess.shot_blocks += 1
-        return x0.float().cpu()
+        return to_host(x0)
 
 
 class VAEEngine:

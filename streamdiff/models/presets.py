@@ -252,6 +252,7 @@ def describe_load(spec: ModelSpec, preset: Preset) -> dict:
         "lora": lora,
         "embedded": preset.embedded,
         "decoder": describe_decoder(spec, preset),
+        "compile": spec.compile,
         "sampler": {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(preset.sampler).items()},
     }
 

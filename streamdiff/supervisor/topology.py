@@ -45,6 +45,7 @@ def model_spec(cfg: Config) -> ModelSpec:
         dtype=m.dtype,
         decoder=m.decoder,
         decoder_weights=m.decoder_weights or None,
+        compile=m.compile,
         dit_vae_ratio=m.dit_vae_ratio,
         seed=m.seed,
         sampler=sampler_overrides(cfg),

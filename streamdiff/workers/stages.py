@@ -17,6 +17,7 @@ import torch
 
 from ..ipc import messages as m
 from ..ipc.shm import Ring
+from ..models.wan.dit import compile_stats
 from ..models.wan.kernels import split_rows
 from ..parallel.vae_group import ExchangeHalo, group_max, move_bands
 from .errors import RequestError, SessionError
@@ -250,8 +251,10 @@ class DiTStage:
         kv = sess.state.kv
         tokens = kv.k[0].shape[2]  # window * tokens per frame
         # The rolling sampler holds a second cache (its window's context) beside the history.
+        # Every buffer is allocated when the session opens and reused by its shots, and scales
+        # with the tokens per frame: bytes per token of the window, exact at any frame size.
         held = [kv] + ([sess.rolling.scratch.kv] if sess.rolling is not None else [])
-        per_token = sum(t.numel() * t.element_size() for c in held for t in (*c.k, *c.v)) // tokens
+        per_token = sum(c.nbytes for c in held) / tokens
         cross = sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in sess.state.cross)
         budget = memory_budget_bytes(self.device, self.cpu_budget)
         # Per-block share of a batched forward of two sessions (larger batches are measured as
@@ -265,11 +268,15 @@ class DiTStage:
             pair, fpb = [sess, other], p.sampler.frames_per_block
             self.engine.generate_blocks(pair, fpb)  # cold: a new shape
             batch_ms["2"] = _timed(self.device, lambda: self.engine.generate_blocks(pair, fpb)) / 2
+        self.graphs = compile_stats()["graphs"]
+        if self.engine.compiled:  # compiled at the first calibration blocks
+            self.engine.loaded["compile"] = {"mode": self.engine.loaded["compile"], "on": True, **compile_stats()}
+            log.info("DiT blocks compiled: %(graphs)d graphs in %(compile_s).1f s", self.engine.loaded["compile"])
         return {
             "dit_cost": {"block_ms": ms, "busy_ms": 1000 * own_s, "size": [w, h]},
             "dit_batch_ms": batch_ms,
             "dit_memory": {
-                "kv_bytes_per_token": per_token,  # every layer's keys and values
+                "kv_bytes_per_token": per_token,  # keys, values, latents and tail, exact (KVCache.nbytes)
                 "window_frames": kv.window,
                 "cross_bytes": cross,
                 "budget_bytes": budget,
@@ -394,6 +401,16 @@ class DiTStage:
             left = [msg.shot_left for msg, _ in group]
             outs = self.engine.generate_blocks([sess for _, sess in group], group[0][0].frames, left)
             latents.update({msg.session: out[0] for (msg, _), out in zip(group, outs, strict=True)})
+        if self.engine.compiled:  # a new shape compiled: few, and each one said
+            stats = compile_stats()
+            if stats["graphs"] != self.graphs:
+                log.info(
+                    "DiT blocks: %d more graph(s) compiled, %d in all, %.1f s compiling so far",
+                    stats["graphs"] - self.graphs,
+                    stats["graphs"],
+                    stats["compile_s"],
+                )
+                self.graphs = stats["graphs"]
         data = self._cut_stages([(msg.session, msg.cut, latents[msg.session], cut_of(msg, self.cut)) for msg, _ in run])
         wall, own = self.clock.stop()
         if self.rank > 0:

@@ -113,3 +113,42 @@ def test_page_steers_a_live_video_while_it_plays_and_stops_it(daemon, tmp_path):
     video = httpx.get(f"{daemon.url}/v1/videos/{state['videoId']}", timeout=10).json()
     assert video["status"] == "completed" and video["live"] is True and state["frames"] == video["num_frames"]
     assert [s["start_frame"] for s in video["scenes"]] == [0, landed["start_frame"]]
+
+
+@pytest.mark.timeout(300)
+def test_page_plays_an_image_to_video_stream_decoded_by_taehv(tmp_path):
+    """The embedded default decoded by TAEHV (`--decoder taehv`), a video started from the page's
+    image picker: it plays to the end in the browser with every frame and no media error, and
+    the job says it used the image."""
+    import io
+
+    import numpy as np
+    from PIL import Image
+    from playwright.sync_api import sync_playwright
+
+    png = tmp_path / "first.png"
+    ramp = np.linspace(0, 255, 256 * 144 * 3).reshape(144, 256, 3).astype(np.uint8)
+    buf = io.BytesIO()
+    Image.fromarray(ramp).save(buf, format="PNG")
+    png.write_bytes(buf.getvalue())
+    d = Daemon("--decoder", "taehv")
+    try:
+        assert httpx.get(d.url + "/v1/models", timeout=10).json()["data"][0]["decoder"] == "taehv"
+        with sync_playwright() as p:
+            browser, page, console = open_player(p, d.url)
+            page.wait_for_selector("#image-row:not([hidden])")
+            page.fill("#prompt", "a red ball moving left")
+            page.fill("#seconds", "2")
+            page.set_input_files("#image", str(png))
+            page.wait_for_timeout(300)  # the page reads the file when it is picked
+            page.click("#start")
+            page.wait_for_function("window.player.state === 'complete'", timeout=120_000)
+            state = page.evaluate("""() => ({mediaErrors: window.player.mediaErrors, frames: window.player.frames,
+                mediaError: document.getElementById('video').error, videoId: window.player.videoId})""")
+            browser.close()
+        video = httpx.get(f"{d.url}/v1/videos/{state['videoId']}", timeout=10).json()
+    finally:
+        d.stop()
+    assert state["mediaError"] is None and state["mediaErrors"] == [], (state, console)
+    assert state["frames"] == 32 == video["num_frames"] and video["status"] == "completed"
+    assert video["input_reference"]["width"] == 256 and video["input_reference"]["height"] == 144

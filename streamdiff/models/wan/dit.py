@@ -59,10 +59,23 @@ class KVCache:
     """Self-attention keys/values of one session, all layers, in frames.
 
     Layout per layer: `[B, heads, capacity_tokens, head_dim]` (SDPA's layout, so attention reads
-    a view with no copy). Frames are stored oldest first. `capacity` is `window` frames: the
-    first `sink` frames of the shot are never evicted; when a new block does not fit, the oldest
-    non-sink frames are dropped and the rest shift down. The current block's keys are written
-    just past the committed frames during the denoising steps and committed by the clean pass.
+    a view with no copy), allocated once when the session opens and reused by every shot (`reset`),
+    so a session never holds two caches. `capacity` is `window` frames, the current block's included:
+
+        slot:  | sink 0 .. sink-1 | ring: sink .. window-1                          |
+        frame: | first frames     | held frames, oldest at `start`, wrapping around |
+
+    The first `sink` frames of the shot are never evicted. The rest is a ring: evicting the oldest
+    frames moves `start` on, and the next block's keys overwrite their slots; nothing is copied.
+    Attention without a mask does not depend on the order of the keys (RoPE is applied before they
+    are cached), so it reads the valid slots as one view: a prefix while the ring has not wrapped,
+    the whole buffer after (eviction only happens when a block fills the window exactly).
+    `read` gives frames back in shot order where order matters (the rolling sampler's context).
+    The current block's keys are written just past the committed frames during the denoising steps
+    and committed by the clean pass.
+
+    The clean latents behind the held frames (`latents`, for re-caches) stay in shot order: they are
+    1/5000 of the keys/values, and their users index them by position.
     """
 
     def __init__(
@@ -75,6 +88,7 @@ class KVCache:
         device: torch.device,
         dtype: torch.dtype,
         heads: int | None = None,
+        latent_hw: tuple[int, int] | None = None,
     ) -> None:
         if sink_frames >= window_frames:
             raise ValueError(f"sink_frames ({sink_frames}) must be < window_frames ({window_frames})")
@@ -82,23 +96,89 @@ class KVCache:
         self.window = window_frames
         self.sink = sink_frames
         self.frames = 0  # committed frames held
+        self.start = 0  # ring offset (frames past the sinks) of the oldest held non-sink frame
         # `heads`: this rank's share in a DiT group (parallel/dit_group.py), else all of them.
         shape = (batch, heads or cfg.num_heads, window_frames * tokens_per_frame, cfg.head_dim)
         self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.num_layers)]
         self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.num_layers)]
         # The clean latents behind the held frames, their RoPE positions and the block each was
         # committed with: what a re-cache recomputes the keys/values from (float32, small).
-        self.latents: torch.Tensor | None = None  # (batch, C, window, h, w), allocated on first commit
+        # Allocated here where the latent size is known, so that a session's bytes are fixed at open.
+        self.latents: torch.Tensor | None = None  # (batch, C, window, h, w)
         self.positions: list[int] = []
         self.blocks: list[int] = []
         self._next_block = 0
         # The last `sink` evicted frames' latents and positions: LongLive's re-cache without a
         # global sink recomputes the last `window` frames, which reach back past the held ones.
-        self.tail: torch.Tensor | None = None
+        self.tail: torch.Tensor | None = None  # (batch, C, len(tail_positions), h, w), a view of _tail
+        self._tail: torch.Tensor | None = None
         self.tail_positions: list[int] = []
+        if latent_hw is not None:
+            lat = (batch, cfg.in_channels, window_frames, *latent_hw)
+            self.latents = torch.zeros(lat, device=device, dtype=torch.float32)
+            self._tail = torch.zeros((*lat[:2], sink_frames, *lat[3:]), device=device, dtype=torch.float32)
+
+    def reset(self, frames: int = 0) -> None:
+        """Keep only the first `frames` frames (at most the sinks once the ring has wrapped: they
+        never move) and restart the ring; their keys/values stay as written. For a re-cache."""
+        if frames > max(self.sink, 0) and self.start:
+            raise ValueError(f"only the {self.sink} sink frames can be kept once the ring has wrapped")
+        self.frames, self.start = frames, 0
+        del self.positions[frames:], self.blocks[frames:]
+
+    def new_shot(self) -> None:
+        """Empty the cache for the session's next shot: the same buffers, nothing held."""
+        self.reset(0)
+        self.tail, self.tail_positions, self._next_block = None, [], 0
+
+    @property
+    def nbytes(self) -> int:
+        """Every byte this cache holds: keys, values, latents and the evicted tail."""
+        bufs = [*self.k, *self.v, *(t for t in (self.latents, self._tail) if t is not None)]
+        return sum(t.numel() * t.element_size() for t in bufs)
+
+    def _slots(self, lo: int, hi: int) -> list[tuple[int, int]]:
+        """Token ranges of the buffer holding frames [lo, hi) of the held sequence (in shot order),
+        at most three contiguous pieces: the sinks, then the ring up to its end, then from its start."""
+        t, s, ring = self.tpf, self.sink, self.window - self.sink
+        out = []
+        if lo < s:
+            out.append((lo * t, min(hi, s) * t))
+            lo = s
+        if lo < hi:
+            a = s + (self.start + lo - s) % ring  # slot of frame lo
+            n = hi - lo
+            first = min(n, self.window - a)
+            out.append((a * t, (a + first) * t))
+            if n > first:
+                out.append((s * t, (s + n - first) * t))
+        return out
+
+    def read(self, layer: int, lo: int, hi: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The keys/values of held frames [lo, hi) in shot order, as views of contiguous pieces."""
+        return [(self.k[layer][:, :, a:b], self.v[layer][:, :, a:b]) for a, b in self._slots(lo, hi)]
+
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> int:
+        """Put a block's keys/values (B, heads, n, head_dim) in the slots of the frames just past the
+        committed ones; returns how many tokens attention reads (a prefix of the buffer). Under
+        autograd (training, streamdiff/train) the buffers are replaced, the old stay in the graph."""
+        n = k.shape[2]
+        f = n // self.tpf
+        i = 0
+        for a, b in self._slots(self.frames, self.frames + f):
+            ki, vi = k[:, :, i : i + b - a], v[:, :, i : i + b - a]
+            if torch.is_grad_enabled():
+                self.k[layer] = torch.cat([self.k[layer][:, :, :a], ki, self.k[layer][:, :, b:]], 2)
+                self.v[layer] = torch.cat([self.v[layer][:, :, :a], vi, self.v[layer][:, :, b:]], 2)
+            else:
+                self.k[layer][:, :, a:b] = ki
+                self.v[layer][:, :, a:b] = vi
+            i += b - a
+        return self.window * self.tpf if self.start else (self.frames + f) * self.tpf
 
     def make_room(self, new_frames: int) -> None:
-        """Evict the oldest non-sink frames so that `new_frames` more fit in the window."""
+        """Evict the oldest non-sink frames so that `new_frames` more fit in the window: the ring
+        start moves on (the keys/values stay where they are, to be overwritten)."""
         excess = self.frames + new_frames - self.window
         if excess <= 0:
             return
@@ -107,32 +187,40 @@ class KVCache:
                 f"a block of {new_frames} frames does not fit a window of {self.window} "
                 f"frames with {self.sink} sink frames"
             )
-        t = self.tpf
-        lo, hi = self.sink * t, self.frames * t
-        for buf in (*self.k, *self.v):
-            # Shift the kept tail down over the evicted frames (clone: the ranges overlap).
-            buf[:, :, lo : hi - excess * t] = buf[:, :, lo + excess * t : hi].clone()
+        self.start = (self.start + excess) % (self.window - self.sink)
         if self.latents is not None:
             lat = self.latents
             if self.sink:
-                gone = lat[:, :, self.sink : self.sink + excess].clone()
-                tail = gone if self.tail is None else torch.cat([self.tail, gone], dim=2)
-                self.tail = tail[:, :, -self.sink :]
-                self.tail_positions = (self.tail_positions + self.positions[self.sink : self.sink + excess])[
-                    -self.sink :
-                ]
+                self._keep_tail(
+                    lat[:, :, self.sink : self.sink + excess], self.positions[self.sink : self.sink + excess]
+                )
+            # The latents stay in shot order (small: a copy of a few frames' latents).
             lat[:, :, self.sink : self.frames - excess] = lat[:, :, self.sink + excess : self.frames].clone()
         del self.positions[self.sink : self.sink + excess], self.blocks[self.sink : self.sink + excess]
         self.frames -= excess
+
+    def _keep_tail(self, gone: torch.Tensor, positions: list[int]) -> None:
+        """The last `sink` evicted frames, oldest first, in the preallocated `_tail`."""
+        old = len(self.tail_positions)
+        self.tail_positions = (self.tail_positions + positions)[-self.sink :]
+        keep_old = len(self.tail_positions) - min(len(positions), self.sink)
+        buf = self._tail
+        if keep_old:
+            buf[:, :, :keep_old] = buf[:, :, old - keep_old : old].clone()
+        buf[:, :, keep_old : len(self.tail_positions)] = gone[
+            :, :, gone.shape[2] - (len(self.tail_positions) - keep_old) :
+        ]
+        self.tail = buf[:, :, : len(self.tail_positions)]
 
     def keep_latents(self, x: torch.Tensor, first_position: int) -> None:
         """Remember a committed block's clean latents (x: (batch, C, f, h, w)) after the frames
         held; call before `frames` counts them."""
         f = x.shape[2]
-        if self.latents is None:
+        if self.latents is None:  # a cache built without its latent size
             self.latents = torch.zeros(
                 (x.shape[0], x.shape[1], self.window, *x.shape[3:]), device=x.device, dtype=torch.float32
             )
+            self._tail = torch.zeros((*x.shape[:2], self.sink, *x.shape[3:]), device=x.device, dtype=torch.float32)
         self.latents[:, :, self.frames : self.frames + f] = x.float()
         self.positions += range(first_position, first_position + f)
         self.blocks += [self._next_block] * f
@@ -162,6 +250,11 @@ class DiTState:
         self.kv = kv
         self.cross: list[tuple[torch.Tensor, torch.Tensor]] = []  # per layer (k, v) of the prompt
         self.next_frame = 0  # absolute frame index (RoPE position) of the next block in this shot
+
+    def new_shot(self) -> None:
+        """The next shot reuses this state's buffers (a cut never holds two caches)."""
+        self.kv.new_shot()
+        self.cross, self.next_frame = [], 0
 
 
 # ----------------------------------------------------------------------------- building blocks
@@ -195,25 +288,39 @@ class LayerNorm(nn.LayerNorm):
 
 
 class Rope:
-    """3-axis rotary tables (t, h, w), cos/sin per complex pair, float32.
+    """3-axis rotary tables (t, h, w), cos/sin per complex pair, float32, kept on the model's device.
 
     Height and width come from tables of `rope_max_positions` rows, as in Wan. The frame axis is
-    computed for the frames asked for, the same formula at any position: a live shot runs past
-    Wan's 1024-entry table (its attention stays within the KV window and sinks, and RoPE scores
-    depend only on distances, LongLive-style), and below 1024 it equals the table exactly."""
+    the same formula at any position: a live shot runs past Wan's 1024-entry table (its attention
+    stays within the KV window and sinks, and RoPE scores depend only on distances, LongLive-style),
+    and below 1024 it equals the table exactly. Every table is computed once in float64 on the CPU
+    (some GPUs have slow float64) and uploaded once; the frame table grows (doubling) when a shot
+    runs past it, so a block's tables are slices and a concatenation on the device, no upload."""
 
     def __init__(self, cfg: DiTConfig, device: torch.device) -> None:
-        pos = torch.arange(cfg.rope_max_positions, dtype=torch.float64)
-        cos, sin, self.inv = [], [], []
+        self.inv = []
         for pairs in cfg.rope_split():
             d = 2 * pairs
-            inv = 1.0 / torch.pow(cfg.rope_theta, torch.arange(0, d, 2, dtype=torch.float64) / d)
-            ang = torch.outer(pos, inv)
-            cos.append(torch.cos(ang).float().to(device))
-            sin.append(torch.sin(ang).float().to(device))
-            self.inv.append(inv)
-        self.cos, self.sin = cos, sin
+            self.inv.append(1.0 / torch.pow(cfg.rope_theta, torch.arange(0, d, 2, dtype=torch.float64) / d))
         self.device = device
+        self.cos, self.sin = [], []
+        for inv in self.inv:
+            c, s = self._table(0, cfg.rope_max_positions, inv)
+            self.cos.append(c)
+            self.sin.append(s)
+        self._hw: dict[tuple[int, int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def _table(self, lo: int, hi: int, inv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        ang = torch.outer(torch.arange(lo, hi, dtype=torch.float64), inv)
+        return torch.cos(ang).float().to(self.device), torch.sin(ang).float().to(self.device)
+
+    def frames(self, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The frame axis' cos, sin tables (positions, pairs) covering positions [0, end)."""
+        n = self.cos[0].shape[0]
+        if end > n:  # a live shot past the table: extend it once, doubling
+            c, s = self._table(n, max(2 * n, end), self.inv[0])
+            self.cos[0], self.sin[0] = torch.cat([self.cos[0], c]), torch.cat([self.sin[0], s])
+        return self.cos[0], self.sin[0]
 
     def tables(
         self, start_frame: int, f: int, h: int, w: int, rows: tuple[int, int] | None = None
@@ -221,15 +328,21 @@ class Rope:
         """cos, sin of shape (f*h'*w, 1, pairs) for frames [start_frame, start_frame+f) and rows
         `rows` (default all h) of each."""
         r0, r1 = rows or (0, h)
-        ang = torch.outer(torch.arange(start_frame, start_frame + f, dtype=torch.float64), self.inv[0])
-        frame = (torch.cos(ang).float().to(self.device), torch.sin(ang).float().to(self.device))
+        n = r1 - r0
+        hw = self._hw.get((r0, r1, w))
+        if hw is None:  # the height and width pairs of every token of a frame, per (rows, width)
+            hw = tuple(
+                torch.cat(
+                    [tabs[1][r0:r1].view(n, 1, -1).expand(n, w, -1), tabs[2][:w].view(1, w, -1).expand(n, w, -1)],
+                    dim=-1,
+                ).reshape(n * w, -1)
+                for tabs in (self.cos, self.sin)
+            )
+            self._hw[(r0, r1, w)] = hw
         out = []
-        for tabs, tf in zip((self.cos, self.sin), frame, strict=True):
-            n = r1 - r0
-            ct = tf.view(f, 1, 1, -1).expand(f, n, w, -1)
-            ch = tabs[1][r0:r1].view(1, n, 1, -1).expand(f, n, w, -1)
-            cw = tabs[2][:w].view(1, 1, w, -1).expand(f, n, w, -1)
-            out.append(torch.cat([ct, ch, cw], dim=-1).reshape(f * n * w, 1, -1))
+        for tf, thw in zip(self.frames(start_frame + f), hw, strict=True):
+            ct = tf[start_frame : start_frame + f].view(f, 1, -1).expand(f, n * w, -1)
+            out.append(torch.cat([ct, thw.view(1, n * w, -1).expand(f, n * w, -1)], dim=-1).reshape(f * n * w, 1, -1))
         return out[0], out[1]
 
 
@@ -256,46 +369,41 @@ class Attention(nn.Module):
 
 
 class SelfAttention(Attention):
-    def forward(self, x: torch.Tensor, ropes: list, kvs: list[KVCache], layer: int, sp=None, grid=None) -> torch.Tensor:
-        """x: (S, L_block, C), one row per session (a batch of sessions at the same step), each
-        with its own cache (`kvs`) and RoPE positions (`ropes`). The projections run batched;
-        attention runs per session over its own cached frames (their lengths differ). In a DiT
-        group (`sp`, parallel/dit_group.py) x holds this rank's tokens only: q, k, v go to every
-        token of this rank's heads before attention and the output comes back after."""
-        s_, n, _ = x.shape
-        q = self.norm_q(self.q(x)).unflatten(2, (self.heads, -1))
-        k = self.norm_k(self.k(x)).unflatten(2, (self.heads, -1))
-        v = self.v(x).unflatten(2, (self.heads, -1))
-        # One state may also hold a batch of its own (forward_full): then it takes every row.
-        rows = [slice(None)] if len(kvs) == 1 else [slice(i, i + 1) for i in range(s_)]
-        if len(rows) == 1:
-            q, k = apply_rope(q, *ropes[0]), apply_rope(k, *ropes[0])
-        else:
-            q = torch.cat([apply_rope(q[r], *rope) for r, rope in zip(rows, ropes, strict=True)])
-            k = torch.cat([apply_rope(k[r], *rope) for r, rope in zip(rows, ropes, strict=True)])
+    def attend(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kvs: list[KVCache], layer: int, sp=None, grid=None
+    ) -> torch.Tensor:
+        """q, k, v: (S, L_block, heads, head_dim) after RoPE, one row per session (a batch of
+        sessions at the same step), each with its own cache (`kvs`; or one cache holding a batch
+        of its own, forward_full). Writes the block's keys/values into each cache, then attends
+        over what each holds: one SDPA call for the batch where the sessions' lengths agree (the
+        common case: a copy of their keys/values into one batch), else one per session. In a DiT
+        group (`sp`, parallel/dit_group.py) the rows hold this rank's tokens only: q, k, v go to
+        every token of this rank's heads before attention and the output comes back after.
+        Returns (S, L_block, heads, head_dim)."""
         if sp is not None:
             q, k, v = sp.to_heads(torch.stack([q, k, v], dim=2), grid).unbind(2)
-            n = q.shape[1]
-        outs = []
-        for r, kv in zip(rows, kvs, strict=True):
-            # Write this block's keys just past the committed frames (keys are cached after
-            # RoPE), then attend over committed + block as one view of the buffer: no copy.
-            lo = kv.frames * kv.tpf
-            if torch.is_grad_enabled():  # training (streamdiff/train): new buffers, the old stay in the graph
-                kv.k[layer] = torch.cat([kv.k[layer][:, :, :lo], k[r].transpose(1, 2), kv.k[layer][:, :, lo + n :]], 2)
-                kv.v[layer] = torch.cat([kv.v[layer][:, :, :lo], v[r].transpose(1, 2), kv.v[layer][:, :, lo + n :]], 2)
-            else:
-                kv.k[layer][:, :, lo : lo + n] = k[r].transpose(1, 2)
-                kv.v[layer][:, :, lo : lo + n] = v[r].transpose(1, 2)
-            outs.append(
-                F.scaled_dot_product_attention(
-                    q[r].transpose(1, 2), kv.k[layer][:, :, : lo + n], kv.v[layer][:, :, : lo + n]
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (S, heads, L, d)
+        if len(kvs) == 1:
+            n = kvs[0].write(layer, k, v)
+            out = F.scaled_dot_product_attention(q, kvs[0].k[layer][:, :, :n], kvs[0].v[layer][:, :, :n])
+        else:
+            lens = [kv.write(layer, k[i : i + 1], v[i : i + 1]) for i, kv in enumerate(kvs)]
+            if len(set(lens)) == 1:
+                n = lens[0]
+                out = F.scaled_dot_product_attention(
+                    q,
+                    torch.cat([kv.k[layer][:, :, :n] for kv in kvs]),
+                    torch.cat([kv.v[layer][:, :, :n] for kv in kvs]),
                 )
-            )
-        out = (outs[0] if len(outs) == 1 else torch.cat(outs)).transpose(1, 2)
-        if sp is not None:
-            out = sp.to_tokens(out, grid)
-        return self.o(out.flatten(2))
+            else:
+                out = torch.cat(
+                    [
+                        F.scaled_dot_product_attention(q[i : i + 1], kv.k[layer][:, :, :n], kv.v[layer][:, :, :n])
+                        for i, (kv, n) in enumerate(zip(kvs, lens, strict=True))
+                    ]
+                )
+        out = out.transpose(1, 2)
+        return sp.to_tokens(out, grid) if sp is not None else out
 
 
 class CrossAttention(Attention):
@@ -306,13 +414,47 @@ class CrossAttention(Attention):
         return k, v
 
     def forward(self, x: torch.Tensor, kvs: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-        """x: (S, L, C); kvs: each session's prompt keys/values (its own prompt)."""
+        """x: (S, L, C); kvs: each session's prompt keys/values (B_i, heads, L_text, head_dim),
+        concatenated into one batch: one SDPA call, each row over its own prompt."""
         q = self.norm_q(self.q(x)).unflatten(2, (self.heads, -1)).transpose(1, 2)
-        if len(kvs) == 1:
-            out = F.scaled_dot_product_attention(q, *kvs[0])
-        else:
-            out = torch.cat([F.scaled_dot_product_attention(q[i : i + 1], *kv) for i, kv in enumerate(kvs)])
+        k, v = kvs[0] if len(kvs) == 1 else (torch.cat([k for k, _ in kvs]), torch.cat([v for _, v in kvs]))
+        out = F.scaled_dot_product_attention(q, k, v)
         return self.o(out.transpose(1, 2).flatten(2))
+
+
+def _per_frame(t: torch.Tensor, f: int) -> torch.Tensor:  # (B, L, C) -> (B, f, L/f, C)
+    b, n, c = t.shape
+    return t.view(b, f, n // f, c)
+
+
+def _mod(y: torch.Tensor, f: int, sh: torch.Tensor, sc: torch.Tensor) -> torch.Tensor:
+    return (_per_frame(y.float(), f) * (1 + sc.unsqueeze(2)) + sh.unsqueeze(2)).view(y.shape)
+
+
+def block_qkv(blk: Block, x: torch.Tensor, e: torch.Tensor, f: int, cos: torch.Tensor, sin: torch.Tensor):
+    """A block up to its self-attention: q, k, v (S, L, heads, head_dim), RoPE applied. No cache
+    and no Python state: the part `torch.compile` takes (`WanDiT.compile_blocks`)."""
+    shift, scale = (blk.modulation.unsqueeze(1) + e)[:, :, :2].unbind(2)
+    att = blk.self_attn
+    y = _mod(blk.norm1(x), f, shift, scale).type_as(x)
+    q = att.norm_q(att.q(y)).unflatten(2, (att.heads, -1))
+    k = att.norm_k(att.k(y)).unflatten(2, (att.heads, -1))
+    v = att.v(y).unflatten(2, (att.heads, -1))
+    return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+
+def block_rest(
+    blk: Block, x: torch.Tensor, attn: torch.Tensor, e: torch.Tensor, f: int, ck: torch.Tensor, cv: torch.Tensor
+) -> torch.Tensor:
+    """A block after its self-attention (attn: (S, L, heads, head_dim)): output projection and
+    gate, cross-attention over the prompts' keys/values (ck, cv), FFN and gate; compiled alike."""
+    b, n, c = x.shape
+    gate, c_shift, c_scale, c_gate = (blk.modulation.unsqueeze(1) + e)[:, :, 2:].unbind(2)
+    y = blk.self_attn.o(attn.flatten(2))
+    x = (x.float() + (_per_frame(y.float(), f) * gate.unsqueeze(2)).view(b, n, c)).type_as(x)
+    x = x + blk.cross_attn(blk.norm3(x), [(ck, cv)])
+    y = blk.ffn(_mod(blk.norm2(x), f, c_shift, c_scale).type_as(x))
+    return (x.float() + (_per_frame(y.float(), f) * c_gate.unsqueeze(2)).view(b, n, c)).type_as(x)
 
 
 class Block(nn.Module):
@@ -329,25 +471,25 @@ class Block(nn.Module):
         self.modulation = nn.Parameter(torch.randn(1, 6, cfg.dim) / cfg.dim**0.5)
 
     def forward(
-        self, x: torch.Tensor, e: torch.Tensor, f: int, ropes, states: list[DiTState], layer: int, sp=None, grid=None
+        self,
+        x: torch.Tensor,
+        e: torch.Tensor,
+        f: int,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        kvs: list[KVCache],
+        cross: tuple[torch.Tensor, torch.Tensor],
+        layer: int,
+        sp=None,
+        grid=None,
+        fns=(block_qkv, block_rest),
     ):
-        # x: (S, L, C) with L = f * tokens_per_frame, one row per session; e: (S, f, 6, C) float32.
-        b, n, c = x.shape
-        shift, scale, gate, c_shift, c_scale, c_gate = (self.modulation.unsqueeze(1) + e).unbind(2)
-
-        def per_frame(t: torch.Tensor) -> torch.Tensor:  # (B, L, C) <-> (B, f, L/f, C)
-            return t.view(b, f, n // f, c)
-
-        def mod(y: torch.Tensor, sh: torch.Tensor, sc: torch.Tensor) -> torch.Tensor:
-            return (per_frame(y.float()) * (1 + sc.unsqueeze(2)) + sh.unsqueeze(2)).view(b, n, c)
-
-        kvs = [st.kv for st in states]
-        y = self.self_attn(mod(self.norm1(x), shift, scale).type_as(x), ropes, kvs, layer, sp, grid)
-        x = (x.float() + (per_frame(y.float()) * gate.unsqueeze(2)).view(b, n, c)).type_as(x)
-        x = x + self.cross_attn(self.norm3(x), [st.cross[layer] for st in states])
-        y = self.ffn(mod(self.norm2(x), c_shift, c_scale).type_as(x))
-        x = (x.float() + (per_frame(y.float()) * c_gate.unsqueeze(2)).view(b, n, c)).type_as(x)
-        return x
+        """x: (S, L, C) with L = f * tokens_per_frame, one row per session; e: (S, f, 6, C) float32;
+        rope: cos, sin broadcasting to (S, L, heads, pairs); cross: the prompts' (k, v) of this
+        layer, (S, heads, L_text, head_dim); fns: the two halves, eager or compiled."""
+        qkv, rest = fns
+        q, k, v = qkv(self, x, e, f, *rope)
+        attn = self.self_attn.attend(q, k, v, kvs, layer, sp, grid)
+        return rest(self, x, attn, e, f, *cross)
 
 
 class Head(nn.Module):
@@ -383,6 +525,8 @@ class WanDiT(nn.Module):
         # A DiT group's sequence parallelism (parallel/dit_group.py's SeqParallel), set by the
         # engine of a group's worker: this rank computes its band of tokens and its heads.
         self.parallel = None
+        # The halves of a block around its attention: eager, or compiled by `compile_blocks`.
+        self.block_fns = (block_qkv, block_rest)
 
     # -- session state ------------------------------------------------------------------
     def new_state(
@@ -401,6 +545,7 @@ class WanDiT(nn.Module):
             w.device,
             w.dtype,
             self.parallel.local_heads if self.parallel else None,
+            (latent_h, latent_w),
         )
         return DiTState(kv)
 
@@ -440,8 +585,7 @@ class WanDiT(nn.Module):
         if keep:  # LongLive recomputes the frames behind the sinks too, but stores none of them
             first = t - (kv.frames - keep)
         latents = kv.latents_at(range(first, t))
-        kv.frames = keep
-        del kv.positions[keep:], kv.blocks[keep:]
+        kv.reset(keep)
         state.next_frame = first
         b = latents.shape[0]
         self._forward(latents, torch.full((b, t - first), context_t, device=latents.device), [state], commit=True)
@@ -460,7 +604,7 @@ class WanDiT(nn.Module):
             state.next_frame = 0
             return
         latents = kv.latents[:, :, :n].clone()
-        kv.frames, kv.positions, kv.blocks = 0, [], []
+        kv.reset(0)
         state.next_frame = 0
         for i in range(0, n, chunk_frames):
             j = min(i + chunk_frames, n)
@@ -479,6 +623,19 @@ class WanDiT(nn.Module):
         kv.make_room(block_frames)
         self.recompute(state, block_frames, context_t)
 
+    def compile_blocks(self, on: bool, backend: str = "inductor") -> None:
+        """Run each block's two halves around its attention (`block_qkv`, `block_rest`) compiled
+        by `torch.compile`, or eager. The halves take tensors and the block's weights only (the
+        KV cache and the sessions' bookkeeping stay outside, eager), so a shape compiles once for
+        every layer and every position in a shot: a block's token count and the batch size are
+        its only shapes; a new one (a frame size, a re-cache's frame count) compiles once more,
+        and dynamo marks the dimension dynamic after a second size. `backend`: inductor, or a
+        quicker one where only the path is checked (tools/device_check --quick)."""
+        if on:
+            self.block_fns = (torch.compile(block_qkv, backend=backend), torch.compile(block_rest, backend=backend))
+        else:
+            self.block_fns = (block_qkv, block_rest)
+
     def cast(self, dtype: torch.dtype) -> WanDiT:
         """Cast to `dtype`, keeping the small precision-sensitive parts (time MLP, modulation
         tables, affine LayerNorm) in float32 as the reference implementations do."""
@@ -490,7 +647,7 @@ class WanDiT(nn.Module):
 
     def rope(self) -> Rope:
         dev = self.patch_embedding.weight.device
-        if self._rope is None or self._rope.cos[0].device != dev:
+        if self._rope is None or self._rope.cos[1].device != dev:
             self._rope = Rope(self.cfg, dev)
         return self._rope
 
@@ -545,9 +702,18 @@ class WanDiT(nn.Module):
         emb = self.time_embedding(sin).float()  # (B, f, C)
         e6 = self.time_projection(emb.to(wdt.dtype)).float().unflatten(2, (6, cfg.dim))  # (B, f, 6, C)
 
-        ropes = [self.rope().tables(st.next_frame, fp, hp, wp, rows) for st in states]
+        rope = self.rope()
+        if len(states) == 1:  # (L, 1, pairs), broadcast over the state's own batch
+            ropes = rope.tables(states[0].next_frame, fp, hp, wp, rows)
+        else:  # (S, L, 1, pairs): each session at its own positions
+            ropes = tuple(torch.stack(t) for t in zip(*(rope.tables(st.next_frame, fp, hp, wp, rows) for st in states)))
+        kvs = [st.kv for st in states]
         for i, blk in enumerate(self.blocks):
-            tokens = blk(tokens, e6, fp, ropes, states, i, sp, grid)
+            if len(states) == 1:
+                cross = states[0].cross[i]
+            else:  # the prompts' keys/values as one batch (each row its own prompt): one SDPA call
+                cross = (torch.cat([st.cross[i][0] for st in states]), torch.cat([st.cross[i][1] for st in states]))
+            tokens = blk(tokens, e6, fp, ropes, kvs, cross, i, sp, grid, self.block_fns)
         out = self.head(tokens, emb, fp)  # (B, L, pt*ph*pw*C_out)
         if sp is not None:
             out = sp.gather(out, grid)
@@ -572,6 +738,26 @@ class WanDiT(nn.Module):
         state = self.new_state(h, w, window_frames=f + 1, batch=b)
         self.set_prompt(state, context)
         return self.forward_block(x, t, state, commit=False)
+
+
+def use_compile(mode: str, device: str | torch.device) -> bool:
+    """Whether `--compile mode` compiles on this device. `auto`: on accelerators; not on the CPU,
+    where compiled blocks measured no faster than eager (docs/benchmarks.md, "The device-resident
+    hot path")."""
+    if mode not in ("auto", "on", "off"):
+        raise ValueError(f"compile must be auto, on or off, got {mode!r}")
+    return mode == "on" or (mode == "auto" and torch.device(device).type != "cpu")
+
+
+def compile_stats() -> dict:
+    """What torch.compile did in this process so far: graphs compiled (a recompile is one more
+    graph of a function already compiled) and seconds spent compiling (dynamo's counters)."""
+    from torch._dynamo.utils import compilation_time_metrics, counters
+
+    return {
+        "graphs": int(counters["stats"]["unique_graphs"]),
+        "compile_s": round(sum(compilation_time_metrics.get("_compile.compile_inner", [])), 3),
+    }
 
 
 def count_params(model: nn.Module) -> int:

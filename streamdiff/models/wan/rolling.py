@@ -19,7 +19,8 @@ attention reads it two ways (`wan/modules/causal_model.py`, `CausalWanSelfAttent
 Here the finished history is a plain sliding `KVCache` of `window_frames` frames (`store`,
 written by the clean pass through `WanDiT.forward_block(commit=True)`), the anchor is a copy of
 the first block's keys/values, and each window step assembles anchor + recent frames into a
-second cache (`scratch`) that the window's forward reads through the same `forward_block`. That
+second cache (`scratch`) that the window's forward reads through the same `forward_block` (the
+store is a ring, `KVCache.read` gives its recent frames in order). That
 costs a second window of keys/values per session (the authors hold one cache of 24 frames and
 concatenate per layer); dit.py is unchanged.
 
@@ -70,6 +71,12 @@ class RollingState:
         self.flight: list[InFlight] = []
         self.entered = 0  # blocks of this shot that have entered the window
         self.finished = 0  # blocks of this shot finished (and written to `store`)
+
+    def new_shot(self) -> None:
+        """The next shot in the same buffers: a cut discards the blocks in flight and the history."""
+        self.store.new_shot()
+        self.scratch.new_shot()
+        self.anchor, self.anchor_latent, self.flight, self.entered, self.finished = [], None, [], 0, 0
 
 
 @dataclass(frozen=True)
@@ -124,8 +131,9 @@ def window_step(
     dev = model.patch_embedding.weight.device
     x = torch.cat([b.x.to(dev) for b in blocks], dim=2)  # (1, C, n, h, w)
     _, c, n, h, w = x.shape
-    t = torch.tensor([sched.timesteps[b.level] for b in blocks for _ in range(f)], device=dev)[None]
-    sig = torch.tensor([sched.sigmas[b.level] for b in blocks for _ in range(f)], device=dev).view(1, 1, n, 1, 1)
+    # Per-frame levels filled on the device (a tensor from a Python list would be an upload).
+    t = torch.cat([torch.full((f,), sched.timesteps[b.level], device=dev) for b in blocks])[None]
+    sig = torch.cat([torch.full((f,), sched.sigmas[b.level], device=dev) for b in blocks]).view(1, 1, n, 1, 1)
     _load_context(model, st, blocks[0].index * f, n)
     x0 = x - sig * model.forward_block(x, t, st.scratch, commit=False)
     finished, last_level = None, len(sched.timesteps) - 1
@@ -165,7 +173,8 @@ def _load_context(model: WanDiT, st: RollingState, start: int, n: int) -> None:
     frames after the anchor's, so that the total is at most `window` frames. The shot's first
     block still in flight: nothing (the window attends to itself only, as the authors')."""
     sc, kv = st.scratch, st.store.kv
-    sc.cross, sc.next_frame, sc.kv.frames = st.store.cross, start, 0
+    sc.cross, sc.next_frame = st.store.cross, start
+    sc.kv.reset(0)
     if start == 0:
         return
     tpf, s = kv.tpf, st.sink
@@ -177,9 +186,11 @@ def _load_context(model: WanDiT, st: RollingState, start: int, n: int) -> None:
             ak, av = st.anchor[layer]
             sc.kv.k[layer][:, :, : s * tpf] = apply_rope(ak, cos, sin)
             sc.kv.v[layer][:, :, : s * tpf] = av
-        lo, hi = (held - recent) * tpf, held * tpf
-        sc.kv.k[layer][:, :, s * tpf : (s + recent) * tpf] = kv.k[layer][:, :, lo:hi]
-        sc.kv.v[layer][:, :, s * tpf : (s + recent) * tpf] = kv.v[layer][:, :, lo:hi]
+        at = s * tpf  # the store is a ring: its recent frames in order, piece by piece
+        for k, v in kv.read(layer, held - recent, held):
+            sc.kv.k[layer][:, :, at : at + k.shape[2]] = k
+            sc.kv.v[layer][:, :, at : at + k.shape[2]] = v
+            at += k.shape[2]
     sc.kv.frames = s + recent
 
 
@@ -187,10 +198,10 @@ def _frame_rotation(model: WanDiT, delta: int) -> tuple[torch.Tensor, torch.Tens
     """cos, sin (1, 1, pairs) rotating keys stored at frame positions p to p + delta: the frame
     axis' pairs turn by delta, the height and width pairs stay (RoPE rotations compose)."""
     rope, (_, ph, pw) = model.rope(), model.cfg.rope_split()
-    ang = delta * rope.inv[0]
-    cos = torch.cat([torch.cos(ang), torch.ones(ph + pw, dtype=torch.float64)])
-    sin = torch.cat([torch.sin(ang), torch.zeros(ph + pw, dtype=torch.float64)])
-    return cos.float().to(rope.device).view(1, 1, -1), sin.float().to(rope.device).view(1, 1, -1)
+    fc, fs = rope.frames(delta + 1)  # the frame table's row `delta` is the rotation by delta, on the device
+    cos = torch.cat([fc[delta], torch.ones(ph + pw, device=fc.device)])
+    sin = torch.cat([fs[delta], torch.zeros(ph + pw, device=fs.device)])
+    return cos.view(1, 1, -1), sin.view(1, 1, -1)
 
 
 @torch.no_grad()
@@ -204,8 +215,7 @@ def recache(model: WanDiT, st: RollingState, context: torch.Tensor, context_t: f
     kv, t = st.store.kv, st.store.next_frame
     held, fpb = kv.frames, st.frames_per_block
     latents = kv.latents_at(range(t - held, t))
-    kv.frames = 0
-    del kv.positions[:], kv.blocks[:]
+    kv.reset(0)
     st.store.next_frame = t - held
     for i in range(0, held, fpb):  # eviction keeps whole blocks: the window holds whole blocks
         x = latents[:, :, i : i + fpb]

@@ -102,9 +102,9 @@ def denoise_block(
     sigmas: each step's noise level (`sigma_of`; default timestep / 1000, exact for warped steps).
     Returns the clean latent x0 (float32, on the model's device).
     """
-    b = noise.shape[0]
-    steps = torch.tensor(timesteps, dtype=torch.float32)[:, None].expand(-1, b)
-    sig = torch.tensor(sigmas, dtype=torch.float32)[:, None].expand(-1, b) if sigmas is not None else steps / 1000.0
+    b, dev = noise.shape[0], model.patch_embedding.weight.device
+    steps = _on_device([[t] * b for t in timesteps], dev)
+    sig = _on_device([[s] * b for s in sigmas], dev) if sigmas is not None else steps / 1000.0
     return _denoise(
         lambda x, t, c: model.forward_block(x, t, state, c), model, noise, steps, sig, renoise, context_t, commit
     )
@@ -125,11 +125,18 @@ def denoise_sessions(
     `timesteps[i]` (`sigmas[i]`) its step list (all of one length: the sessions take their steps together)."""
     if len({len(ts) for ts in timesteps}) != 1:
         raise ValueError("sessions denoised together must have step lists of one length")
-    steps = torch.tensor(list(timesteps), dtype=torch.float32).T  # (steps, S)
-    sig = torch.tensor(list(sigmas), dtype=torch.float32).T if sigmas is not None else steps / 1000.0
+    dev = model.patch_embedding.weight.device
+    steps = _on_device([list(col) for col in zip(*timesteps, strict=True)], dev)  # (steps, S)
+    sig = _on_device([list(col) for col in zip(*sigmas, strict=True)], dev) if sigmas is not None else steps / 1000.0
     return _denoise(
         lambda x, t, c: model.forward_sessions(x, t, states, c), model, noise, steps, sig, renoise, context_t, commit
     )
+
+
+def _on_device(rows: list[list[float]], dev: torch.device) -> torch.Tensor:
+    """A (rows, cols) float32 table of Python numbers made on the device by fills: a tensor made
+    from a list is an upload, which from pageable memory waits for the device's queue to drain."""
+    return torch.stack([torch.cat([torch.full((1,), float(x), device=dev) for x in row]) for row in rows])
 
 
 def _denoise(
@@ -142,7 +149,6 @@ def _denoise(
     dev = model.patch_embedding.weight.device
     x = noise.to(dev, torch.float32)
     x0 = x
-    steps, sigmas = steps.to(dev), sigmas.to(dev)
     for i in range(steps.shape[0]):
         t = steps[i]  # (B,)
         v = forward(x, t[:, None].expand(b, f), False)

@@ -1,0 +1,260 @@
+"""The DiT's device-resident hot path: the ring KV cache equals the copying cache it replaced,
+a cut reuses the session's buffers, a block reads nothing back from the device, and compiled
+blocks equal eager ones without recompiling through a stream with cuts."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from streamdiff.models.engines import DiTEngine
+from streamdiff.models.spec import ModelSpec
+from streamdiff.models.wan import rolling
+from streamdiff.models.wan.dit import DiTConfig, KVCache, WanDiT, compile_stats
+from streamdiff.models.wan.sampler import SamplerConfig, denoise_block, denoise_sessions
+
+CFG = DiTConfig(dim=32, ffn_dim=64, num_heads=2, num_layers=2, text_dim=16, text_len=8)
+LAT_H, LAT_W = 4, 6
+TS = [1000.0, 500.0]
+
+
+class CopyingKV(KVCache):
+    """The cache as it was before the ring (92242eb): frames in shot order, every eviction shifts
+    the kept frames down over the evicted ones in every layer's buffers. Transcribed here as the
+    reference; the ring offset stays 0, so `write` and `read` address slots in shot order."""
+
+    def make_room(self, new_frames: int) -> None:
+        excess = self.frames + new_frames - self.window
+        if excess <= 0:
+            return
+        t = self.tpf
+        lo, hi = self.sink * t, self.frames * t
+        for buf in (*self.k, *self.v):
+            buf[:, :, lo : hi - excess * t] = buf[:, :, lo + excess * t : hi].clone()
+        super().make_room(new_frames)
+        self.start = 0
+
+
+@pytest.fixture(scope="module")
+def model() -> WanDiT:
+    torch.manual_seed(0)
+    return WanDiT(CFG).eval()
+
+
+def blocks(model, state, sizes, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    model.set_prompt(state, torch.randn(1, CFG.text_len, CFG.text_dim, generator=g))
+    out = []
+    for f in sizes:
+        noise = torch.randn(1, CFG.in_channels, f, LAT_H, LAT_W, generator=g)
+        out.append(denoise_block(model, state, noise, TS, [torch.randn(noise.shape, generator=g)]))
+    return out
+
+
+@pytest.mark.parametrize("sink", [0, 2])
+def test_ring_equals_the_copying_cache(model, sink):
+    """Blocks of 3 in a window of 8 (not a multiple: a block's frames wrap around the ring's end),
+    with and without sinks, a short block among them: every block's output equals the copying
+    cache's within float rounding (attention reads the keys in another order), and the held
+    frames read back in shot order are the copying cache's buffers."""
+    sizes = [3, 3, 3, 1, 3, 3, 3, 2]
+    ring = model.new_state(LAT_H, LAT_W, 8, sink)
+    ref = model.new_state(LAT_H, LAT_W, 8, sink)
+    ref.kv.__class__ = CopyingKV
+    got, want = blocks(model, ring, sizes), blocks(model, ref, sizes)
+    assert ring.kv.start != 0  # the ring wrapped
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
+    kv, n = ring.kv, ring.kv.frames
+    assert kv.positions == ref.kv.positions and n == ref.kv.frames
+    for layer in range(CFG.num_layers):
+        k = torch.cat([k for k, _ in kv.read(layer, 0, n)], dim=2)
+        v = torch.cat([v for _, v in kv.read(layer, 0, n)], dim=2)
+        torch.testing.assert_close(k, ref.kv.k[layer][:, :, : n * kv.tpf], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(v, ref.kv.v[layer][:, :, : n * kv.tpf], rtol=1e-5, atol=1e-5)
+    if sink:
+        assert kv.tail_positions == ref.kv.tail_positions and len(kv.tail_positions) == sink
+        torch.testing.assert_close(kv.tail, ref.kv.tail, rtol=1e-5, atol=1e-5)
+
+
+def test_batched_sessions_with_wrapped_rings_equal_each_alone(model):
+    """Two sessions at different ring offsets but equal lengths: one SDPA call for both, each
+    row equal to its session alone; then lengths that differ: one call each."""
+    a, b = model.new_state(LAT_H, LAT_W, 8, 0), model.new_state(LAT_H, LAT_W, 8, 2)
+    blocks(model, a, [3, 3, 3, 1], seed=2)
+    blocks(model, b, [3, 3, 3], seed=3)
+    assert a.kv.start != b.kv.start
+    for frames in (3, 1):
+        alone = [st for st in (a, b)]
+        import copy
+
+        solo = [copy.deepcopy(st) for st in alone]
+        g = torch.Generator().manual_seed(frames)
+        noise = torch.randn(2, CFG.in_channels, frames, LAT_H, LAT_W, generator=g)
+        renoise = [torch.randn(noise.shape, generator=g)]
+        both = denoise_sessions(model, alone, noise, [TS, TS], renoise)
+        for i, st in enumerate(solo):
+            one = denoise_block(model, st, noise[i : i + 1], TS, [renoise[0][i : i + 1]])
+            torch.testing.assert_close(both[i : i + 1], one, rtol=1e-5, atol=1e-5)
+
+
+# ----------------------------------------------------------------------------- a cut reuses the cache
+
+BIG = DiTConfig(dim=1536, ffn_dim=1536, freq_dim=64, num_heads=12, num_layers=2, text_dim=64, text_len=32)
+
+
+class LargeAllocations(TorchDispatchMode):
+    """Records every tensor an op makes that is as large as one layer's keys (a new cache)."""
+
+    def __init__(self, limit: int) -> None:
+        super().__init__()
+        self.limit, self.seen = limit, []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        given = {
+            a.untyped_storage().data_ptr()
+            for a in torch.utils._pytree.tree_leaves((args, kwargs))
+            if isinstance(a, torch.Tensor)
+        }
+        for t in out if isinstance(out, tuple | list) else (out,):
+            if not isinstance(t, torch.Tensor) or t.untyped_storage().data_ptr() in given:
+                continue  # a view of an input (a weight's transpose), nothing new
+            if t.untyped_storage().nbytes() >= self.limit:
+                self.seen.append((str(func), tuple(t.shape)))
+        return out
+
+
+def test_a_storyboard_with_three_cuts_holds_one_cache():
+    """The real 1.3B DiT's head shapes (12 heads of 128) in two layers: a session whose shots
+    cut three times keeps its cache's buffers (no op makes a tensor of a layer's keys' size, and
+    the buffers are the ones allocated at open), and each shot equals a fresh session's."""
+    torch.manual_seed(0)
+    eng = DiTEngine(ModelSpec(preset="tiny", dtype="float32", compile="off"))
+    eng.model = WanDiT(BIG).eval()
+    sess = eng.open_session(256, 144, seed=0)
+    kv = sess.state.kv
+    buffers = [t.data_ptr() for t in (*kv.k, *kv.v)]
+    shots = [(11, 4), (12, 2), (13, 5), (14, 3)]  # (seed, blocks): a cut before each after the first
+    got = []
+    with LargeAllocations(kv.k[0].numel() * kv.k[0].element_size()) as big:
+        for seed, n in shots:
+            eng.set_scene(sess, "a shot", cut=True, seed=seed)
+            got.append([eng.generate_block(sess, 3) for _ in range(n)])
+    assert big.seen == []
+    assert sess.state.kv is kv and [t.data_ptr() for t in (*kv.k, *kv.v)] == buffers
+    for (seed, _), blocks_ in zip(shots, got, strict=True):
+        fresh = eng.open_session(256, 144, seed=seed)
+        eng.set_scene(fresh, "a shot", cut=True)
+        for b in blocks_:
+            torch.testing.assert_close(b, eng.generate_block(fresh, 3), rtol=1e-5, atol=1e-5)
+
+
+def test_rolling_cut_reuses_its_caches(model):
+    cfg = SamplerConfig(steps=(1000, 500), frames_per_block=1, window_frames=4, sink_frames=1)
+    st = rolling.RollingState(model, LAT_H, LAT_W, cfg)
+    ptrs = [t.data_ptr() for c in (st.store.kv, st.scratch.kv) for t in (*c.k, *c.v)]
+    st.finished, st.entered = 3, 5
+    st.new_shot()
+    assert (st.finished, st.entered, st.flight, st.store.kv.frames, st.store.next_frame) == (0, 0, [], 0, 0)
+    assert [t.data_ptr() for c in (st.store.kv, st.scratch.kv) for t in (*c.k, *c.v)] == ptrs
+
+
+# ----------------------------------------------------------------------------- no host sync in a block
+
+
+class HostTraffic(TorchDispatchMode):
+    """Records every op that reads a value back to the host, or builds a tensor from host data, or
+    touches a CPU tensor while the model runs elsewhere. On the `meta` device (no data at all) a
+    read would fail outright; this names the op instead."""
+
+    READS = ("aten._local_scalar_dense", "aten.item", "aten.lift_fresh", "aten.lift_fresh_copy")
+
+    def __init__(self, device: str) -> None:
+        super().__init__()
+        self.device, self.seen = device, []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = str(func.overloadpacket if hasattr(func, "overloadpacket") else func)
+        tensors = [a for a in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)]
+        if any(name.startswith(r) for r in self.READS) or any(
+            t.device.type != self.device and t.dim() > 0 for t in tensors
+        ):
+            self.seen.append(name)
+        out = func(*args, **(kwargs or {}))
+        if any(
+            t.device.type != self.device for t in torch.utils._pytree.tree_leaves(out) if isinstance(t, torch.Tensor)
+        ):
+            self.seen.append(f"{name} -> host")
+        return out
+
+
+def test_a_block_never_reads_back_from_the_device():
+    """The sampler's whole block (its steps, the commit pass, an eviction, and two sessions
+    batched) and a rolling window step, on the meta device: no op reads a value to the host,
+    builds a tensor from host data or touches a CPU tensor. The one copy out is the engine's
+    (`to_host`), after the block."""
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        m = WanDiT(CFG).eval()
+    dev = torch.device("meta")
+    a, b = m.new_state(LAT_H, LAT_W, 5, 1), m.new_state(LAT_H, LAT_W, 5, 1)
+    for st in (a, b):
+        m.set_prompt(st, torch.empty(1, CFG.text_len, CFG.text_dim, device=dev))
+    x = torch.empty(1, CFG.in_channels, 3, LAT_H, LAT_W, device=dev)
+    denoise_block(m, a, x, TS, [x], sigmas=[1.0, 0.5])  # the first forward builds the RoPE tables (once)
+    denoise_block(m, b, x, TS, [x], sigmas=[1.0, 0.5])
+    cfg = SamplerConfig(steps=(1000, 500), frames_per_block=1, window_frames=4, sink_frames=1)
+    r = rolling.RollingState(m, LAT_H, LAT_W, cfg)
+    r.store.cross = a.cross
+    sched = rolling.Schedule.of(cfg)
+    one = torch.empty(1, CFG.in_channels, 1, LAT_H, LAT_W, device=dev)
+    for _ in range(3):
+        rolling.next_block(m, r, sched, None, lambda i: one, lambda s: torch.empty(s, device=dev))
+    with HostTraffic("meta") as host:
+        denoise_block(m, a, x, TS, [x], sigmas=[1.0, 0.5])  # evicts: 3 held + 3 new > 5
+        denoise_sessions(m, [a, b], torch.cat([x, x]), [TS, TS], [torch.cat([x, x])], sigmas=[[1.0, 0.5]] * 2)
+        rolling.next_block(m, r, sched, None, lambda i: one, lambda s: torch.empty(s, device=dev))
+    assert a.next_frame > a.kv.window  # evictions happened inside the recorded blocks
+    assert host.seen == []
+
+
+def test_the_engine_block_builds_nothing_from_host_data():
+    """On the CPU every tensor is a host tensor, but a read (`.item()`, `.tolist()` of a tensor)
+    or a tensor made from a Python list still shows as an op: none in the engine's block."""
+    eng = DiTEngine(ModelSpec(preset="tiny", dtype="float32", compile="off"))
+    sess = eng.open_session(256, 144, seed=0)
+    eng.set_scene(sess, "a shot", cut=True)
+    eng.generate_block(sess, 3)
+    with HostTraffic("cpu") as host:
+        for _ in range(5):  # past the window: evictions
+            eng.generate_block(sess, 3)
+    assert host.seen == []
+
+
+# ----------------------------------------------------------------------------- compiled
+
+
+def test_compiled_blocks_equal_eager_and_do_not_recompile_through_cuts():
+    """A 12 s stream of the tiny preset (16 blocks of 3 latent frames at 16 fps) with two cuts,
+    compiled: every block equals eager within 1e-5 (float32), and after the first block no
+    graph is compiled again (dynamo's counters)."""
+    torch.manual_seed(0)
+    eager = DiTEngine(ModelSpec(preset="tiny", dtype="float32", compile="off"))
+    torch.manual_seed(0)
+    comp = DiTEngine(ModelSpec(preset="tiny", dtype="float32", compile="on"))
+    assert comp.compiled and not eager.compiled
+    sessions = [e.open_session(256, 144, seed=5) for e in (eager, comp)]
+    graphs = None
+    for i in range(16):
+        outs = []
+        for e, s in zip((eager, comp), sessions, strict=True):
+            if i in (0, 6, 11):
+                e.set_scene(s, f"shot {i}", cut=True, seed=i, shot_left=5)
+            outs.append(e.generate_block(s, 3))
+        torch.testing.assert_close(outs[1], outs[0], rtol=1e-5, atol=1e-5)
+        if i == 0:
+            graphs = compile_stats()["graphs"]
+            assert graphs > 0
+    assert compile_stats()["graphs"] == graphs
