@@ -26,32 +26,8 @@ from streamdiff.models.presets import ModelSpec, build_dit
 from streamdiff.models.wan.dit import Block, WanDiT
 
 from .helpers import write_tokenizer
-
-SMALL_DIT = dict(  # diffusers WanTransformer3DModel: 2 heads of 24, 2 layers, text width 32
-    num_attention_heads=2,
-    attention_head_dim=24,
-    in_channels=16,
-    out_channels=16,
-    text_dim=32,
-    freq_dim=256,
-    ffn_dim=64,
-    num_layers=2,
-    cross_attn_norm=True,
-    rope_max_seq_len=1024,
-)
-SMALL_T5 = dict(
-    vocab_size=40,
-    d_model=32,
-    d_kv=8,
-    d_ff=64,
-    num_layers=2,
-    num_heads=4,
-    relative_attention_num_buckets=32,
-    relative_attention_max_distance=128,
-    feed_forward_proj="gated-gelu",
-    layer_norm_epsilon=1e-6,
-    dropout_rate=0.0,
-)
+from .models.conftest import SMALL_DIT  # 2 heads of 24, 2 layers, text width 32
+from .models.test_loading import T5_TINY as SMALL_T5  # its text width matches
 
 
 class _Wrapper(nn.Module):
