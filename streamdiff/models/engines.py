@@ -304,6 +304,11 @@ class VAEEngine:
         self.model, self.preset = build_vae(spec, device)  # the Wan VAE, or TAEHV (spec.decoder)
         self.decoder = spec.decoder
         self.working_set_bytes = working_set_bytes
+        # The Wan VAE's norms compiled (lazily, at the first blocks); TAEHV's convolutions and
+        # ReLUs have no chain of passes to fuse, and it runs eager.
+        self.compiled = spec.decoder == "wan" and use_compile(spec.compile, device)
+        if self.compiled:
+            self.model.compile_pointwise(True)
 
     def open_session(self) -> VAEState | TAEHVState:
         return self.model.new_state()

@@ -16,7 +16,7 @@ class ModelSpec:
     dit_checkpoint: str | None = None  # Causal Forcing / Self-Forcing .pt, overrides the DiT weights
     weights: str | None = None  # "ema" | "generator": the training checkpoint's set (None: the preset's, else ema)
     dtype: str = "auto"  # auto: float32 on the CPU, bfloat16 on accelerators
-    compile: str = "auto"  # torch.compile the DiT's blocks: auto (on accelerators, off on the CPU) | on | off
+    compile: str = "auto"  # torch.compile the DiT's blocks and the VAE's norms: auto (accelerators only) | on | off
     dit_vae_ratio: float = 0.74  # tiny only: DiT cost per block relative to the VAE's
     seed: int = 1234  # tiny only: weight seed
     sampler: dict = field(default_factory=dict)  # overrides of SamplerConfig fields

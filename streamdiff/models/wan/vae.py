@@ -180,6 +180,17 @@ def with_halo(x: torch.Tensor, halo: Halo, prev: torch.Tensor | None = None, fro
     return buf
 
 
+def rms_norm(x: torch.Tensor, gamma: torch.Tensor, silu: bool) -> torch.Tensor:
+    """Inference's per-pixel RMS norm over channels (gamma already times sqrt(C)), then SiLU if
+    asked: three passes over x instead of five, in place. Tensors in, a tensor out, no Python
+    state: the part `torch.compile` takes (`WanVAEDecoder.compile_pointwise`), where the passes
+    fuse into one kernel."""
+    xf = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
+    inv = torch.linalg.vector_norm(xf, dim=1, keepdim=True).clamp_min_(1e-12).reciprocal_()
+    y = (xf * inv).to(x.dtype).mul_(gamma)
+    return F.silu(y, inplace=True) if silu else y
+
+
 class RMSNorm(nn.Module):
     """Per-pixel RMS norm over channels: normalize(x, dim=1) * sqrt(C) * gamma."""
 
@@ -187,17 +198,15 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.scale = dim**0.5
         self.gamma = nn.Parameter(torch.ones(dim, *((1, 1) if images else (1, 1, 1))))
+        self.kernel = rms_norm  # eager, or compiled by `WanVAEDecoder.compile_pointwise`
 
     def forward(self, x: torch.Tensor, silu: bool = False) -> torch.Tensor:
-        """With silu=True also applies SiLU; three passes over x instead of five (in place:
-        inference). Under autograd (training the embedded default) the same arithmetic out of place."""
+        """With silu=True also applies SiLU. Under autograd (training the embedded default) the
+        same arithmetic out of place."""
         if torch.is_grad_enabled():
             y = F.normalize(x, dim=1, eps=1e-12) * (self.gamma * self.scale)
             return F.silu(y) if silu else y
-        xf = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
-        inv = torch.linalg.vector_norm(xf, dim=1, keepdim=True).clamp_min_(1e-12).reciprocal_()
-        y = (xf * inv).to(x.dtype).mul_(self.gamma * self.scale)
-        return F.silu(y, inplace=True) if silu else y
+        return self.kernel(x, self.gamma * self.scale, silu)
 
 
 class ResBlock(nn.Module):
@@ -333,6 +342,19 @@ class WanVAEDecoder(nn.Module):
 
     def new_state(self) -> VAEState:
         return VAEState(cache=[None] * self.num_slots)
+
+    def compile_pointwise(self, on: bool, backend: str = "inductor") -> None:
+        """Run every norm (+ SiLU) of the decoder compiled by `torch.compile`, or eager. The
+        convolutions, the halo exchange and the causal cache stay eager: their Python state (the
+        cache slots, a group's exchanges, the CPU's channels-last conv kernels) is what dynamo
+        would break on, and a norm is where a fused kernel saves passes over the largest
+        activations. One compiled function serves every norm, with dynamic shapes, so the
+        decoder's many sizes (each stage, a shot's first block, a batch, a band) compile a few
+        graphs once rather than one each."""
+        kernel = torch.compile(rms_norm, backend=backend, dynamic=True) if on else rms_norm
+        for m in self.modules():
+            if isinstance(m, RMSNorm):
+                m.kernel = kernel
 
     def band_slots(self, shard_front: bool = False) -> list[int | None]:
         """How a height-sharded decode keeps each cache slot: None = the whole height (the
