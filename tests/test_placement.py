@@ -674,7 +674,9 @@ def run_cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
 
 
 def test_streamdiffd_plan_ranks_layouts_for_hardware_we_do_not_have():
-    r = run_cli("plan", "--devices", "4", "--profile", "docs/results/profile-b70.json", "--objective", "throughput", "--json")
+    r = run_cli(
+        "plan", "--devices", "4", "--profile", "docs/results/profile-b70.json", "--objective", "throughput", "--json"
+    )
     assert r.returncode == 0, r.stderr
     ranked = json.loads(r.stdout)["throughput"]["ranked"]
     assert ranked[0]["layout"] == "disagg-1+3" and ranked[0]["flags"][:2] == ["--mode", "disaggregated"]

@@ -55,6 +55,8 @@ def test_streamdiffd_plan_ranks_four_b70s_with_taehv():
         for x in ranked
     )
     assert ranked[0]["layout"].startswith("disagg")
-    b70 = run_cli("plan", "--devices", "4", "--profile", "docs/results/profile-b70.json", "--objective", "throughput", "--json")
+    b70 = run_cli(
+        "plan", "--devices", "4", "--profile", "docs/results/profile-b70.json", "--objective", "throughput", "--json"
+    )
     wan_best = json.loads(b70.stdout)["throughput"]["ranked"][0]
     assert ranked[0]["w1_fps"] > wan_best["w1_fps"]  # the decoder no longer holds the stream back
