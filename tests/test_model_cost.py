@@ -30,7 +30,7 @@ from streamdiff.placement.planner import plan
 from streamdiff.placement.profile import Profile
 
 ROOT = Path(__file__).resolve().parents[1]
-B70 = ROOT / "docs" / "profile-b70.json"  # published 1.3B figures
+B70 = ROOT / "docs" / "results" / "profile-b70.json"  # published 1.3B figures
 SIZE = (832, 480)
 CONFIGS = {"wan2.1-t2v-1.3b": DiTConfig(), "wan2.1-t2v-14b": WAN_14B}
 

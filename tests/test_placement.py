@@ -627,7 +627,7 @@ def test_two_devices_run_the_dit_and_the_vae_each_over_both_where_the_group_pays
 
 
 def test_the_planner_ranks_eight_b70s_from_the_published_figures():
-    """docs/profile-b70.json (tools/published_profile): DiT 2.9 s and VAE 3.9 s a block. One
+    """docs/results/profile-b70.json (tools/published_profile): DiT 2.9 s and VAE 3.9 s a block. One
     stream is DiT-bound once the VAE is sharded 3 ways or more, so the best layout for it gives
     the DiT one card and the VAE a wide group; no hybrid on accelerators."""
     from streamdiff.config import Config
@@ -635,7 +635,7 @@ def test_the_planner_ranks_eight_b70s_from_the_published_figures():
     from streamdiff.placement.planner import plan
     from streamdiff.placement.profile import Profile
 
-    prof = Profile.from_json((ROOT / "docs" / "profile-b70.json").read_text())
+    prof = Profile.from_json((ROOT / "docs" / "results" / "profile-b70.json").read_text())
     facts = dict(PRESET_FACTS["wan2.1-t2v-1.3b"])
     for n in (2, 4, 8):
         p = plan(Config(), prof, n, "throughput", facts, (832, 480))
@@ -674,14 +674,16 @@ def run_cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
 
 
 def test_streamdiffd_plan_ranks_layouts_for_hardware_we_do_not_have():
-    r = run_cli("plan", "--devices", "4", "--profile", "docs/profile-b70.json", "--objective", "throughput", "--json")
+    r = run_cli(
+        "plan", "--devices", "4", "--profile", "docs/results/profile-b70.json", "--objective", "throughput", "--json"
+    )
     assert r.returncode == 0, r.stderr
     ranked = json.loads(r.stdout)["throughput"]["ranked"]
     assert ranked[0]["layout"] == "disagg-1+3" and ranked[0]["flags"][:2] == ["--mode", "disaggregated"]
     assert ranked[0]["w1_fps"] >= ranked[-1]["w1_fps"]
     bad = run_cli("plan", "--profile", "/no/such/profile.json")
     assert bad.returncode == 2 and "cannot read the profile" in bad.stderr and "Traceback" not in bad.stderr
-    bad = run_cli("plan", "--profile", "docs/profile-b70.json", "--size", "100x10")
+    bad = run_cli("plan", "--profile", "docs/results/profile-b70.json", "--size", "100x10")
     assert bad.returncode == 2 and "multiples of 16" in bad.stderr
 
 

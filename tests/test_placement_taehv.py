@@ -1,6 +1,6 @@
 """The placement stack with TAEHV: only whole-frame decoders (VAE groups of one, no hybrid, no
 cut) are planned, several DiT workers may feed one decoder, and `streamdiffd plan` ranks TAEHV
-layouts of hardware we do not have from a published profile (docs/profile-b70-taehv.json)."""
+layouts of hardware we do not have from a published profile (docs/results/profile-b70-taehv.json)."""
 
 from __future__ import annotations
 
@@ -46,7 +46,7 @@ def test_taehv_makes_vae_gpus_replicas():
 
 
 def test_streamdiffd_plan_ranks_four_b70s_with_taehv():
-    path = ROOT / "docs" / "profile-b70-taehv.json"
+    path = ROOT / "docs" / "results" / "profile-b70-taehv.json"
     r = run_cli("plan", "--devices", "4", "--profile", str(path), "--objective", "throughput", "--json")
     assert r.returncode == 0, r.stderr
     ranked = json.loads(r.stdout)["throughput"]["ranked"]
@@ -55,6 +55,8 @@ def test_streamdiffd_plan_ranks_four_b70s_with_taehv():
         for x in ranked
     )
     assert ranked[0]["layout"].startswith("disagg")
-    b70 = run_cli("plan", "--devices", "4", "--profile", "docs/profile-b70.json", "--objective", "throughput", "--json")
+    b70 = run_cli(
+        "plan", "--devices", "4", "--profile", "docs/results/profile-b70.json", "--objective", "throughput", "--json"
+    )
     wan_best = json.loads(b70.stdout)["throughput"]["ranked"][0]
     assert ranked[0]["w1_fps"] > wan_best["w1_fps"]  # the decoder no longer holds the stream back

@@ -15,7 +15,7 @@ Cuts run in interleaved rounds (each round in a rotated order), so a machine who
 drifts slows them alike. Printed: each stage's own time on one core (where a cut can go), then
 per cut the steady time per block in every round, the median, and the speedup over cut 0.
 
-  python tools/bench_vae_cut.py --cuts 0,3,4,5 --rounds 3 --json docs/bench_vae_cut.json
+  python tools/bench_vae_cut.py --cuts 0,3,4,5 --rounds 3 --json docs/results/bench_vae_cut.json
 """
 
 from __future__ import annotations

@@ -742,8 +742,8 @@ class WanDiT(nn.Module):
 
 def use_compile(mode: str, device: str | torch.device) -> bool:
     """Whether `--compile mode` compiles on this device. `auto`: on accelerators; not on the CPU,
-    where compiled blocks measured no faster than eager (docs/benchmarks.md, "The device-resident
-    hot path")."""
+    where compiled blocks measured no faster than eager:
+    docs/benchmarks.md#the-device-resident-hot-path-issue-33-amd-epyc-2-vcpus-shared."""
     if mode not in ("auto", "on", "off"):
         raise ValueError(f"compile must be auto, on or off, got {mode!r}")
     return mode == "on" or (mode == "auto" and torch.device(device).type != "cpu")
