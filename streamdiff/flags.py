@@ -42,7 +42,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--compile",
         choices=("auto", "on", "off"),
-        help="torch.compile the DiT's blocks and the Wan VAE's norms (auto: on accelerators; off on the CPU, where it did not pay)",
+        help="torch.compile the DiT's blocks and the Wan VAE's norms "
+        "(auto: on accelerators; off on the CPU, where it did not pay)",
     )
     p.add_argument(
         "--decoder",
