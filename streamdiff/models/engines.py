@@ -90,19 +90,33 @@ class DiTEngine:
             raise ValueError(f"size {width}x{height} must be a multiple of {f} in both dimensions")
         return height // self.preset.vae.spatial_factor, width // self.preset.vae.spatial_factor
 
-    def open_session(self, width: int, height: int, seed: int) -> DiTSession:
+    def open_session(self, width: int, height: int, seed: int, frames: int = 0) -> DiTSession:
+        """`frames`: the most latent frames any shot of this session holds (a fixed-length
+        video's longest shot, in whole blocks), or 0 when that is not known (a live video). The
+        KV cache is allocated here, once, for `cache_frames(frames)` frames."""
         h, w = self.latent_size(width, height)
-        state, window = self._new_shot(h, w)
+        state, window = self._new_shot(h, w, self.cache_frames(frames))
         return DiTSession(state, (h, w), torch.Generator(device=self.device).manual_seed(seed), rolling=window)
 
-    def _new_shot(self, h: int, w: int) -> tuple[DiTState, rolling.RollingState | None]:
-        """A shot's fresh caches; with the rolling sampler, its window (whose finished history
-        is the session's `state`)."""
+    def cache_frames(self, frames: int = 0) -> int:
+        """The frames a session's KV cache holds: the attention window (the current block
+        included), or the session's longest shot where that is shorter. A shot that fits never
+        evicts, so attention, sinks and re-caches see the same frames as in a full window; the
+        sinks and one block always fit. The rolling sampler keeps its full window (its blocks
+        in flight are not a shot's length)."""
+        s = self.preset.sampler
+        if frames <= 0 or self.rolling_schedule is not None:
+            return s.window_frames
+        return min(s.window_frames, max(frames, s.sink_frames + s.frames_per_block))
+
+    def _new_shot(self, h: int, w: int, window: int) -> tuple[DiTState, rolling.RollingState | None]:
+        """A session's caches, for `window` frames; with the rolling sampler, its window (whose
+        finished history is the session's `state`)."""
         s = self.preset.sampler
         if self.rolling_schedule is not None:
             r = rolling.RollingState(self.model, h, w, s)
             return r.store, r
-        return self.model.new_state(h, w, s.window_frames, s.sink_frames), None
+        return self.model.new_state(h, w, window, s.sink_frames), None
 
     def encode_prompt(self, prompt: str) -> torch.Tensor:
         emb = self._prompts.get(prompt)

@@ -292,3 +292,53 @@ def test_compiled_vae_equals_eager_and_does_not_recompile_through_cuts():
         if n == 0:
             graphs = compile_stats()["graphs"]
     assert compile_stats()["graphs"] == graphs
+
+
+# ----------------------------------------------------------------------------- capacity
+
+
+# (sampler settings, scenes: (prompt, cut, blocks)); each shot shorter than the window
+SHOTS = {
+    "window": ({}, [("a red ball", True, 2), ("a blue cube", True, 3)]),
+    "sinks-recache": (  # LongLive's way: sinks, and a re-cache at the continuing scene
+        {"recache": "every_switch", "window_frames": 12, "sink_frames": 3, "global_sink": True},
+        [("a red ball", True, 2), ("a blue cube", True, 2), ("a blue cube rolling left", False, 1)],
+    ),
+    "krea": ("krea", [("a red ball", True, 1), ("a blue cube", True, 1)]),  # the per-block recompute
+}
+
+
+@pytest.mark.parametrize("kind", list(SHOTS))
+def test_a_cache_sized_to_the_longest_shot_equals_a_full_window(kind):
+    """A fixed-length session's KV cache holds its longest shot when that is shorter than the
+    window (`DiTEngine.cache_frames`): a storyboard of shots with a cut (and a continuing scene
+    that re-caches under another prompt, where the sampler does) generates exactly what a session
+    with the full window generates, in a smaller buffer."""
+    from streamdiff.models.catalog import checkpoint_preset
+
+    settings, scenes = SHOTS[kind]
+    if settings == "krea":
+        settings = checkpoint_preset("krea-realtime-14b").sampler_settings()
+    engines = []
+    for _ in range(2):
+        torch.manual_seed(0)
+        engines.append(DiTEngine(ModelSpec(preset="tiny", dtype="float32", compile="off", sampler=settings)))
+    fpb, s = engines[0].frames_per_block, engines[0].preset.sampler
+    shots, n = [], 0
+    for _, cut, blocks in scenes:
+        if cut and n:
+            shots.append(n)
+            n = 0
+        n += blocks
+    longest = max([*shots, n]) * fpb
+    small = engines[1].cache_frames(longest)
+    assert small == max(longest, s.sink_frames + fpb) and small < s.window_frames
+    full = engines[0].open_session(128, 64, seed=3)
+    fitted = engines[1].open_session(128, 64, seed=3, frames=longest)
+    assert fitted.state.kv.k[0].shape[2] * s.window_frames == small * full.state.kv.k[0].shape[2]
+    for prompt, cut, blocks in scenes:
+        for e, sess in zip(engines, (full, fitted), strict=True):
+            e.set_scene(sess, prompt, cut=cut, shot_left=blocks if cut else 0)
+        for _ in range(blocks):
+            a, b = (e.generate_block(sess, fpb) for e, sess in zip(engines, (full, fitted), strict=True))
+            torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
