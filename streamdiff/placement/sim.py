@@ -395,27 +395,21 @@ class Sim:
         c = self.cost(w, h)
         events = []
         for dit in self.topo.dit_workers:
-            info = {
-                "dit_cost": {"block_ms": c.dit["block_ms"] + c.cut_ms, "busy_ms": c.dit["own_ms"], "size": [w, h]},
-                "dit_batch_ms": {"2": c.dit["batch_ms"]["2"]} if "2" in c.dit.get("batch_ms", {}) else {},
-                "dit_memory": None,
-            }
-            events.append(s.WorkerReady(dit, info))
+            cost = m.StageCost(c.dit["block_ms"] + c.cut_ms, [w, h], busy_ms=c.dit["own_ms"])
+            batch_ms = {"2": c.dit["batch_ms"]["2"]} if "2" in c.dit.get("batch_ms", {}) else {}
+            events.append(s.WorkerReady(dit, m.ReadyInfo(dit=m.DiTReady(cost, batch_ms))))
         stages = c.vae1.get("stages_ms")
         for group in self.topo.vae_groups:
             k = len(group)
             # The worker's start-up block is a whole decode, with a cut too (stages.VAEStage.calibrate).
             g_ms, _ = c.vae(k, [r1 - r0 for r0, r1 in split_rows(h // SPATIAL, k)], 1, False, 0)
             b2 = c.vae1.get("batch_ms", {}).get("2")
-            info = {
-                "vae_rank": 0,
-                "vae_cost": {"block_ms": 1000 * g_ms, "size": [w, h]},
-                "vae_batch_ms": {"2": b2 * g_ms * 1000 / c.vae1["block_ms"]} if b2 else {},
-                "vae_memory": None,
-            }
-            if self.layout.cut and stages:
-                info["vae_stages_ms"] = {"ms": stages, "size": [w, h]}
-            events.append(s.WorkerReady(group[0], info))
+            vae = m.VAEReady(
+                m.StageCost(1000 * g_ms, [w, h]),
+                {"2": b2 * g_ms * 1000 / c.vae1["block_ms"]} if b2 else {},
+                stages_ms=m.StageTimes(stages, [w, h]) if self.layout.cut and stages else None,
+            )
+            events.append(s.WorkerReady(group[0], m.ReadyInfo(vae=vae)))
         self.step(events)
 
     # -- the event loop -----------------------------------------------------------------------
