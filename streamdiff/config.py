@@ -65,8 +65,11 @@ class ModelConfig:
 
 
 @dataclass(frozen=True)
-class SamplerConfig:
-    """Overrides of the preset's sampler; 0 / empty keeps the preset's value."""
+class SamplerOverrides:
+    """[sampler]: overrides of the preset's sampler; 0 / empty keeps the preset's value. The
+    settings themselves are models/wan/sampler.py's `SamplerConfig` (its defaults, its checks):
+    these keys are a subset of its fields, applied to the preset's (`sampler_overrides`,
+    presets.get_preset)."""
 
     frames_per_block: int = 0
     steps: tuple[int, ...] = ()
@@ -175,7 +178,7 @@ class StoreConfig:
 class Config:
     server: ServerConfig = field(default_factory=ServerConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
-    sampler: SamplerConfig = field(default_factory=SamplerConfig)
+    sampler: SamplerOverrides = field(default_factory=SamplerOverrides)
     topology: TopologyConfig = field(default_factory=TopologyConfig)
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
     encoder: EncoderConfig = field(default_factory=EncoderConfig)

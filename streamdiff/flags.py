@@ -131,10 +131,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def overrides_from_args(a: argparse.Namespace) -> dict[str, dict]:
+def overrides_from_args(a: argparse.Namespace, only: tuple[str, ...] | None = None) -> dict[str, dict]:
+    """The config sections the parsed flags set; `only`: of these flags alone (the rest unset, as
+    `streamdiffd plan` takes the model flags and gives --preset a meaning of its own)."""
+    given = vars(a) if only is None else {k: getattr(a, k, None) for k in only}
     o: dict[str, dict] = {"server": {}, "model": {}, "topology": {}, "encoder": {}, "store": {}}
     for flag, key in (("dit_gpus", "dit_devices"), ("vae_gpus", "vae_devices"), ("devices", "devices")):
-        v = getattr(a, flag, None)
+        v = given.get(flag)
         if v is not None and not 1 <= v <= 64:
             raise ConfigError(f"topology.{key} (--{flag.replace('_', '-')}): must be 1-64, got {v}")
     for flag, section, key in (
@@ -170,17 +173,18 @@ def overrides_from_args(a: argparse.Namespace) -> dict[str, dict]:
         ("size", "model", "size"),
         ("encoder", "encoder", "kind"),
     ):
-        v = getattr(a, flag, None)  # generate's parser has the model flags only
+        v = given.get(flag)  # generate's parser has the model flags only
         if v is not None:
             o[section][key] = v
-    if a.model is not None:
-        if a.model in ("tiny", "tiny-random", "wan2.1-t2v-1.3b"):
-            o["model"]["preset"] = a.model
+    model = given.get("model")
+    if model is not None:
+        if model in ("tiny", "tiny-random", "wan2.1-t2v-1.3b"):
+            o["model"]["preset"] = model
         else:
-            path = Path(a.model).expanduser()
+            path = Path(model).expanduser()
             if not path.is_dir():
                 raise ConfigError(
-                    f"--model: {a.model!r} is neither a preset (tiny, tiny-random, wan2.1-t2v-1.3b) nor a directory"
+                    f"--model: {model!r} is neither a preset (tiny, tiny-random, wan2.1-t2v-1.3b) nor a directory"
                 )
             o["model"]["path"] = str(path.resolve())
             o["model"].setdefault("preset", "wan2.1-t2v-1.3b")

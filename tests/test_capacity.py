@@ -4,12 +4,14 @@ that does not fit now."""
 
 from __future__ import annotations
 
+import msgspec
 import pytest
 
+from streamdiff.ipc.messages import DiTMemory, VAEMemory
 from streamdiff.supervisor.capacity import TRIALS, CapacityModel, Demand
 
-DIT_MEM = {"kv_bytes_per_token": 1000, "window_frames": 12, "cross_bytes": 5000, "budget_bytes": 10**9}
-VAE_MEM = {"cache_bytes_per_latent_pixel": 2000.0, "budget_bytes": 10**9}
+DIT_MEM = DiTMemory(kv_bytes_per_token=1000, window_frames=12, cross_bytes=5000, budget_bytes=10**9)
+VAE_MEM = VAEMemory(cache_bytes_per_latent_pixel=2000.0, budget_bytes=10**9)
 
 
 def model(target=0.9, dit_ms=200.0, vae_ms=300.0) -> CapacityModel:
@@ -46,7 +48,7 @@ def test_admission_stops_at_the_target_and_an_idle_unit_takes_anything():
 
 def test_memory_budget_limits_admission_too():
     c = model()
-    c.memory["vae-group-0"] = {**VAE_MEM, "budget_bytes": 2000.0 * 18 * 32 * 1.5}
+    c.memory["vae-group-0"] = msgspec.structs.replace(VAE_MEM, budget_bytes=2000.0 * 18 * 32 * 1.5)
     small = demand(c, block_s=10.0)  # nearly no time share: only memory can refuse it
     assert c.fits(small, []) and not c.fits(small, [small])
 

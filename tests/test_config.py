@@ -95,3 +95,13 @@ def test_replace_validates():
     with pytest.raises(ConfigError):
         cfg.replace(server={"port": -1})
     assert dataclasses.is_dataclass(cfg)
+
+
+def test_sampler_overrides_are_sampler_settings():
+    """[sampler] overrides fields of the one SamplerConfig (models/wan/sampler.py), by name."""
+    import dataclasses
+
+    from streamdiff.config import SamplerOverrides
+    from streamdiff.models.wan.sampler import SamplerConfig
+
+    assert {f.name for f in dataclasses.fields(SamplerOverrides)} <= set(SamplerConfig.__dataclass_fields__)

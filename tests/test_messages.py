@@ -15,7 +15,20 @@ EXAMPLES = [
     m.DecodeBlock("video_1", 3, 5, 2, [16, 3, 18, 32], 12, reset=True),
     m.CloseSession("video_1"),
     m.Shutdown(),
-    m.Ready("dit0", 1234, {"fps": 16, "default_size": [256, 144]}),
+    m.Ready(
+        "dit0",
+        1234,
+        m.ReadyInfo(
+            "cpu",
+            ["dit"],
+            dit=m.DiTReady(
+                m.StageCost(80.0, [256, 144], busy_ms=70.0),
+                {"2": 60.0},
+                m.DiTMemory(1024.0, 12, 4096.0, 2.0**33),
+                facts=m.ModelFacts("tiny", 3, 16, 8, 4, 16, 16, [256, 144]),
+            ),
+        ),
+    ),
     m.Heartbeat("vae0.1", 0.25),
     m.LatentDone("video_1", 3, 5, [16, 3, 18, 32], 12.5),
     m.FramesDone("video_1", 3, 1, 2, 40.0, skipped=True),

@@ -9,12 +9,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from streamdiff.cli import placement as commands
 from streamdiff.config import Config, ConfigError, ModelConfig, TopologyConfig
 from streamdiff.models.presets import WAN_14B
 from streamdiff.models.spec import DIT_DIMS, preset_facts
 from streamdiff.models.wan.dit import DiTConfig, WanDiT, count_params
 from streamdiff.models.wan.sampler import SamplerConfig
-from streamdiff.placement import commands
 from streamdiff.placement.auto import check_memory
 from streamdiff.placement.cost import (
     DEFAULT_FRAMES_PER_BLOCK,

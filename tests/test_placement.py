@@ -237,7 +237,7 @@ def w1_steady_fps(block_s: float) -> float:
 
 def test_the_simulator_runs_at_the_slower_stage_when_the_stages_overlap():
     """Disaggregated: a block every max(DiT, VAE); aggregated on one worker: every DiT + VAE."""
-    from streamdiff.placement.sim import Layout
+    from streamdiff.placement.layout import Layout
 
     prof = synthetic(100.0, 200.0)
     disagg = predict(prof, Layout("disaggregated", 1, 1))
@@ -257,7 +257,7 @@ def test_a_hybrid_layout_is_predicted_to_spend_the_dits_slack_on_decoding():
     """DiT 100 ms, VAE 200 ms, a 2-way group at 105 ms per shard: disagg-1+1 is VAE-bound at
     200 ms a block; the hybrid's two cores hold 300 ms of work (+ the group's front twice), so
     it runs near 160 ms a block."""
-    from streamdiff.placement.sim import Layout
+    from streamdiff.placement.layout import Layout
 
     prof = synthetic(100.0, 200.0, group=105.0)
     disagg = predict(prof, Layout("disaggregated", 1, 1)).w1_steady_fps
@@ -269,7 +269,8 @@ def test_a_hybrid_layout_is_predicted_to_spend_the_dits_slack_on_decoding():
 def test_a_measured_cost_of_sharing_a_core_slows_the_predicted_hybrid():
     """The profile's hybrid probe says the DiT turned only half of its shard's idle time into
     work: the simulator charges that, and the hybrid falls back towards disagg-1+1."""
-    from streamdiff.placement.sim import Costs, Layout
+    from streamdiff.placement.costs import Costs
+    from streamdiff.placement.layout import Layout
 
     prof = synthetic(100.0, 200.0, group=105.0)
     free = predict(prof, Layout("hybrid", 1, 2)).w1_steady_fps
@@ -290,7 +291,8 @@ def test_an_image_to_video_requests_encoding_is_charged_once_to_its_first_block(
     so the whole video is later by the difference, once."""
     from streamdiff.config import Config
     from streamdiff.models.spec import PRESET_FACTS
-    from streamdiff.placement.sim import Layout, simulate
+    from streamdiff.placement.layout import Layout
+    from streamdiff.placement.sim import simulate
 
     prof = synthetic(100.0, 200.0)
     prof.sizes["256x144"]["dit"]["1"]["image_ms"] = 450.0
@@ -316,7 +318,7 @@ def test_the_hosts_work_beside_the_dit_slows_the_aggregated_worker_not_the_disag
     """On the CPU the supervisor encodes on the DiT workers' cores. The profile measured each
     DiT beside that work: 30 ms a block more. disagg-1+1 hides it in the DiT's slack (VAE-bound
     at 200 ms); agg-1x2t's worker runs DiT then VAE, so every block takes it on."""
-    from streamdiff.placement.sim import Layout
+    from streamdiff.placement.layout import Layout
 
     layouts = {"disagg-1+1": Layout("disaggregated", 1, 1), "agg-1x2t": Layout("aggregated", 1, 1, threads=2)}
     prof = synthetic(100.0, 200.0, dit2=60.0, vae2=110.0)
@@ -340,8 +342,8 @@ def test_a_vae_cut_moves_the_decoders_first_stages_to_the_dit_and_the_planner_of
     offered, nor cuts on accelerators (the activation would cross the host)."""
     from streamdiff.config import Config
     from streamdiff.models.spec import PRESET_FACTS
+    from streamdiff.placement.layout import Layout
     from streamdiff.placement.planner import candidates, plan
-    from streamdiff.placement.sim import Layout
 
     prof = synthetic(100.0, 200.0, stages=[10.0, 10.0, 20.0, 40.0, 60.0, 60.0])
     assert predict(prof, Layout("disaggregated", 1, 1)).w1_steady_fps == pytest.approx(w1_steady_fps(0.2), rel=0.03)
@@ -361,7 +363,7 @@ def test_a_vae_cut_moves_the_decoders_first_stages_to_the_dit_and_the_planner_of
     # Cuts run side by side in the profile's cycles: cut 3 added 105 to the DiT's block (1.5x its
     # 70 of stages) and took 30 off the VAE's (0.75x their 40); cut 5, 1.5x and 0.75x as well.
     # Every cut is charged so: cut 3's sides are 205 and 170, and the cut no longer pays.
-    from streamdiff.placement.sim import Costs
+    from streamdiff.placement.costs import Costs
 
     prof.sizes["256x144"]["levels"] = {
         "dit": {"1": 100.0},
@@ -443,7 +445,8 @@ def test_the_simulator_runs_an_adapting_cut_as_the_daemon_does():
 
     from streamdiff.config import Config
     from streamdiff.models.spec import PRESET_FACTS
-    from streamdiff.placement.sim import Layout, Sim, simulate, storyboard
+    from streamdiff.placement.layout import Layout
+    from streamdiff.placement.sim import Sim, simulate, storyboard
 
     prof = synthetic(100.0, 200.0, stages=[10.0, 10.0, 20.0, 40.0, 60.0, 60.0])
     facts = dict(PRESET_FACTS["tiny"])
@@ -468,8 +471,10 @@ def test_shared_cores_run_a_stage_on_both_cores_while_the_other_waits():
     two-thread figures the layout is not offered."""
     from streamdiff.config import Config
     from streamdiff.models.spec import PRESET_FACTS
+    from streamdiff.placement.costs import Costs
+    from streamdiff.placement.layout import Layout
     from streamdiff.placement.planner import plan
-    from streamdiff.placement.sim import Costs, Layout, Sim
+    from streamdiff.placement.sim import Sim
     from streamdiff.plan import Scene
 
     shared = Layout("disaggregated", 1, 1, shared=True)
@@ -511,7 +516,8 @@ def test_an_adapting_cut_prices_moved_work_as_the_profile_measured_it():
     from streamdiff.config import Config
     from streamdiff.models.spec import PRESET_FACTS
     from streamdiff.placement.cut import CutBalance
-    from streamdiff.placement.sim import Layout, Sim, simulate, storyboard
+    from streamdiff.placement.layout import Layout
+    from streamdiff.placement.sim import Sim, simulate, storyboard
 
     stages = [10.0, 10.0, 20.0, 40.0, 60.0, 60.0]
     prof = synthetic(100.0, 200.0, stages=stages)
@@ -549,7 +555,8 @@ def test_a_simulation_leaves_the_daemons_log_as_it_found_it(caplog):
 
     from streamdiff.config import Config
     from streamdiff.models.spec import PRESET_FACTS
-    from streamdiff.placement.sim import Layout, simulate
+    from streamdiff.placement.layout import Layout
+    from streamdiff.placement.sim import simulate
 
     caplog.set_level(logging.INFO, logger="streamdiff")
     cfg = Config()

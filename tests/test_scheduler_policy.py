@@ -383,11 +383,8 @@ ADMIT_ALL = config(**ADMIT_ALL_SECTIONS)
 
 
 def calibrated(world: World, factors: dict[int, float], block_ms: float = 100.0, vae_ms: float = 0.0) -> None:
-    info = {
-        "dit_cost": {"block_ms": block_ms, "size": [128, 64]},
-        "dit_batch_ms": {str(b): f * block_ms for b, f in factors.items()},
-        "dit_memory": None,
-    }
+    batch_ms = {str(b): f * block_ms for b, f in factors.items()}
+    info = m.ReadyInfo(dit=m.DiTReady(m.StageCost(block_ms, [128, 64]), batch_ms))
     world.step(s.WorkerReady("dit0", info))
     if vae_ms:
         world.sched.capacity.calibrate("vae-group-0", [128, 64], vae_ms, None)
@@ -484,12 +481,7 @@ def test_decodes_go_earliest_deadline_first_and_in_order_per_session():
 
 
 def vae_calibrated(world: World, factor: float, block_ms: float = 100.0) -> None:
-    info = {
-        "vae_rank": 0,
-        "vae_cost": {"block_ms": block_ms, "size": [128, 64]},
-        "vae_batch_ms": {"2": factor * block_ms},
-        "vae_memory": None,
-    }
+    info = m.ReadyInfo(vae=m.VAEReady(m.StageCost(block_ms, [128, 64]), {"2": factor * block_ms}))
     world.step(s.WorkerReady(world.groups[0][0], info))
 
 
@@ -630,7 +622,7 @@ def test_a_hybrid_groups_decodes_carry_band_weights_sized_to_the_dits_slack():
     ):
         w = World(ONE_PIPELINE_K2, devices=devices)
         calibrated(w, {2: 1.0}, block_ms=100.0)
-        info = {"vae_rank": 0, "vae_cost": {"block_ms": 150.0, "size": [128, 64]}, "vae_memory": None}
+        info = m.ReadyInfo(vae=m.VAEReady(m.StageCost(150.0, [128, 64])))
         w.step(s.WorkerReady("vae0.0", info))
         w.submit("a")
         w.run()

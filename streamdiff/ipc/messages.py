@@ -103,13 +103,103 @@ class Shutdown(Message, tag="shutdown"):
 # ----------------------------------------------------------------------------- worker -> supervisor
 
 
+class StageCost(msgspec.Struct, frozen=True):
+    """One block at `size` ([w, h]) timed at start: the admission model's first estimate."""
+
+    block_ms: float
+    size: list[int]
+    busy_ms: float | None = None  # the DiT: of block_ms, its own work
+
+
+class DiTMemory(msgspec.Struct, frozen=True):
+    """What one DiT session holds: its KV window, exact per token (KVCache.nbytes), and its
+    cross-attention keys; and the budget it holds them in."""
+
+    kv_bytes_per_token: float
+    window_frames: int
+    cross_bytes: float
+    budget_bytes: float
+
+
+class VAEMemory(msgspec.Struct, frozen=True):
+    """What one VAE session's temporal cache holds per latent pixel of a shard, and the budget."""
+
+    cache_bytes_per_latent_pixel: float
+    budget_bytes: float
+
+
+class StageTimes(msgspec.Struct, frozen=True):
+    """Each VAE decoder stage's time at `size` (what the supervisor moves a cut by)."""
+
+    ms: list[float]
+    size: list[int]
+
+
+class ModelFacts(msgspec.Struct, frozen=True):
+    """The model a DiT worker loaded, as the supervisor needs it without importing torch."""
+
+    model: str
+    frames_per_block: int
+    fps: int
+    spatial_factor: int
+    temporal_factor: int
+    size_multiple: int
+    latent_channels: int
+    default_size: list[int]
+    embedded_weights: bool = False
+    i2v: bool = False
+    loaded: dict = {}  # the checkpoint, weight set, LoRA and sampler settings it runs (engines.describe_load)
+
+
+class DiTReady(msgspec.Struct, frozen=True):
+    """A DiT stage's start-up: its calibration block, a pair's per-block share, its memory."""
+
+    cost: StageCost
+    batch_ms: dict[str, float] = {}  # batch size -> per-block ms in a batch of that many
+    memory: DiTMemory | None = None
+    rank: int = 0
+    world: int = 1
+    facts: ModelFacts | None = None
+
+
+class VAEReady(msgspec.Struct, frozen=True):
+    """A VAE stage's start-up (every shard of a group reports; rank 0's figures are the group's)."""
+
+    cost: StageCost
+    batch_ms: dict[str, float] = {}
+    memory: VAEMemory | None = None
+    rank: int = 0
+    world: int = 1
+    spatial_factor: int = 8
+    temporal_factor: int = 4
+    stages_ms: StageTimes | None = None  # with a VAE cut: each decoder stage's time
+
+
+class ReadyInfo(msgspec.Struct, frozen=True):
+    device: str = ""
+    roles: list[str] = []
+    dit: DiTReady | None = None
+    vae: VAEReady | None = None
+
+    def facts(self) -> dict:
+        """The model facts its stages report, flat (the supervisor checks them against the
+        preset's and takes the ones only a loaded model knows)."""
+        out: dict = {}
+        if self.vae is not None:
+            out.update(spatial_factor=self.vae.spatial_factor, temporal_factor=self.vae.temporal_factor)
+        if self.dit is not None and self.dit.facts is not None:
+            out.update(msgspec.structs.asdict(self.dit.facts))
+        return out
+
+
 class Ready(Message, tag="ready"):
-    """Handshake: the worker's stages are built. `info` carries the model facts the supervisor
-    needs without importing torch (frames per block, factors, fps, sizes)."""
+    """Handshake: the worker's stages are built. `info` carries what they measured at start and
+    the model facts the supervisor needs without importing torch (frames per block, factors,
+    fps, sizes)."""
 
     worker: str
     pid: int
-    info: dict = {}
+    info: ReadyInfo = ReadyInfo()
 
 
 class Heartbeat(Message, tag="hb"):

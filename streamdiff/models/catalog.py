@@ -11,8 +11,6 @@ key) is recorded in docs/published-models.md. Every setting can still be overrid
 
 from __future__ import annotations
 
-import argparse
-import json
 from dataclasses import asdict, dataclass
 
 WEIGHT_SETS = ("ema", "generator")  # `generator_ema` or `generator` of a training checkpoint
@@ -167,19 +165,3 @@ def table() -> str:
         )  # fmt: skip
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows)
-
-
-def main(argv: list[str]) -> int:
-    ap = argparse.ArgumentParser(
-        prog="streamdiffd models",
-        description="The published causal Wan checkpoints this daemon runs as their authors run them "
-        "(streamdiffd --preset NAME --model WAN_DIR --dit-checkpoint FILE).",
-    )
-    ap.add_argument("--json", action="store_true", help="one JSON object per preset, one per line")
-    a = ap.parse_args(argv)
-    if a.json:
-        for p in CHECKPOINT_PRESETS.values():
-            print(json.dumps(p.to_json()))
-    else:
-        print(table())
-    return 0

@@ -13,9 +13,10 @@ from ..config import Config, ConfigError, explicit_layout, planned
 from ..models.spec import DIT_DIMS
 from ..supervisor.topology import model_facts
 from .cost import DoesNotFit, ModelCost, dit_name, model_cost
+from .costs import cut_exchange
+from .layout import Layout
 from .planner import plan
 from .profile import Profile, cache_path, device_count, device_memory, load_cached, measure, model_key
-from .sim import Layout, cut_exchange
 
 
 @dataclass
@@ -39,21 +40,6 @@ def state_dir(cfg: Config) -> Path:
         return Path(os.environ["STATE_DIRECTORY"].split(":")[0])
     base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
     return Path(base) / "streamdiff"
-
-
-def layout_of(cfg: Config) -> Layout:
-    t = explicit_layout(cfg.topology)
-    return Layout(
-        t.mode,
-        t.dit_devices,
-        t.vae_devices,
-        t.vae_group_size,
-        t.threads_per_worker,
-        t.vae_band_weights,
-        t.dit_group_size,
-        t.vae_cut,
-        shared=t.share_cores,
-    )
 
 
 def profile_for(cfg: Config, size: tuple[int, int], devices: int, log, rounds: int = 1) -> tuple[Profile, Path]:
@@ -127,7 +113,7 @@ def place(cfg: Config, log=print) -> tuple[Config, Placement]:
     check_memory(cfg, tuple(model_facts(cfg)["default_size"]), device_memory(t.device))
     if not planned(t):
         resolved = dataclasses.replace(cfg, topology=explicit_layout(t))
-        lay = layout_of(resolved)
+        lay = Layout.of(resolved.topology)
         need = lay.devices // lay.threads  # devices, not cores
         if t.device != "cpu" and need > (have := device_count(t.device)):
             # on the CPU the workers share the cores; an accelerator index past the last one
@@ -143,16 +129,8 @@ def place(cfg: Config, log=print) -> tuple[Config, Placement]:
     prof, path = profile_for(cfg, size, n, log)
     p = plan(cfg, prof, n, t.objective, facts, size)
     best, pred = p.best
-    chosen = dataclasses.replace(
+    chosen = best.configure(
         t,
-        mode=best.mode,
-        dit_devices=best.dit,
-        vae_devices=best.vae,
-        vae_group_size=best.group,
-        dit_group_size=best.dit_group,
-        threads_per_worker=best.threads,
-        vae_cut=best.cut,
-        share_cores=best.shared,
         vae_cut_adapt=best.cut > 0,  # from there the cut follows the blocks' measured times,
         vae_cut_exchange=cut_exchange(prof, best, size, t.vae_cut_exchange),  # priced as the planner did
     )

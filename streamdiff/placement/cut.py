@@ -14,7 +14,7 @@ blocks being made balance.
 Moved work does not cost the same on both sides: run side by side on the EPYC, the stages a cut
 moves added 1.6 ms to the DiT's block for each 1 ms they took off the VAE's (docs/benchmarks.md;
 the DiT's process runs them slower, and the activation reaches the VAE's core cold). The
-profile's cut probes measure that exchange (sim.py `Costs.cut_exchange`); the planner passes it
+profile's cut probes measure that exchange (placement/costs.py `Costs.cut_exchange`); the planner passes it
 as topology.vae_cut_exchange, so the balance here prices a cut as the simulator that chose it.
 
 A session takes its DiT worker's cut at each shot's start, where both sides' stage caches start

@@ -28,8 +28,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..config import OBJECTIVES, Config
+from .layout import Layout
 from .profile import Profile, offered_cuts
-from .sim import Layout, Prediction, simulate
+from .sim import Prediction, simulate
 
 
 def _divisors(n: int) -> list[int]:

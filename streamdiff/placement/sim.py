@@ -1,4 +1,5 @@
-"""A discrete-event model of the pipeline: what a layout would do with a workload, from a profile.
+"""A discrete-event model of the pipeline: what a layout (layout.py) would do with a workload,
+from a profile's service times (costs.py).
 
 The policy is not modelled but run: the daemon's own `Scheduler` (admission, EDF, batching,
 band weights, pacing) takes the simulated events and its actions are carried out on simulated
@@ -38,262 +39,13 @@ from ..ipc import messages as m
 from ..models.wan.kernels import split_rows
 from ..plan import Scene, plan_blocks
 from ..supervisor import scheduler as s
-from ..supervisor.topology import Topology, layout_processes
+from .costs import SPATIAL, Costs, cut_exchange
+from .layout import Layout
 from .profile import Profile
 
 HOP_S = 0.001  # a message's way through ZeroMQ and back, and the ring copies around it
 BUSY_GAP_S = 0.01  # a process whose last job ended this recently is still busy (an aggregated
 # worker's VAE batch starts a hop or two after its DiT batch ends)
-SPATIAL = 8
-
-
-@dataclass(frozen=True)
-class Layout:
-    mode: str  # disaggregated | aggregated | hybrid
-    dit: int  # DiT devices (workers)
-    vae: int  # VAE devices (shards)
-    group: int = 0  # shards per VAE group (0: all)
-    threads: int = 1  # per worker (CPU)
-    weights: tuple[float, ...] = ()
-    dit_group: int = 1  # devices per DiT (Ulysses; disaggregated)
-    cut: int = 0  # the DiT workers also run the VAE decoder's first `cut` stages (topology.vae_cut)
-    shared: bool = False  # CPU: a waiting worker lends its cores to the other (topology.share_cores)
-
-    @property
-    def group_size(self) -> int:
-        return self.group or self.vae
-
-    @property
-    def devices(self) -> int:
-        """Devices it occupies (on the CPU a device is a core: threads count)."""
-        n = self.dit + self.vae if self.mode == "disaggregated" else max(self.dit, self.vae)
-        return n * self.threads
-
-    @property
-    def name(self) -> str:
-        k = self.group_size
-        if self.mode == "disaggregated":
-            base = f"disagg-{self.dit}+{self.vae}" + (f"/k{k}" if k != self.vae else "")
-            base += f"/sp{self.dit_group}" if self.dit_group > 1 else ""
-            base += f"/cut{self.cut}" if self.cut else ""
-        elif self.mode == "hybrid":
-            base = f"hybrid-{self.dit}+{self.vae}" + (f"/k{k}" if k != self.vae else "")
-        elif self.dit_group > 1:  # one DiT and one VAE group over the same devices, in sequence
-            base = f"agg-sp{self.dit_group}"
-        elif self.dit == 1 and self.vae == 1:
-            base = "agg-1"
-        elif self.dit == self.vae and k == 1:
-            base = f"agg-{self.dit}rep"
-        elif self.dit == 1 and k == self.vae:
-            base = f"agg-seq-k{self.vae}"
-        else:
-            base = f"agg-{self.dit}+{self.vae}/k{k}"
-        return base + (f"x{self.threads}t" if self.threads > 1 else "") + ("/shared" if self.shared else "")
-
-    def flags(self) -> list[str]:
-        out = ["--mode", self.mode, "--dit-gpus", str(self.dit), "--vae-gpus", str(self.vae)]
-        if self.group and self.group != self.vae:
-            out += ["--vae-group-size", str(self.group)]
-        if self.dit_group > 1:
-            out += ["--dit-group-size", str(self.dit_group)]
-        if self.threads > 1:
-            out += ["--threads-per-worker", str(self.threads)]
-        if self.cut:
-            out += ["--vae-cut", str(self.cut)]
-        if self.shared:
-            out += ["--share-cores"]
-        return out
-
-    def topology(self) -> Topology:
-        lay = layout_processes(self.mode, self.dit, self.vae, self.group_size, self.dit_group)
-        dit_groups = {g[0]: g for g in lay.dit_groups if len(g) > 1}
-        return Topology([], lay.dit_names, lay.group_names, {name: dev for name, _, dev in lay.procs}, dit_groups)
-
-
-def _clamp(factor: float) -> float:
-    """A measured cost factor kept to what a noisy probe can be trusted for."""
-    return min(4.0, max(0.25, factor))
-
-
-@dataclass
-class Costs:
-    """Service times of one frame size, in seconds, from a profile."""
-
-    profile: Profile
-    size: tuple[int, int]
-    threads: int
-    dit_group: int = 1
-    cut: int = 0  # the layout's; a block may carry its own (an adapting cut, placement/cut.py)
-
-    def __post_init__(self) -> None:
-        fig = self.profile.size(*self.size)
-        t = str(self.threads) if str(self.threads) in fig["dit"] else "1"
-        self.dit, self.vae1, self.enc = fig["dit"][t], fig["vae"][t], fig["encode"]
-        if self.dit_group > 1:  # one DiT over g devices: its rank 0's times, all-to-alls included
-            self.dit = fig["dit_group"][str(self.dit_group)]
-        # On the CPU the supervisor (the encoder threads) shares the DiT workers' cores: what
-        # encoding a block takes from the DiT, measured beside it (0 where not measured).
-        self.host_ms = max(0.0, self.dit.get("host_block_ms", self.dit["block_ms"]) - self.dit["block_ms"])
-        # an image-to-video request's first block: the image encoded and committed (profile.py `_image_ms`;
-        # where not measured, a first block's time)
-        self.image_ms = self.dit.get("image_ms", self.dit["first_ms"])
-        self.fig = fig
-        self.factors = self.cut_factors()
-        self.cut_ms = self.dit_cut_ms(self.cut)
-        self.groups = fig.get("vae_group", {})
-        self.rows = self.size[1] // SPATIAL
-        self.beside = self._beside(fig.get("hybrid"))
-        self._fit()
-
-    def _stages_off_vae(self, cut: int) -> float:
-        """A cut's first stages' share of the VAE's measured time."""
-        return self.vae1["block_ms"] * cut_fraction(self.fig, cut)
-
-    def _stages_on_dit(self, cut: int) -> float:
-        """The stages as the profile timed them in the DiT's process after its block (profiles
-        from before that: the time they leave the VAE)."""
-        beside_dit = self.dit.get("cut_stages_ms")
-        return sum(beside_dit[:cut]) if beside_dit and cut else self._stages_off_vae(cut)
-
-    def _cut_probes(self) -> tuple[float, float, float, float] | None:
-        """Over the cuts the profile ran side by side (profile.py `_levels`): what they added to
-        the DiT's block, took off the VAE's, and the stage times they moved as timed on the DiT
-        and as a share of the VAE's decode; None where none was (probes are of one-thread
-        workers)."""
-        probes = self.fig.get("levels", {}).get("cuts", {}) if self.threads == 1 else {}
-        on = sum(self._stages_on_dit(int(c)) for c in probes)
-        off = sum(self._stages_off_vae(int(c)) for c in probes)
-        if not probes or on <= 0 or off <= 0:
-            return None
-        grew = sum(p["dit"] for p in probes.values()) - len(probes) * self.dit["block_ms"]
-        fell = len(probes) * self.vae1["block_ms"] - sum(p["vae"] for p in probes.values())
-        return grew, fell, on, off
-
-    def cut_factors(self) -> tuple[float, float]:
-        """(DiT, VAE): what the cut probes added to the DiT's block against the stages' times
-        there, and took off the VAE's against their share of its decode; (1, 1) unmeasured."""
-        p = self._cut_probes()
-        return (1.0, 1.0) if p is None else (_clamp(p[0] / p[2]), _clamp(p[1] / p[3]))
-
-    def cut_exchange(self) -> tuple[float, float]:
-        """(DiT, VAE): the same per ms of the VAE's decode that a cut moves, as the daemon's cut
-        balance prices a cut (placement/cut.py, topology.vae_cut_exchange)."""
-        p = self._cut_probes()
-        return (1.0, 1.0) if p is None else (_clamp(p[0] / p[3]), _clamp(p[1] / p[3]))
-
-    def vae_cut_ms(self, cut: int) -> float:
-        """What a cut takes off the VAE."""
-        return self.factors[1] * self._stages_off_vae(cut)
-
-    def dit_cut_ms(self, cut: int) -> float:
-        """What a cut adds to the DiT's block."""
-        return self.factors[0] * self._stages_on_dit(cut)
-
-    def lent_speedups(self, cores: int, first: bool = False) -> tuple[float, float]:
-        """(DiT, VAE): each stage's speed on `cores` threads (its own and those lent to it while
-        the other waits) against its speed on its own, from the profile's thread rounds; 1 where
-        the profile has no figure at that count. `first`: a shot's first block, timed after
-        idle (on the EPYC two threads made the DiT's no faster: 71 ms against 72)."""
-        key = "first_ms" if first else "block_ms"
-
-        def up(role: str, own: dict) -> float:
-            alone = self.fig[role].get(str(cores))
-            return max(1.0, own[key] / alone[key]) if alone and alone.get(key, 0) > 0 and own.get(key) else 1.0
-
-        return up("dit", self.dit), up("vae", self.vae1)
-
-    def _beside(self, probe: dict | None) -> float:
-        """How much of the time a decoding shard leaves free on its core a low-priority DiT turns
-        into work (the profile's hybrid probe): the two switch at every halo exchange, and the
-        DiT's caches go cold. 1 when not measured. The DiT's time alone is the probe's own, taken
-        seconds before it (profiles from before it was recorded: the DiT's measurement)."""
-        if not probe:
-            return 1.0
-        shard0 = probe["group"][0]
-        free = 1.0 - shard0["own_ms"] / shard0["block_ms"]
-        if free <= 0 or probe["dit"]["wall_ms"] <= 0:
-            return 1.0
-        alone = probe["dit"].get("alone_ms", self.dit["block_ms"])
-        return min(1.0, max(0.05, alone / (probe["dit"]["wall_ms"] * free)))
-
-    def _fit(self) -> None:
-        """own(rows) = front + rows * per_row, least squares over the profile's bands."""
-        pts = [(self.rows, self.vae1["own_ms"])]
-        for splits in self.groups.values():
-            for shards in splits.values():
-                pts += [(x["rows"], x["own_ms"]) for x in shards]
-        n = len(pts)
-        mx, my = sum(p[0] for p in pts) / n, sum(p[1] for p in pts) / n
-        var = sum((p[0] - mx) ** 2 for p in pts)
-        b = sum((p[0] - mx) * (p[1] - my) for p in pts) / var if var > 0 else my / max(mx, 1)
-        b = max(b, 1e-3)
-        self.per_row_ms, self.front_ms = b, max(0.0, my - b * mx)
-
-    @staticmethod
-    def _batch(fig: dict, n: int, block_ms: float) -> float:
-        """Per-block ms in a batch of n (the nearest batch size measured)."""
-        if n <= 1 or not fig.get("batch_ms"):
-            return block_ms
-        sizes = sorted(int(k) for k in fig["batch_ms"])
-        near = min(sizes, key=lambda k: (abs(k - n), k))
-        return fig["batch_ms"][str(near)]
-
-    def dit_s(self, n: int, shot_starts: int, cuts: list[int] | None = None, host: bool = True) -> float:
-        """A batch of n blocks (every block is whole: plan.py); `cuts`: each block's VAE cut
-        (default: the layout's); `host`: the encoder is at work beside it (not before the first
-        fragment)."""
-        d = self.dit
-        per = self._batch(d, n, d["block_ms"])
-        # A shot's first block: its prompt, its own steps, an empty cache (cheaper on the CPU).
-        first = shot_starts * (d["first_ms"] - d["block_ms"]) * per / d["block_ms"]
-        stages = sum(self.dit_cut_ms(c) for c in cuts) if cuts is not None else self.cut_ms * n
-        return (per * n + first + stages + (self.host_ms * n if host else 0.0)) / 1000
-
-    def dit_own_ms(self) -> float:
-        return self.dit["own_ms"]
-
-    def _overhead_ms(self, k: int) -> float:
-        g = self.groups.get(str(k), {}).get("equal")
-        if g:
-            return max(0.0, g[0]["block_ms"] - max(x["own_ms"] for x in g))
-        two = self.groups.get("2", {}).get("equal")  # not measured at this k: as at 2
-        return max(0.0, two[0]["block_ms"] - max(x["own_ms"] for x in two)) if two else 0.0
-
-    def vae(
-        self,
-        k: int,
-        rows: list[int],
-        n: int,
-        first: bool,
-        cut: int | None = None,
-        busy: bool = False,
-    ) -> tuple[float, list[float]]:
-        """(seconds for the group's batch, each shard's own seconds); `cut`: the batch's VAE cut
-        (default: the layout's); `busy`: the process ran other work
-        until now (a shot's first block after idle is slower on two threads, profile.py)."""
-        v = self.vae1
-        scale = self._batch(v, n, v["block_ms"]) / v["block_ms"] * n
-        if first:
-            scale *= ((v.get("first_busy_ms") if busy else None) or v["first_ms"]) / v["block_ms"]
-        if k == 1:
-            own = (v["block_ms"] - self.vae_cut_ms(self.cut if cut is None else cut)) * scale / 1000
-            return own, [own]
-        own = [(self.front_ms + r * self.per_row_ms) * scale / 1000 for r in rows]
-        return max(own) + self._overhead_ms(k) * scale / 1000, own
-
-    def encode_s(self, first: bool) -> float:
-        return self.enc["first_ms" if first else "block_ms"] / 1000
-
-
-def cut_fraction(fig: dict, cut: int) -> float:
-    """The share of the VAE's time in its decoder's first `cut` stages (the profile's per-stage
-    times; 0 without a cut)."""
-    if not cut:
-        return 0.0
-    stages = fig["vae"]["1"].get("stages_ms")
-    if not stages or cut >= len(stages):
-        raise ValueError(f"the profile has no VAE stage times for a cut of {cut}")
-    return sum(stages[:cut]) / sum(stages)
 
 
 @dataclass
@@ -331,30 +83,10 @@ class Result:
     fragments: dict = field(default_factory=dict)  # session -> [(time, frames)]
 
 
-def cut_exchange(profile: Profile, layout: Layout, size: tuple[int, int], default: tuple[float, ...]) -> tuple:
-    """The exchange the daemon's cut balance prices a layout's cut at (topology.vae_cut_exchange):
-    the profile's, for a layout with a cut; `default` for one without."""
-    if not layout.cut:
-        return default
-    return Costs(profile, size, layout.threads, layout.dit_group, layout.cut).cut_exchange()
-
-
 class Sim:
     def __init__(self, cfg: Config, profile: Profile, layout: Layout, size: tuple[int, int], facts: dict) -> None:
-        t = replace(
-            cfg.topology,
-            mode=layout.mode,
-            dit_devices=layout.dit,
-            vae_devices=layout.vae,
-            vae_group_size=layout.group,
-            dit_group_size=layout.dit_group,
-            vae_cut=layout.cut,
-            share_cores=layout.shared,
-            vae_cut_exchange=cut_exchange(profile, layout, size, cfg.topology.vae_cut_exchange),
-            threads_per_worker=layout.threads,
-            vae_band_weights=layout.weights,
-        )
-        self.cfg = replace(cfg, topology=t)
+        exchange = cut_exchange(profile, layout, size, cfg.topology.vae_cut_exchange)
+        self.cfg = replace(cfg, topology=layout.configure(cfg.topology, vae_cut_exchange=exchange))
         self.layout, self.facts = layout, facts
         self.topo = layout.topology()
         self.costs: dict[tuple[int, int], Costs] = {}
@@ -395,27 +127,21 @@ class Sim:
         c = self.cost(w, h)
         events = []
         for dit in self.topo.dit_workers:
-            info = {
-                "dit_cost": {"block_ms": c.dit["block_ms"] + c.cut_ms, "busy_ms": c.dit["own_ms"], "size": [w, h]},
-                "dit_batch_ms": {"2": c.dit["batch_ms"]["2"]} if "2" in c.dit.get("batch_ms", {}) else {},
-                "dit_memory": None,
-            }
-            events.append(s.WorkerReady(dit, info))
+            cost = m.StageCost(c.dit["block_ms"] + c.cut_ms, [w, h], busy_ms=c.dit["own_ms"])
+            batch_ms = {"2": c.dit["batch_ms"]["2"]} if "2" in c.dit.get("batch_ms", {}) else {}
+            events.append(s.WorkerReady(dit, m.ReadyInfo(dit=m.DiTReady(cost, batch_ms))))
         stages = c.vae1.get("stages_ms")
         for group in self.topo.vae_groups:
             k = len(group)
             # The worker's start-up block is a whole decode, with a cut too (stages.VAEStage.calibrate).
             g_ms, _ = c.vae(k, [r1 - r0 for r0, r1 in split_rows(h // SPATIAL, k)], 1, False, 0)
             b2 = c.vae1.get("batch_ms", {}).get("2")
-            info = {
-                "vae_rank": 0,
-                "vae_cost": {"block_ms": 1000 * g_ms, "size": [w, h]},
-                "vae_batch_ms": {"2": b2 * g_ms * 1000 / c.vae1["block_ms"]} if b2 else {},
-                "vae_memory": None,
-            }
-            if self.layout.cut and stages:
-                info["vae_stages_ms"] = {"ms": stages, "size": [w, h]}
-            events.append(s.WorkerReady(group[0], info))
+            vae = m.VAEReady(
+                m.StageCost(1000 * g_ms, [w, h]),
+                {"2": b2 * g_ms * 1000 / c.vae1["block_ms"]} if b2 else {},
+                stages_ms=m.StageTimes(stages, [w, h]) if self.layout.cut and stages else None,
+            )
+            events.append(s.WorkerReady(group[0], m.ReadyInfo(vae=vae)))
         self.step(events)
 
     # -- the event loop -----------------------------------------------------------------------

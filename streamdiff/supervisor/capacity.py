@@ -22,6 +22,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from ..ipc.messages import DiTMemory, VAEMemory
+
 EWMA = 0.3  # weight of the newest block in a unit's cost
 TRIALS = 3  # batches of a size run before its factor is trusted over a one-off timing at READY
 TRIAL_MARGIN = 1.1  # ... where that timing put it within this of no gain (a one-off CPU timing's noise)
@@ -39,12 +41,12 @@ class CapacityModel:
     def __init__(self, target_utilization: float) -> None:
         self.target = target_utilization
         self.cost_ms: dict[tuple[str, tuple[int, int]], float] = {}  # (unit, (w, h)) -> ms per block
-        self.memory: dict[str, dict] = {}  # unit -> what its worker said it holds per session
+        self.memory: dict[str, DiTMemory | VAEMemory] = {}  # unit -> what its worker said it holds per session
         self.factor: dict[tuple, float] = {}  # (unit, (w, h), batch size) -> per-block share / alone
         self.batches_seen: dict[tuple, int] = {}  # (unit, (w, h), batch size) -> blocks observed
 
     # -- what the workers tell ----------------------------------------------------------------
-    def calibrate(self, unit: str, size: list[int], block_ms: float, memory: dict | None) -> None:
+    def calibrate(self, unit: str, size: list[int], block_ms: float, memory: DiTMemory | VAEMemory | None) -> None:
         self.cost_ms.setdefault((unit, (size[0], size[1])), block_ms)
         if memory:
             self.memory[unit] = memory
@@ -124,9 +126,9 @@ class CapacityModel:
             if mem is None:
                 continue
             if stage == "dit":
-                d.memory[unit] = mem["kv_bytes_per_token"] * mem["window_frames"] * tokens + mem["cross_bytes"]
+                d.memory[unit] = mem.kv_bytes_per_token * mem.window_frames * tokens + mem.cross_bytes
             else:  # each shard holds about its share of the rows (the calibration measured one shard)
-                d.memory[unit] = mem["cache_bytes_per_latent_pixel"] * latent_hw[0] * latent_hw[1]
+                d.memory[unit] = mem.cache_bytes_per_latent_pixel * latent_hw[0] * latent_hw[1]
         return d
 
     def load(self, running: list[Demand]) -> tuple[dict[str, float], dict[str, float]]:
@@ -151,7 +153,7 @@ class CapacityModel:
         if any(share.get(u, 0.0) + x > self.target for u, x in new.share.items()):
             return False
         return all(
-            memory.get(u, 0.0) + x <= self.memory[u]["budget_bytes"] for u, x in new.memory.items() if u in self.memory
+            memory.get(u, 0.0) + x <= self.memory[u].budget_bytes for u, x in new.memory.items() if u in self.memory
         )
 
     def predicted_start(

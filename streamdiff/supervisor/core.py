@@ -188,7 +188,7 @@ class Supervisor:
     def _check_facts(self) -> None:
         """The workers' model must fit the rings the supervisor sized from the preset."""
         for w in self.pool.workers.values():
-            info = w.info
+            info = w.info.facts()
             for key in ("frames_per_block", "spatial_factor", "temporal_factor", "latent_channels"):
                 if key in info and info[key] != self.facts[key]:
                     raise RuntimeError(f"worker {w.spec.name} reports {key}={info[key]}, expected {self.facts[key]}")

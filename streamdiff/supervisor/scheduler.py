@@ -101,7 +101,7 @@ class Ack:
 @dataclass(frozen=True)
 class WorkerReady:
     worker: str
-    info: dict
+    info: m.ReadyInfo
 
 
 @dataclass(frozen=True)
@@ -429,27 +429,28 @@ class Scheduler:
 
     def _worker_ready(self, ev: WorkerReady) -> None:
         """A worker's READY: its calibration blocks and memory facts seed the capacity model."""
-        info = ev.info
-        if "dit_cost" in info:
-            cost = info["dit_cost"]
-            self.capacity.calibrate(ev.worker, cost["size"], cost["block_ms"], info["dit_memory"])
-            for b, ms in info.get("dit_batch_ms", {}).items():
-                self.capacity.calibrate_batch(ev.worker, cost["size"], int(b), ms / cost["block_ms"])
-            self.balance.seed_dit(ev.worker, cost.get("busy_ms", cost["block_ms"]), self._latent_hw(*cost["size"]))
+        dit, vae = ev.info.dit, ev.info.vae
+        if dit is not None:
+            cost = dit.cost
+            self.capacity.calibrate(ev.worker, cost.size, cost.block_ms, dit.memory)
+            for b, ms in dit.batch_ms.items():
+                self.capacity.calibrate_batch(ev.worker, cost.size, int(b), ms / cost.block_ms)
+            busy = cost.block_ms if cost.busy_ms is None else cost.busy_ms
+            self.balance.seed_dit(ev.worker, busy, self._latent_hw(*cost.size))
             if self.cuts is not None:  # its start-up block ran the configured cut's stages
-                hw = self._latent_hw(*cost["size"])
-                self.cuts.observe_dit(ev.worker, None, cost["block_ms"], self.cuts.start, hw)
-        if "vae_cost" in info and info.get("vae_rank") == 0:
+                hw = self._latent_hw(*cost.size)
+                self.cuts.observe_dit(ev.worker, None, cost.block_ms, self.cuts.start, hw)
+        if vae is not None and vae.rank == 0:
             group = next(i for i, g in enumerate(self.topology.vae_groups) if ev.worker in g)
             unit = self._group_unit(group)
-            cost = info["vae_cost"]
-            self.capacity.calibrate(unit, cost["size"], cost["block_ms"], info["vae_memory"])
-            self.balance.seed(group, cost["block_ms"], self._latent_hw(*cost["size"]))
-            for b, ms in info.get("vae_batch_ms", {}).items():
-                self.capacity.calibrate_batch(unit, cost["size"], int(b), ms / cost["block_ms"])
-            if self.cuts is not None and "vae_stages_ms" in info:  # its start-up block: a whole decode
-                self.cuts.seed(info["vae_stages_ms"]["ms"])
-                self.cuts.observe_vae(unit, cost["block_ms"], 0, self._latent_hw(*cost["size"]))
+            cost = vae.cost
+            self.capacity.calibrate(unit, cost.size, cost.block_ms, vae.memory)
+            self.balance.seed(group, cost.block_ms, self._latent_hw(*cost.size))
+            for b, ms in vae.batch_ms.items():
+                self.capacity.calibrate_batch(unit, cost.size, int(b), ms / cost.block_ms)
+            if self.cuts is not None and vae.stages_ms is not None:  # its start-up block: a whole decode
+                self.cuts.seed(vae.stages_ms.ms)
+                self.cuts.observe_vae(unit, cost.block_ms, 0, self._latent_hw(*cost.size))
 
     def _latent_hw(self, width: int, height: int) -> tuple[int, int]:
         sf = self.facts["spatial_factor"]

@@ -104,7 +104,7 @@ class WorkerPool:
     def _spawn(self, w: WorkerState) -> None:
         from ..workers.main import worker_main
 
-        w.ready, w.info, w.failure, w.ready_since = False, {}, None, None
+        w.ready, w.info, w.failure, w.ready_since = False, m.ReadyInfo(), None, None
         w.last_heartbeat = w.spawned_at = time.monotonic()
         w.process = self.ctx.Process(target=worker_main, args=(w.spec,), name=w.spec.name, daemon=True)
         w.process.start()
@@ -156,12 +156,11 @@ class WorkerPool:
         w.ready_since = w.last_heartbeat
         self._restarting.discard(msg.worker)
         timed = []  # what it measured at start, for the capacity model
-        for stage in ("dit", "vae"):
-            cost = msg.info.get(f"{stage}_cost")
-            if cost:
-                pair = msg.info.get(f"{stage}_batch_ms", {}).get("2")
+        for stage, ready in (("dit", msg.info.dit), ("vae", msg.info.vae)):
+            if ready is not None:
+                pair = ready.batch_ms.get("2")
                 each = f", {pair:.0f} each in a pair" if pair else ""
-                timed.append(f"{stage} {cost['block_ms']:.0f} ms per block{each}")
+                timed.append(f"{stage} {ready.cost.block_ms:.0f} ms per block{each}")
         log.info("worker %s ready (pid %d)%s", msg.worker, msg.pid, f": {'; '.join(timed)}" if timed else "")
         self._wake()
         unit = self._leader.get(msg.worker, msg.worker)

@@ -103,14 +103,15 @@ class Worker:
     def start(self) -> None:
         from .stages import DiTStage, VAEStage
 
-        info: dict = {"device": self.spec.device, "roles": list(self.spec.roles)}
+        ready: dict = {}
         self.faults.hit("start")
         if "dit" in self.spec.roles:
             self.stages["dit"] = DiTStage(self.spec, self.faults)
-            info.update(self.stages["dit"].info())
+            ready["dit"] = self.stages["dit"].info()
         if "vae" in self.spec.roles:
             self.stages["vae"] = VAEStage(self.spec, self.faults)
-            info.update(self.stages["vae"].info())
+            ready["vae"] = self.stages["vae"].info()
+        info = m.ReadyInfo(self.spec.device, list(self.spec.roles), **ready)
         if self.spec.lend:
             from .lending import Lender
 

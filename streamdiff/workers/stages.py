@@ -208,24 +208,22 @@ class DiTStage:
         """The modules this stage runs (shared cores install their hooks on them)."""
         return [self.engine.model] + ([self.vae] if self.vae is not None else [])
 
-    def info(self) -> dict:
+    def info(self) -> m.DiTReady:
         p = self.engine.preset
-        return {
-            "dit_rank": self.rank,
-            "dit_world": self.world,
-            "model": p.name,
-            "frames_per_block": p.sampler.frames_per_block,
-            "fps": p.fps,
-            "spatial_factor": p.vae.spatial_factor,
-            "temporal_factor": p.vae.temporal_factor,
-            "size_multiple": p.vae.spatial_factor * p.dit.patch_size[1],
-            "latent_channels": p.dit.in_channels,
-            "default_size": list(p.default_size),
-            "embedded_weights": p.embedded,
-            "i2v": self.engine.i2v,
-            "loaded": self.engine.loaded,
-            **self.calibration,
-        }
+        facts = m.ModelFacts(
+            model=p.name,
+            frames_per_block=p.sampler.frames_per_block,
+            fps=p.fps,
+            spatial_factor=p.vae.spatial_factor,
+            temporal_factor=p.vae.temporal_factor,
+            size_multiple=p.vae.spatial_factor * p.dit.patch_size[1],
+            latent_channels=p.dit.in_channels,
+            default_size=list(p.default_size),
+            embedded_weights=p.embedded,
+            i2v=self.engine.i2v,
+            loaded=self.engine.loaded,
+        )
+        return m.DiTReady(**self.calibration, rank=self.rank, world=self.world, facts=facts)
 
     def calibrate(self) -> dict:
         """One steady-state block at the preset's default size, timed (the admission model's
@@ -273,14 +271,10 @@ class DiTStage:
             self.engine.loaded["compile"] = {"mode": self.engine.loaded["compile"], "on": True, **compile_stats()}
             log.info("DiT blocks compiled: %(graphs)d graphs in %(compile_s).1f s", self.engine.loaded["compile"])
         return {
-            "dit_cost": {"block_ms": ms, "busy_ms": 1000 * own_s, "size": [w, h]},
-            "dit_batch_ms": batch_ms,
-            "dit_memory": {
-                "kv_bytes_per_token": per_token,  # keys, values, latents and tail, exact (KVCache.nbytes)
-                "window_frames": kv.window,
-                "cross_bytes": cross,
-                "budget_bytes": budget,
-            },
+            "cost": m.StageCost(ms, [w, h], busy_ms=1000 * own_s),
+            "batch_ms": batch_ms,
+            # keys, values, latents and tail, exact (KVCache.nbytes)
+            "memory": m.DiTMemory(per_token, kv.window, cross, budget),
         }
 
     def open(self, msg: m.OpenSession) -> None:
@@ -480,15 +474,15 @@ class VAEStage:
     def models(self) -> list[torch.nn.Module]:
         return [self.engine.model]
 
-    def info(self) -> dict:
+    def info(self) -> m.VAEReady:
         p = self.engine.preset
-        return {
-            "vae_rank": self.rank,
-            "vae_world": self.world,
-            "spatial_factor": p.vae.spatial_factor,
-            "temporal_factor": p.vae.temporal_factor,
+        return m.VAEReady(
             **self.calibration,
-        }
+            rank=self.rank,
+            world=self.world,
+            spatial_factor=p.vae.spatial_factor,
+            temporal_factor=p.vae.temporal_factor,
+        )
 
     def calibrate(self) -> dict:
         """One steady-state block at the preset's default size, decoded by the whole group
@@ -524,19 +518,16 @@ class VAEStage:
             decode([state, other], fpb)  # cold: a new shape
             batch_ms["2"] = decode([state, other], fpb) / 2
         out = {
-            "vae_cost": {"block_ms": ms, "size": [w, h]},
-            "vae_batch_ms": batch_ms,
-            "vae_memory": {
-                "cache_bytes_per_latent_pixel": cache / ((h // sf) * (w // sf)),
-                "budget_bytes": budget,
-            },
+            "cost": m.StageCost(ms, [w, h]),
+            "batch_ms": batch_ms,
+            "memory": m.VAEMemory(cache / ((h // sf) * (w // sf)), budget),
         }
         if self.cut:  # each decoder stage's time: what the supervisor moves a cut by (placement/cut.py)
             from ..placement.profile import stage_times
 
             z = (1, p.dit.in_channels, fpb, h // sf, w // sf)
             stages = stage_times(self.engine.model, state, lambda: torch.randn(z, generator=g), self.device, runs=2)
-            out["vae_stages_ms"] = {"ms": stages, "size": [w, h]}
+            out["stages_ms"] = m.StageTimes(stages, [w, h])
         return out
 
     def open(self, msg: m.OpenSession) -> None:

@@ -30,9 +30,9 @@ def _sizes(text: str) -> list[tuple[int, int]]:
     return [_size(x) for x in text.split(",") if x]
 
 
-def _config(a: argparse.Namespace):
+def _config(a: argparse.Namespace, only: tuple[str, ...] | None = None):
     """The config the daemon would run with these model flags (the rest of its flags unset)."""
-    return load(a.config, overrides_from_args(a))
+    return load(a.config, overrides_from_args(a, only))
 
 
 def profile_main(argv: list[str]) -> int:
@@ -44,9 +44,9 @@ def profile_main(argv: list[str]) -> int:
     a = p.parse_args(argv)
     if a.rounds < 1:
         p.error(f"--rounds: {a.rounds} must be at least 1")
+    from ..placement.auto import state_dir
+    from ..placement.profile import cache_path, measure
     from ..supervisor.topology import model_facts
-    from .auto import state_dir
-    from .profile import cache_path, measure
 
     cfg = _config(a)
     default = tuple(model_facts(cfg)["default_size"])
@@ -108,15 +108,15 @@ def plan_main(argv: list[str]) -> int:
     p.add_argument("--memory-gib", type=float, help="one device's memory (default: the profile's, where it says)")
     a = p.parse_args(argv)
     from ..models.spec import DIT_DIMS, known_presets, preset_facts
+    from ..placement.auto import dtype_bytes, state_dir
+    from ..placement.cost import GIB, DoesNotFit, dit_name, model_cost, priced_profile
+    from ..placement.planner import plan
+    from ..placement.profile import Profile, cache_path
     from ..supervisor.topology import model_facts
-    from .auto import dtype_bytes, state_dir
-    from .cost import GIB, DoesNotFit, dit_name, model_cost, priced_profile
-    from .planner import plan
-    from .profile import Profile, cache_path
 
     # --preset is the model to plan for, which needs no weights: not the daemon's --preset
     model_flags = ("config", "device", "model", "decoder", "decoder_weights")
-    cfg = _config(argparse.Namespace(**{k: getattr(a, k) for k in model_flags}))
+    cfg = _config(a, model_flags)
     facts = model_facts(cfg)
     path = Path(a.profile) if a.profile else cache_path(str(state_dir(cfg)), cfg, tuple(facts["default_size"]))
     try:

@@ -1,4 +1,4 @@
-"""`streamdiffd`: the daemon's command line and main loop (supervisor process).
+"""`streamdiffd` with no subcommand: the daemon's main loop (supervisor process).
 
     streamdiffd                                   # embedded tiny model on the CPU, 127.0.0.1:8000
     streamdiffd --dit-gpus 1 --vae-gpus 3 --device cuda --model /models/Wan2.1-T2V-1.3B
@@ -17,8 +17,8 @@ import signal
 import sys
 from pathlib import Path
 
-from .config import Config, ConfigError, load
-from .flags import overrides_from_args, parse_args
+from ..config import Config, ConfigError, load
+from ..flags import overrides_from_args, parse_args
 
 log = logging.getLogger("streamdiff")
 
@@ -37,9 +37,9 @@ def read_api_keys(cfg: Config) -> list[bytes]:
 async def serve(cfg: Config, api_keys: list[bytes]) -> int:
     from aiohttp import web
 
-    from .sdnotify import Notifier
-    from .server.app import make_app
-    from .supervisor.core import Supervisor
+    from ..sdnotify import Notifier
+    from ..server.app import make_app
+    from ..supervisor.core import Supervisor
 
     notifier = Notifier()
     stop = asyncio.Event()
@@ -47,7 +47,7 @@ async def serve(cfg: Config, api_keys: list[bytes]) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
 
-    from .placement.auto import place
+    from ..placement.auto import place
 
     extender = asyncio.create_task(extend_start_timeout(notifier))
     waiter = asyncio.create_task(stop.wait())
@@ -180,7 +180,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return generate_main(argv[1:])
     if argv and argv[0] in ("profile", "plan"):
-        from .placement.commands import main as placement_main
+        from ..placement.commands import main as placement_main
 
         return placement_main(argv)
     args = parse_args(argv)
@@ -199,7 +199,3 @@ def main(argv: list[str] | None = None) -> int:
         return asyncio.run(serve(cfg, api_keys))
     except KeyboardInterrupt:
         return 130
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -21,10 +21,10 @@ import os
 import sys
 from pathlib import Path
 
-from .config import Config, ConfigError, load
-from .flags import add_model_args, overrides_from_args
-from .plan import plan_blocks, scene_marker, shot_left
-from .server.api import APIError, VideoRequest, parse_video_request
+from ..config import Config, ConfigError, load
+from ..flags import add_model_args, overrides_from_args
+from ..plan import plan_blocks, scene_marker, shot_left
+from ..server.api import APIError, VideoRequest, parse_video_request
 
 # The request's fields and the flags that give them: a refusal of a field names its flag.
 FLAG_OF = {
@@ -119,7 +119,7 @@ def read_request(args: argparse.Namespace) -> tuple[dict, dict[str, str]]:
 
 def validate(body: dict, given: dict[str, str], cfg: Config, args: argparse.Namespace) -> VideoRequest:
     """The API's validation of the body; its refusal names the flag (or the file) that gave the field."""
-    from .supervisor.topology import model_facts
+    from ..supervisor.topology import model_facts
 
     try:
         return parse_video_request(body, cfg, model_facts(cfg))
@@ -147,11 +147,11 @@ def generate(cfg: Config, req: VideoRequest, args: argparse.Namespace) -> tuple[
     import torch
     from tqdm import tqdm
 
-    from .media.encoder import FragmentWriter, open_encoder
-    from .models import engines
-    from .models.wan.loading import CheckpointError
-    from .supervisor.topology import model_spec
-    from .workers.stages import decode_png
+    from ..media.encoder import FragmentWriter, open_encoder
+    from ..models import engines
+    from ..models.wan.loading import CheckpointError
+    from ..supervisor.topology import model_spec
+    from ..workers.stages import decode_png
 
     device = device_of(cfg)
     spec = model_spec(cfg)
