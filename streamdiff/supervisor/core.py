@@ -99,7 +99,7 @@ class Supervisor:
         return shapes[cut - 1]
 
     def _cut_fits(self, slot_bytes: int):
-        """placement/cut.py's test of a cut at a block's size: its activation fits a latent slot."""
+        """supervisor/cut.py's test of a cut at a block's size: its activation fits a latent slot."""
 
         def fits(cut: int, latent_hw: tuple[int, int], frames: int) -> bool:
             shapes = self._stage_shapes(frames, *latent_hw)

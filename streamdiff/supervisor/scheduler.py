@@ -52,8 +52,8 @@ from ..config import Config
 from ..ipc import messages as m
 from ..ipc.shm import SlotPool
 from ..metrics import Metrics
-from ..placement.bands import Balance
-from ..placement.cut import CutBalance
+from .bands import Balance
+from .cut import CutBalance
 from ..plan import Block, Scene, replan_from, scene_marker, shot_left
 from .capacity import CapacityModel, Demand
 from .engine import CANCELLED, DONE, FAILED, QUEUED, RUNNING
@@ -333,7 +333,7 @@ class Scheduler:
         cut_fits: Callable[[int, tuple[int, int], int], bool] | None = None,
     ) -> None:
         """cut_fits(cut, latent_hw, latent_frames): whether a VAE cut's activation of a block fits
-        a latent slot (placement/cut.py; None: any does)."""
+        a latent slot (supervisor/cut.py; None: any does)."""
         self.cfg = cfg
         self.facts = facts or {"spatial_factor": 8, "size_multiple": 16}
         self.capacity = CapacityModel(cfg.limits.target_utilization)
