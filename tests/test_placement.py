@@ -510,8 +510,8 @@ def test_an_adapting_cut_prices_moved_work_as_the_profile_measured_it():
 
     from streamdiff.config import Config
     from streamdiff.models.spec import PRESET_FACTS
-    from streamdiff.supervisor.cut import CutBalance
     from streamdiff.placement.sim import Layout, Sim, simulate, storyboard
+    from streamdiff.supervisor.cut import CutBalance
 
     stages = [10.0, 10.0, 20.0, 40.0, 60.0, 60.0]
     prof = synthetic(100.0, 200.0, stages=stages)
