@@ -175,6 +175,21 @@ def test_two_sessions_stream_to_the_end_and_leave_nothing_behind():
     w.assert_clean()
 
 
+def test_work_goes_only_to_the_workers_each_step_names_ready():
+    """The scheduler reads no live state: readiness is the step's argument. A session waits
+    while its VAE shard is not ready, starts on the DiT whose ranks are, and goes on once the
+    shard is named ready."""
+    w = World(layout=ONE_PIPELINE_K2)
+    w.ready.discard("vae0.1")
+    w.submit("a")
+    assert w.sent == [] and w.states("a") == [T_QUEUED] * len(w.states("a"))  # its group is not ready
+    w.ready.add("vae0.1")
+    w.step()  # nothing else happened: the next step places it
+    w.run()
+    assert w.ended["a"].state == "done"
+    w.assert_clean()
+
+
 # Two worlds: plenty of frame slots, and one frame slot for both sessions (blocks then wait in
 # latent_ready for it).
 FRAME_SLOTS = (6, 1)
