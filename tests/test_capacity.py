@@ -1,4 +1,4 @@
-"""The admission arithmetic (supervisor/capacity.py), driven directly: shares from measured
+"""The admission arithmetic (supervisor/scheduler/capacity.py), driven directly: shares from measured
 block costs, sizes estimated by pixels, memory budgets, and the predicted start of a session
 that does not fit now."""
 
@@ -8,7 +8,7 @@ import msgspec
 import pytest
 
 from streamdiff.ipc.messages import DiTMemory, VAEMemory
-from streamdiff.supervisor.capacity import TRIALS, CapacityModel, Demand
+from streamdiff.supervisor.scheduler.capacity import TRIALS, CapacityModel, Demand
 
 DIT_MEM = DiTMemory(kv_bytes_per_token=1000, window_frames=12, cross_bytes=5000, budget_bytes=10**9)
 VAE_MEM = VAEMemory(cache_bytes_per_latent_pixel=2000.0, budget_bytes=10**9)

@@ -77,7 +77,7 @@ def test_a_session_cancelled_mid_stream_leaves_no_stage_cache_behind(cut4):
 def test_an_adapting_cut_moves_to_where_the_stages_balance_and_the_video_stays_the_same(tmp_path):
     """Started at cut 1 with --vae-cut-adapt, the VAE's side holds 95% of the decoder. The
     workers' start-up timings (the DiT's block, the VAE's stages) move the cut at the first
-    shot's start, and it can move again at the storyboard's `cut` scene (placement/cut.py). The
+    shot's start, and it can move again at the storyboard's `cut` scene (supervisor/cut.py). The
     video still equals one DiT and a whole VAE, and a second session starts at the moved cut.
     The tiny DiT is built at a quarter of the VAE's cost, so the move does not hang on a noisy
     start-up timing: at the default 0.74 one CI run of a slow hour kept cut 1."""

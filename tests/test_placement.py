@@ -1,4 +1,4 @@
-"""Placement: band weights from measured times (placement/bands.py)."""
+"""Placement: band weights from measured times (supervisor/bands.py)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from streamdiff.models.wan.kernels import split_rows
-from streamdiff.placement.bands import Balance, block_ms, solve
+from streamdiff.supervisor.bands import Balance, block_ms, solve
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -384,7 +384,7 @@ def test_an_adapting_cut_moves_to_where_the_measured_sides_balance():
     the DiT 110 ms a block with the first stage's 10 ms: its own 100. Cut 3 balances (140
     against 160); from cut 1 (VAE side 190) the cut moves there, and stays for a gain under 5%.
     Without adapt, before any timing, or where the cut's activation does not fit, it does not."""
-    from streamdiff.placement.cut import CutBalance
+    from streamdiff.supervisor.cut import CutBalance
 
     hw = (18, 32)
     px = 18 * 32
@@ -515,9 +515,9 @@ def test_an_adapting_cut_prices_moved_work_as_the_profile_measured_it():
 
     from streamdiff.config import Config
     from streamdiff.models.spec import PRESET_FACTS
-    from streamdiff.placement.cut import CutBalance
     from streamdiff.placement.layout import Layout
     from streamdiff.placement.sim import Sim, simulate, storyboard
+    from streamdiff.supervisor.cut import CutBalance
 
     stages = [10.0, 10.0, 20.0, 40.0, 60.0, 60.0]
     prof = synthetic(100.0, 200.0, stages=stages)

@@ -15,7 +15,9 @@ from streamdiff.config import Config
 from streamdiff.ipc import messages as m
 from streamdiff.plan import Scene, plan_blocks
 from streamdiff.supervisor import scheduler as s
-from streamdiff.supervisor.capacity import TRIALS
+from streamdiff.supervisor.scheduler.capacity import TRIALS
+from streamdiff.supervisor.scheduler.dispatch import STAGE_DEPTH
+from streamdiff.supervisor.scheduler.tickets import T_DIT, T_EMITTED, T_FRAMES, T_LATENT, T_QUEUED, T_VAE
 from streamdiff.supervisor.topology import Topology
 
 FACTS = {"spatial_factor": 8, "size_multiple": 16, "frames_per_block": 3, "temporal_factor": 4}
@@ -41,7 +43,7 @@ class World:
         topo = Topology(workers=[], dit_workers=dits, vae_groups=groups, devices=devices or {})
         self.ready = set(dits) | {w for g in groups for w in g}
         self.groups = groups
-        self.sched = s.Scheduler(cfg or Config(), topo, latent_slots, frame_slots, self.ready.__contains__, FACTS)
+        self.sched = s.Scheduler(cfg or Config(), topo, latent_slots, frame_slots, FACTS)
         self.now = 0.0
         self.todo: deque = deque()  # (worker or "encoder", what)
         self.closed: set[tuple[str, str]] = set()  # (worker, session) closed at that worker
@@ -61,7 +63,7 @@ class World:
     def step(self, *events: s.Event, dt: float = 0.001) -> list[s.Action]:
         self.now += dt
         events, self.acks = [*self.acks, *events], []
-        actions = self.sched.step(events, self.now)
+        actions = self.sched.step(events, self.now, self.ready)
         for a in actions:
             self._take(a)
         return actions
@@ -173,6 +175,21 @@ def test_two_sessions_stream_to_the_end_and_leave_nothing_behind():
     w.assert_clean()
 
 
+def test_work_goes_only_to_the_workers_each_step_names_ready():
+    """The scheduler reads no live state: readiness is the step's argument. A session waits
+    while its VAE shard is not ready, starts on the DiT whose ranks are, and goes on once the
+    shard is named ready."""
+    w = World(layout=ONE_PIPELINE_K2)
+    w.ready.discard("vae0.1")
+    w.submit("a")
+    assert w.sent == [] and w.states("a") == [T_QUEUED] * len(w.states("a"))  # its group is not ready
+    w.ready.add("vae0.1")
+    w.step()  # nothing else happened: the next step places it
+    w.run()
+    assert w.ended["a"].state == "done"
+    w.assert_clean()
+
+
 # Two worlds: plenty of frame slots, and one frame slot for both sessions (blocks then wait in
 # latent_ready for it).
 FRAME_SLOTS = (6, 1)
@@ -222,7 +239,7 @@ def test_cancellation_points_cover_every_ticket_state():
         for _ in range(k):
             w.advance()
         seen |= set(w.states("victim"))
-    assert {s.T_QUEUED, s.T_DIT, s.T_LATENT, s.T_VAE, s.T_FRAMES, s.T_EMITTED} <= seen
+    assert {T_QUEUED, T_DIT, T_LATENT, T_VAE, T_FRAMES, T_EMITTED} <= seen
 
 
 def test_a_session_cancelled_while_queued_for_admission_never_starts():
@@ -345,12 +362,12 @@ def test_a_slow_stage_bounds_what_runs_ahead_and_a_dead_slow_one_fails_at_its_de
             continue
         w.advance()
     limit = w.sched.cfg.pipeline.max_blocks_in_flight
-    assert sum(st != s.T_QUEUED for st in w.states("s")) == limit  # no ack, no more than the window
+    assert sum(st != T_QUEUED for st in w.states("s")) == limit  # no ack, no more than the window
     assert "s" not in w.ended
     w.step(dt=31)
     assert w.ended["s"].state == "failed" and "no answer" in w.ended["s"].error
     # The stuck worker holds what it was sent (two batches); the block waiting for it came back.
-    assert w.sched.frame_pool.used == w.sched.latent_pool.used == s.STAGE_DEPTH
+    assert w.sched.frame_pool.used == w.sched.latent_pool.used == STAGE_DEPTH
     w.todo.extend(held)
     w.run()
     w.assert_clean()

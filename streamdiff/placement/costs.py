@@ -25,7 +25,7 @@ class Costs:
     size: tuple[int, int]
     threads: int
     dit_group: int = 1
-    cut: int = 0  # the layout's; a block may carry its own (an adapting cut, placement/cut.py)
+    cut: int = 0  # the layout's; a block may carry its own (an adapting cut, supervisor/cut.py)
 
     def __post_init__(self) -> None:
         fig = self.profile.size(*self.size)
@@ -79,7 +79,7 @@ class Costs:
 
     def cut_exchange(self) -> tuple[float, float]:
         """(DiT, VAE): the same per ms of the VAE's decode that a cut moves, as the daemon's cut
-        balance prices a cut (placement/cut.py, topology.vae_cut_exchange)."""
+        balance prices a cut (supervisor/cut.py, topology.vae_cut_exchange)."""
         p = self._cut_probes()
         return (1.0, 1.0) if p is None else (_clamp(p[0] / p[3]), _clamp(p[1] / p[3]))
 

@@ -96,7 +96,7 @@ class Sim:
             for name, dev in self.topo.devices.items()
         }
         p = self.cfg.pipeline
-        self.sched = s.Scheduler(self.cfg, self.topo, p.latent_slots, p.frame_slots, lambda w: True, facts)
+        self.sched = s.Scheduler(self.cfg, self.topo, p.latent_slots, p.frame_slots, facts)
         self.now = 0.0
         self.heap: list = []
         self.seq = itertools.count()
@@ -149,7 +149,7 @@ class Sim:
         heapq.heappush(self.heap, (t, next(self.seq), fn, args))
 
     def step(self, events: list) -> None:
-        actions = self.sched.step([*self.pending, *events], self.now)
+        actions = self.sched.step([*self.pending, *events], self.now, self.topo.devices)
         self.pending = []
         for a in actions:
             self._take(a)

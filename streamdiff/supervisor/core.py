@@ -99,7 +99,7 @@ class Supervisor:
         return shapes[cut - 1]
 
     def _cut_fits(self, slot_bytes: int):
-        """placement/cut.py's test of a cut at a block's size: its activation fits a latent slot."""
+        """supervisor/cut.py's test of a cut at a block's size: its activation fits a latent slot."""
 
         def fits(cut: int, latent_hw: tuple[int, int], frames: int) -> bool:
             shapes = self._stage_shapes(frames, *latent_hw)
@@ -143,13 +143,14 @@ class Supervisor:
             self.topology,
             p.latent_slots,
             p.frame_slots,
-            self.pool.ready,
             self.facts,
             self._cut_fits(self.latent_ring.spec.slot_bytes),
         )
         host = self.topology.host_lend
         self.host_slot = HostSlot(host) if host else None
-        self.driver = driver = Driver(self.cfg, self.scheduler, self._send, self.frame_ring, self.host_slot)
+        self.driver = driver = Driver(
+            self.cfg, self.scheduler, self._send, self.pool.ready_workers, self.frame_ring, self.host_slot
+        )
         self.pool.on_lost = lambda names, why: driver.post(sch.WorkersLost(frozenset(names), why))
         self.pool.on_worker_ready = lambda name: driver.post(sch.WorkerReady(name, self.pool.workers[name].info))
         self.pool.on_idle = lambda name, since: driver.post(sch.WorkerIdle(name, since))

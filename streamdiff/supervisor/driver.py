@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -42,6 +42,7 @@ class Driver:
         cfg: Config,
         scheduler: s.Scheduler,
         send: Callable[[str, m.Message], None],
+        ready: Callable[[], Collection[str]],  # the worker processes ready now (the pool's)
         frame_ring: Ring,
         host_slot=None,  # shared cores: workers/lending.py HostSlot, set while an encoder runs
     ) -> None:
@@ -49,6 +50,7 @@ class Driver:
         self.host_slot = host_slot
         self.scheduler = scheduler
         self.send = send
+        self.ready = ready
         self.frame_ring = frame_ring
         self.handles: dict[str, SessionHandle] = {}
         self.encoders: dict[str, _Encoder] = {}
@@ -72,7 +74,7 @@ class Driver:
         """One step over everything pending (and `events`); returns what it decided."""
         batch, self._pending = [*self._pending, *events], []
         t0 = time.perf_counter()
-        actions = self.scheduler.step(batch, time.monotonic())
+        actions = self.scheduler.step(batch, time.monotonic(), self.ready())
         self.scheduler.metrics.scheduler_seconds.inc(time.perf_counter() - t0)
         for action in actions:
             try:

@@ -304,6 +304,10 @@ class WorkerPool:
         """A worker, or a DiT group by its rank 0's name: all its ranks."""
         return all(self.workers[n].ready for n in self.topology.members(name))
 
+    def ready_workers(self) -> frozenset[str]:
+        """Every worker process ready now (what the scheduler dispatches to)."""
+        return frozenset(n for n, w in self.workers.items() if w.ready)
+
     def all_ready(self) -> bool:
         return all(w.ready for w in self.workers.values())
 

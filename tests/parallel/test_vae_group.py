@@ -191,7 +191,7 @@ def test_sharded_equals_unsharded_over_streamed_blocks(world, height):
     ids=lambda v: str(v),
 )
 def test_weighted_bands_equal_the_unsharded_decoder(world, height, weights, shard_front):
-    """Bands sized by weight (placement.bands) decode exactly what one decoder does, whatever
+    """Bands sized by weight (supervisor.bands) decode exactly what one decoder does, whatever
     rows each shard holds, with the front replicated or sharded."""
     bands = split_rows(height, world, weights)
     assert len({r1 - r0 for r0, r1 in bands}) > 1  # really unequal

@@ -22,7 +22,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from ..ipc.messages import DiTMemory, VAEMemory
+from ...ipc.messages import DiTMemory, VAEMemory
 
 EWMA = 0.3  # weight of the newest block in a unit's cost
 TRIALS = 3  # batches of a size run before its factor is trusted over a one-off timing at READY

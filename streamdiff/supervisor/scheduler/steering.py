@@ -1,0 +1,55 @@
+"""Steering: a Steer or Stop replans the session's unstarted tickets (`plan.replan_from`); the
+answer (`Steered`) names the frame where the new scene or the end lands."""
+
+from __future__ import annotations
+
+from ...plan import Scene, replan_from
+from ..engine import DONE, RUNNING
+from .events import Steer, Steered, Stop
+from .state import SchedulerState
+from .tickets import Session, Ticket
+
+
+class Steering(SchedulerState):
+    def _steer(self, ev: Steer) -> None:
+        sess = self.sessions.get(ev.session)
+        if sess is None or not sess.active:
+            self._out.append(Steered(ev.session, refused=(409, "the video has finished")))
+            return
+        pending = sum(b >= sess.issued for b in sess.steered_at)
+        if pending >= self.cfg.limits.max_pending_scenes:
+            limit = self.cfg.limits.max_pending_scenes
+            why = f"{pending} scene changes are waiting for their first block; the limit is {limit}"
+            self._out.append(Steered(ev.session, refused=(429, why)))
+            return
+        at = max(sess.issued, 1, *(b + 1 for b in sess.steered_at))  # after any steer still pending
+        total = sum(sc.frames for sc in sess.scenes)
+        start = sess.blocks[at].start_frame if at < len(sess.blocks) else total
+        if start >= total:
+            self._out.append(Steered(ev.session, refused=(409, "no block of the video is left to steer")))
+            return
+        new = Scene(ev.scene.prompt, total - start, ev.scene.transition, ev.scene.seed, ev.scene.recache)
+        self._replan(sess, at, new)
+        sess.steered_at.append(at)
+        self._out.append(Steered(sess.id, len(sess.scenes) - 1, start, list(sess.scenes)))
+
+    def _stop(self, ev: Stop) -> None:
+        sess = self.sessions.get(ev.session)
+        if sess is None or not sess.active:
+            self._out.append(Steered(ev.session, refused=(409, "the video has finished")))
+            return
+        at = max(sess.issued, 1)
+        if at < len(sess.blocks):
+            self._replan(sess, at, None)
+        end = sess.blocks[-1].start_frame + sess.blocks[-1].emit
+        self._out.append(Steered(sess.id, None, end, list(sess.scenes)))
+        if sess.state == RUNNING and sess.emitted == len(sess.tickets):
+            self._end(sess, DONE, None)
+
+    def _replan(self, sess: Session, at: int, new: Scene | None) -> None:
+        """Blocks from `at` on (none of them started) follow the new plan."""
+        f = self.facts
+        fpb, tf = f["frames_per_block"], f["temporal_factor"]
+        sess.scenes, sess.blocks = replan_from(sess.scenes, sess.blocks, at, new, fpb, tf)
+        blocks = sess.blocks
+        sess.tickets = sess.tickets[:at] + [Ticket(b) for b in blocks[at:]]

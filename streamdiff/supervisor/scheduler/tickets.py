@@ -1,0 +1,149 @@
+"""A session's blocks as tickets, and the one place a ticket changes state (`advance`).
+
+Every block of every session is a ticket with one explicit state, and the ticket owns the ring
+slots its state holds:
+
+    queued -> dit -> latent_ready -> vae -> frames_ready -> emitted
+    any state -> cancelled | failed, once no process holds a slot of it any more
+
+    queued        nothing yet                     dit           latent slot (the DiT writes it)
+    latent_ready  latent slot (waits for the VAE) vae           latent + frame slot (the group)
+    frames_ready  frame slot (the encoder reads)  emitted, cancelled, failed: none
+
+A block is emitted once its fragment is encoded and handed to its session (one step: no state
+between the two).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ...ipc.shm import SlotPool
+from ...plan import Block, Scene
+from ..engine import QUEUED, RUNNING
+from .capacity import Demand
+
+# Ticket states.
+T_QUEUED, T_DIT, T_LATENT, T_VAE, T_FRAMES, T_EMITTED = (
+    "queued",
+    "dit",
+    "latent_ready",
+    "vae",
+    "frames_ready",
+    "emitted",
+)
+T_CANCELLED, T_FAILED = "cancelled", "failed"
+FINAL = (T_EMITTED, T_CANCELLED, T_FAILED)
+
+# The slots each state owns ("latent", "frame"; given back in this order).
+OWNS: dict[str, tuple[str, ...]] = {
+    T_QUEUED: (),
+    T_DIT: ("latent",),
+    T_LATENT: ("latent",),
+    T_VAE: ("latent", "frame"),
+    T_FRAMES: ("frame",),
+    T_EMITTED: (),
+    T_CANCELLED: (),
+    T_FAILED: (),
+}
+
+# Every legal transition: the life cycle forward one stage, or out (cancelled, failed) from any
+# state not final.
+NEXT: dict[str, tuple[str, ...]] = {
+    T_QUEUED: (T_DIT, T_CANCELLED, T_FAILED),
+    T_DIT: (T_LATENT, T_CANCELLED, T_FAILED),
+    T_LATENT: (T_VAE, T_CANCELLED, T_FAILED),
+    T_VAE: (T_FRAMES, T_CANCELLED, T_FAILED),
+    T_FRAMES: (T_EMITTED, T_CANCELLED, T_FAILED),
+    T_EMITTED: (),
+    T_CANCELLED: (),
+    T_FAILED: (),
+}
+
+
+class TicketError(RuntimeError):
+    """A transition the ticket life cycle does not have (a scheduler bug, never a worker's)."""
+
+
+@dataclass
+class Ticket:
+    block: Block
+    state: str = T_QUEUED
+    latent_slot: int | None = None
+    frame_slot: int | None = None
+    shape: list[int] | None = None  # the latent's, once made
+    data_shape: list[int] | None = None  # what its slot holds, when not the latent (topology.vae_cut)
+    vae_cut: int = 0  # the decoder stages its DiT runs (topology.vae_cut; its shot's)
+    sent_at: float = 0.0  # when it went to its current worker(s)
+    batch: int | None = None  # the DiT batch it went in
+    reported: set[int] = field(default_factory=set)  # VAE ranks that answered
+    skipped: bool = False  # some shard answered without decoding
+    encoding: bool = False  # an Encode is out for it
+
+
+@dataclass
+class Session:
+    id: str
+    scenes: list[Scene]
+    blocks: list[Block]
+    width: int
+    height: int
+    fps: int
+    seed: int
+    created: float  # the scheduler's clock
+    state: str = QUEUED
+    error: str | None = None
+    dit: str | None = None
+    group: int | None = None
+    vae_workers: list[str] = field(default_factory=list)  # the shards of its VAE group
+    vae_cut: int = 0  # its shot's VAE cut (topology.vae_cut; chosen at each shot's start)
+    tickets: list[Ticket] = field(default_factory=list)
+    issued: int = 0  # tickets past queued
+    acked: int = 0  # fragments taken by the consumer
+    encoder: str = "none"  # none | opening | open
+    started: float | None = None
+    fragment_times: list[float] = field(default_factory=list)  # one per block
+    stall_s: float = 0.0  # playback delay accumulated so far (a player rebuffers, then continues)
+    stalls: int = 0
+    demand: Demand | None = None  # what it asked of its units when it was placed
+    live: bool = False  # open-ended: paced to its player, ends at its cap or a stop
+    steered_at: list[int] = field(default_factory=list)  # the blocks where steered scenes start
+
+    def __post_init__(self) -> None:
+        if not self.tickets:
+            self.tickets = [Ticket(b) for b in self.blocks]
+
+    @property
+    def frames(self) -> int:
+        return sum(b.emit for b in self.blocks)
+
+    @property
+    def active(self) -> bool:
+        return self.state in (QUEUED, RUNNING)
+
+    @property
+    def emitted(self) -> int:
+        return sum(t.state == T_EMITTED for t in self.tickets)
+
+
+def advance(t: Ticket, to: str, latent: SlotPool, frames: SlotPool) -> None:
+    """Move ticket `t` to state `to`: the one place a ticket changes state. Refuses a transition
+    the life cycle does not have (TicketError); gives back the slots `to` no longer owns (latent
+    before frame) and takes those it owns that `t` does not hold yet. The caller makes sure a
+    slot it takes is free."""
+    if to not in NEXT[t.state]:
+        raise TicketError(f"block {t.block.index}: a ticket does not go from {t.state} to {to}")
+    before, after = OWNS[t.state], OWNS[to]
+    if "latent" in before and "latent" not in after:
+        latent.give(t.latent_slot)
+        t.latent_slot = None
+    if "frame" in before and "frame" not in after:
+        frames.give(t.frame_slot)
+        t.frame_slot = None
+    if "latent" in after and "latent" not in before:
+        t.latent_slot = latent.take()
+    if "frame" in after and "frame" not in before:
+        t.frame_slot = frames.take()
+    if t.state == T_FRAMES:
+        t.encoding = False  # an encode is out only while the frames are ready
+    t.state = to
