@@ -128,3 +128,21 @@ def shot_left(blocks: list[Block], index: int) -> int:
     entering until it is stopped."""
     end = next((b.index for b in blocks[index + 1 :] if b.shot_start), len(blocks))
     return end - index
+
+
+def most_held_frames(blocks: list[Block]) -> int:
+    """The most latent frames any shot of a fixed-length video can hold, however it is steered:
+    the latent frames of all its planned blocks. A steer replans the rest of the video as one
+    scene of the frames left; a `continue` scene packs 4 frames into every latent frame, the most
+    any plan does, so its whole blocks never outnumber the blocks they replace, and a `cut` starts
+    a shot of at most the whole video's frames. What a fixed-length session's KV cache needs at
+    most (tests/test_plan.py holds it over random steers); a live video has no such bound."""
+    return sum(b.latent_frames for b in blocks)
+
+
+def cache_frames(window: int, least: int, frames: int = 0) -> int:
+    """The frames a session's KV cache is allocated for: the attention window (the current block
+    included), or `frames` (`most_held_frames`; 0 for a live video: unbounded) where that is
+    shorter, but never fewer than `least` (the sinks and one block). A video that fits never
+    evicts, so attention, sinks and re-caches see the frames a full window would hold."""
+    return window if frames <= 0 else min(window, max(frames, least))

@@ -38,6 +38,19 @@ def test_shares_and_memory_of_a_session():
     assert c.block_ms("vae-group-0", (256, 144)) == pytest.approx(0.7 * 300 + 0.3 * 400)
 
 
+def test_a_short_videos_kv_cache_is_priced_at_its_held_frames():
+    """A video whose shots hold fewer latent frames than the window is charged for the cache the
+    DiT allocates for it (`plan.cache_frames`): its frames, never fewer than the sinks and a
+    block; a live one (0) the whole window."""
+    c = model()
+    c.memory["dit0"] = msgspec.structs.replace(DIT_MEM, least_frames=6)
+    at = {"dit": "dit0", "vae": "vae-group-0"}, (256, 144), 0.75, (18, 32), 144, 1
+    assert c.demand(*at).memory["dit0"] == 1000 * 12 * 144 + 5000
+    assert c.demand(*at, held_frames=9).memory["dit0"] == 1000 * 9 * 144 + 5000
+    assert c.demand(*at, held_frames=3).memory["dit0"] == 1000 * 6 * 144 + 5000  # sinks and a block
+    assert c.demand(*at, held_frames=30).memory["dit0"] == 1000 * 12 * 144 + 5000
+
+
 def test_admission_stops_at_the_target_and_an_idle_unit_takes_anything():
     c = model()  # VAE share 0.4 per session: two fit under 0.9, a third does not
     one, two, three = demand(c), demand(c), demand(c)

@@ -190,6 +190,20 @@ def test_work_goes_only_to_the_workers_each_step_names_ready():
     w.assert_clean()
 
 
+def test_a_fixed_video_opens_with_its_held_frames_bound_and_a_live_one_without():
+    """OpenSession tells the DiT how many latent frames a shot of the session can hold at most
+    (`plan.most_held_frames`: all its planned blocks), so its KV cache is sized no larger; a
+    live video's is unbounded (0: the full window)."""
+    w = World()
+    fixed = w.submit("fixed", seconds=1.0)  # 16 frames: 5 latent frames in 2 blocks of 3
+    live = w.session("live", seconds=1.0)
+    live.live = True
+    w.step(s.Submit(live))
+    opened = {msg.session: msg for _, msg in w.sent if isinstance(msg, m.OpenSession)}
+    assert opened["fixed"].held_frames == sum(b.latent_frames for b in fixed.blocks) == 6
+    assert opened["live"].held_frames == 0
+
+
 # Two worlds: plenty of frame slots, and one frame slot for both sessions (blocks then wait in
 # latent_ready for it).
 FRAME_SLOTS = (6, 1)

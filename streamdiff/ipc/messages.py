@@ -34,6 +34,7 @@ class OpenSession(Message, tag="open"):
     width: int
     height: int
     seed: int
+    held_frames: int = 0  # the most latent frames a shot can hold (plan.most_held_frames); 0: unbounded (live)
 
 
 class GenerateBlock(Message, tag="gen"):
@@ -119,6 +120,7 @@ class DiTMemory(msgspec.Struct, frozen=True):
     window_frames: int
     cross_bytes: float
     budget_bytes: float
+    least_frames: int = 0  # the fewest frames a cache is sized for (sinks and a block; plan.cache_frames)
 
 
 class VAEMemory(msgspec.Struct, frozen=True):

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..plan import cache_frames
 from .presets import (
     ModelSpec,
     build_dit,
@@ -91,23 +92,23 @@ class DiTEngine:
         return height // self.preset.vae.spatial_factor, width // self.preset.vae.spatial_factor
 
     def open_session(self, width: int, height: int, seed: int, frames: int = 0) -> DiTSession:
-        """`frames`: the most latent frames any shot of this session holds (a fixed-length
-        video's longest shot, in whole blocks), or 0 when that is not known (a live video). The
-        KV cache is allocated here, once, for `cache_frames(frames)` frames."""
+        """`frames`: the most latent frames any shot of this session can hold
+        (`plan.most_held_frames`), or 0 when that is not known (a live video). The KV cache is
+        allocated here, once, for `cache_frames(frames)` frames."""
         h, w = self.latent_size(width, height)
         state, window = self._new_shot(h, w, self.cache_frames(frames))
         return DiTSession(state, (h, w), torch.Generator(device=self.device).manual_seed(seed), rolling=window)
 
     def cache_frames(self, frames: int = 0) -> int:
-        """The frames a session's KV cache holds: the attention window (the current block
-        included), or the session's longest shot where that is shorter. A shot that fits never
-        evicts, so attention, sinks and re-caches see the same frames as in a full window; the
-        sinks and one block always fit. The rolling sampler keeps its full window (its blocks
-        in flight are not a shot's length)."""
+        """The frames a session's KV cache holds (`plan.cache_frames`): the window, or a shorter
+        video's `frames`, never fewer than the sinks and one block. The rolling sampler keeps its
+        full window (its blocks in flight are not a video's length)."""
+        return cache_frames(self.preset.sampler.window_frames, self.least_cache_frames, frames)
+
+    @property
+    def least_cache_frames(self) -> int:
         s = self.preset.sampler
-        if frames <= 0 or self.rolling_schedule is not None:
-            return s.window_frames
-        return min(s.window_frames, max(frames, s.sink_frames + s.frames_per_block))
+        return s.window_frames if self.rolling_schedule is not None else s.sink_frames + s.frames_per_block
 
     def _new_shot(self, h: int, w: int, window: int) -> tuple[DiTState, rolling.RollingState | None]:
         """A session's caches, for `window` frames; with the rolling sampler, its window (whose

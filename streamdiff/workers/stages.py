@@ -274,14 +274,14 @@ class DiTStage:
             "cost": m.StageCost(ms, [w, h], busy_ms=1000 * own_s),
             "batch_ms": batch_ms,
             # keys, values, latents and tail, exact (KVCache.nbytes)
-            "memory": m.DiTMemory(per_token, kv.window, cross, budget),
+            "memory": m.DiTMemory(per_token, kv.window, cross, budget, self.engine.least_cache_frames),
         }
 
     def open(self, msg: m.OpenSession) -> None:
         self.seeds[msg.session] = msg.seed
         self.faults.hit("open", msg.seed)
         try:
-            self.sessions[msg.session] = self.engine.open_session(msg.width, msg.height, msg.seed)
+            self.sessions[msg.session] = self.engine.open_session(msg.width, msg.height, msg.seed, msg.held_frames)
         except ValueError as exc:
             raise RequestError(str(exc)) from None
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 
 from ...ipc import messages as m
+from ...plan import most_held_frames
 from ..engine import CANCELLED, RUNNING
 from .capacity import Demand
 from .events import OpenEncoder, Reject, Send, Start, StopAdmitting, Submit, WorkerReady
@@ -64,6 +65,11 @@ class Admission(SchedulerState):
                 self.cuts.seed(vae.stages_ms.ms)
                 self.cuts.observe_vae(unit, cost.block_ms, 0, self._latent_hw(*cost.size))
 
+    def _held_frames(self, sess: Session) -> int:
+        """The most latent frames a shot of this session can hold (`plan.most_held_frames`): its
+        KV cache is sized for no more where that is shorter than the window. 0: a live video."""
+        return 0 if sess.live else most_held_frames(sess.blocks)
+
     def _demand(self, sess: Session, dit: str, group: int) -> Demand:
         f = self.facts
         block_s = max(b.frames_out for b in sess.blocks) / sess.fps
@@ -75,6 +81,7 @@ class Admission(SchedulerState):
             (sess.height // sf, sess.width // sf),
             (sess.height // mult) * (sess.width // mult),
             len(self.topology.vae_groups[group]),
+            self._held_frames(sess),
         )
 
     def _running_demands(self) -> list[Demand]:
@@ -135,7 +142,7 @@ class Admission(SchedulerState):
         log.info("session %s starts on %s and VAE group %d, busy shares %s", sess.id, sess.dit, sess.group, share)
         sess.state, sess.started = RUNNING, self.now
         self.metrics.queue_seconds.observe(sess.started - sess.created)
-        opened = m.OpenSession(sess.id, sess.width, sess.height, sess.seed)
+        opened = m.OpenSession(sess.id, sess.width, sess.height, sess.seed, self._held_frames(sess))
         for w in self._workers_of(sess):
             self._out.append(Send(w, opened))
         self._out.append(Start(sess.id, {"dit": sess.dit, "vae": list(sess.vae_workers)}))

@@ -23,6 +23,7 @@ import math
 from dataclasses import dataclass, field
 
 from ...ipc.messages import DiTMemory, VAEMemory
+from ...plan import cache_frames
 
 EWMA = 0.3  # weight of the newest block in a unit's cost
 TRIALS = 3  # batches of a size run before its factor is trusted over a one-off timing at READY
@@ -114,9 +115,20 @@ class CapacityModel:
         return ms * px / (s[0] * s[1])
 
     # -- sessions -------------------------------------------------------------------------------
-    def demand(self, units: dict[str, str], size: tuple[int, int], block_s: float, latent_hw, tokens: int, k: int):
+    def demand(
+        self,
+        units: dict[str, str],
+        size: tuple[int, int],
+        block_s: float,
+        latent_hw,
+        tokens: int,
+        k: int,
+        held_frames: int = 0,
+    ):
         """units: stage -> unit name; block_s: one block's duration on screen; tokens: the DiT's
-        tokens per latent frame; k: shards of the VAE group."""
+        tokens per latent frame; k: shards of the VAE group; held_frames: the most latent frames
+        a shot of the session holds (0: unbounded), which its KV cache is sized for where that is
+        shorter than the window (`plan.cache_frames`, as the DiT worker allocates it)."""
         d = Demand()
         for stage, unit in units.items():
             ms = self.block_ms(unit, size)
@@ -126,7 +138,8 @@ class CapacityModel:
             if mem is None:
                 continue
             if stage == "dit":
-                d.memory[unit] = mem.kv_bytes_per_token * mem.window_frames * tokens + mem.cross_bytes
+                frames = cache_frames(mem.window_frames, mem.least_frames, held_frames)
+                d.memory[unit] = mem.kv_bytes_per_token * frames * tokens + mem.cross_bytes
             else:  # each shard holds about its share of the rows (the calibration measured one shard)
                 d.memory[unit] = mem.cache_bytes_per_latent_pixel * latent_hw[0] * latent_hw[1]
         return d
