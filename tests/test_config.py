@@ -7,7 +7,8 @@ import tomllib
 
 import pytest
 
-from streamdiff.config import Config, ConfigError, load, to_dict
+from streamdiff.config import Config, ConfigError
+from streamdiff.config.loader import load, override, to_dict
 from streamdiff.flags import overrides_from_args, parse_args
 
 from .helpers import ROOT
@@ -91,9 +92,9 @@ def test_cli_reports_bad_values_without_a_traceback(capsys):
 
 def test_replace_validates():
     cfg = Config()
-    assert cfg.replace(server={"port": 1234}).server.port == 1234
+    assert override(cfg, server={"port": 1234}).server.port == 1234
     with pytest.raises(ConfigError):
-        cfg.replace(server={"port": -1})
+        override(cfg, server={"port": -1})
     assert dataclasses.is_dataclass(cfg)
 
 

@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from streamdiff.config import load
+from streamdiff.config.loader import load
 from streamdiff.flags import overrides_from_args, parse_args
 from streamdiff.models.engines import DiTEngine
 from streamdiff.plan import Scene, plan_blocks, shot_left

@@ -94,7 +94,7 @@ def test_balance_keeps_equal_bands_through_noise_and_explicit_weights_as_given()
 
 
 def topology(**topo):
-    from streamdiff.config import load
+    from streamdiff.config.loader import load
     from streamdiff.ipc.shm import RingSpec
     from streamdiff.supervisor.topology import build_topology
 
@@ -147,7 +147,7 @@ def test_shared_cores_keep_each_worker_on_its_own_cores_with_a_ledger_to_borrow_
     one for the supervisor's encoders, which share the DiT's cores) lets it take the others'."""
     import os
 
-    from streamdiff.config import load
+    from streamdiff.config.loader import load
     from streamdiff.ipc.shm import RingSpec
     from streamdiff.supervisor.topology import build_topology
 
@@ -470,6 +470,7 @@ def test_shared_cores_run_a_stage_on_both_cores_while_the_other_waits():
     the speed, in 55: 155 ms a block, against 200 for disagg-1+1 and 170 for agg-1x2t. Without
     two-thread figures the layout is not offered."""
     from streamdiff.config import Config
+    from streamdiff.config.loader import override
     from streamdiff.models.spec import PRESET_FACTS
     from streamdiff.placement.costs import Costs
     from streamdiff.placement.layout import Layout
@@ -500,7 +501,7 @@ def test_shared_cores_run_a_stage_on_both_cores_while_the_other_waits():
     assert predict(prof, shared).w1_fps > 1.15 * predict(prof, Layout("disaggregated", 1, 1)).w1_fps
     order = ranked(prof)
     assert order[0] == shared.name and order.index("disagg-1+1") > order.index("agg-1x2t") > 0
-    unpinned = Config().replace(topology={"pin_cpus": False})  # lending pins each worker to its own cores
+    unpinned = override(Config(), topology={"pin_cpus": False})  # lending pins each worker to its own cores
     facts = dict(PRESET_FACTS["tiny"])
     assert shared.name not in [x.name for x, _ in plan(unpinned, prof, 2, "throughput", facts, (256, 144)).ranked]
 
@@ -657,6 +658,7 @@ def test_the_planner_ranks_eight_b70s_from_the_published_figures():
 
 def test_a_profile_is_cached_only_for_its_machine_model_and_size(tmp_path):
     from streamdiff.config import Config
+    from streamdiff.config.loader import override
     from streamdiff.placement.profile import Profile, cache_path, load_cached
 
     prof = synthetic(100.0, 200.0)
@@ -668,7 +670,7 @@ def test_a_profile_is_cached_only_for_its_machine_model_and_size(tmp_path):
     assert load_cached(path, cfg, (320, 176), 2) is None  # another size
     assert load_cached(path, cfg, (256, 144), 4) is None  # measured on fewer devices
     assert load_cached(path, cfg, (256, 144), 2, now=time.time() + 60 * 86400) is None  # stale
-    other = cfg.replace(model={"dit_vae_ratio": 0.5})
+    other = override(cfg, model={"dit_vae_ratio": 0.5})
     assert load_cached(path, other, (256, 144), 2) is None  # another model
     path.write_text("{}")
     assert load_cached(path, cfg, (256, 144), 2) is None
@@ -748,12 +750,13 @@ def test_a_profile_measured_elsewhere_plans_the_daemon_and_a_wrong_one_is_refuse
     """--profile FILE: the planner starts from it (nothing is measured here); one of another
     model, device kind or size is refused naming what does not fit."""
     from streamdiff.config import Config, ConfigError
+    from streamdiff.config.loader import override
     from streamdiff.placement.auto import place
 
     good = tmp_path / "elsewhere.json"
     good.write_text(synthetic(100.0, 200.0, group=105.0, dit2=95.0, vae2=190.0).to_json())
     said = []
-    cfg = Config().replace(topology={"profile": str(good), "devices": 2}, server={"state_dir": str(tmp_path / "s")})
+    cfg = override(Config(), topology={"profile": str(good), "devices": 2}, server={"state_dir": str(tmp_path / "s")})
     _, placed = place(cfg, said.append)
     assert placed.planned and placed.profile == str(good) and placed.layout == "hybrid-1+2"
     assert not any("measuring" in line for line in said) and not (tmp_path / "s").exists()
@@ -762,9 +765,9 @@ def test_a_profile_measured_elsewhere_plans_the_daemon_and_a_wrong_one_is_refuse
     bad = tmp_path / "other.json"
     bad.write_text(other.to_json())
     with pytest.raises(ConfigError, match=r"device kind 'cuda', not 'cpu'; model 'wan2.1-t2v-1.3b', not 'tiny'"):
-        place(cfg.replace(topology={"profile": str(bad)}), said.append)
+        place(override(cfg, topology={"profile": str(bad)}), said.append)
     with pytest.raises(ConfigError, match=r"no figures at 128x64"):
-        place(cfg.replace(model={"size": "128x64"}), said.append)
+        place(override(cfg, model={"size": "128x64"}), said.append)
 
 
 def test_a_profiles_thread_rounds_take_their_level_from_the_interleaved_cycles():

@@ -18,6 +18,7 @@ def taehv_profile(dit_ms: float, vae_ms: float, **kw):
 
 def test_with_taehv_only_groups_of_one_are_planned_and_dits_may_share_a_decoder():
     from streamdiff.config import Config
+    from streamdiff.config.loader import override
     from streamdiff.models.spec import PRESET_FACTS
     from streamdiff.placement.planner import plan
 
@@ -34,14 +35,15 @@ def test_with_taehv_only_groups_of_one_are_planned_and_dits_may_share_a_decoder(
     streams = {lay.name: p.goodput for lay, p in plan(Config(), prof, 4, "streams", facts, (256, 144)).ranked}
     assert streams["disagg-3+1"] > streams["disagg-1+3/k1"]  # three DiTs feeding one TAEHV serve more
     # the configured decoder counts too, where the profile does not say
-    cfg = Config().replace(model={"decoder": "taehv"})
+    cfg = override(Config(), model={"decoder": "taehv"})
     assert all(lay.group_size == 1 for lay, _ in plan(cfg, wan, 4, "throughput", facts, (256, 144)).ranked)
 
 
 def test_taehv_makes_vae_gpus_replicas():
     from streamdiff.config import Config
+    from streamdiff.config.loader import override
 
-    cfg = Config().replace(model={"decoder": "taehv"}, topology={"vae_devices": 3, "dit_devices": 1})
+    cfg = override(Config(), model={"decoder": "taehv"}, topology={"vae_devices": 3, "dit_devices": 1})
     assert cfg.topology.vae_group_size == 1
 
 

@@ -12,7 +12,8 @@ import sys
 import pytest
 import torch
 
-from streamdiff.config import ConfigError, load
+from streamdiff.config import ConfigError
+from streamdiff.config.loader import load
 from streamdiff.flags import overrides_from_args, parse_args
 from streamdiff.models.catalog import CHECKPOINT_PRESETS, JSON_FIELDS
 from streamdiff.models.presets import build_dit

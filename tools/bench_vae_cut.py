@@ -34,7 +34,7 @@ WARM_BLOCKS = 4  # DiT blocks before timing: its attention window fills
 
 
 def _spec():
-    from streamdiff.config import load
+    from streamdiff.config.loader import load
     from streamdiff.supervisor.topology import model_spec
 
     return model_spec(load(None, {}))

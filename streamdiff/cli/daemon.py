@@ -17,7 +17,8 @@ import signal
 import sys
 from pathlib import Path
 
-from ..config import Config, ConfigError, load
+from ..config import Config, ConfigError
+from ..config.loader import load
 from ..flags import overrides_from_args, parse_args
 
 log = logging.getLogger("streamdiff")

@@ -21,7 +21,8 @@ import os
 import sys
 from pathlib import Path
 
-from ..config import Config, ConfigError, load
+from ..config import Config, ConfigError
+from ..config.loader import load
 from ..flags import add_model_args, overrides_from_args
 from ..plan import plan_blocks, scene_marker, shot_left
 from ..server.api import APIError, VideoRequest, parse_video_request

@@ -12,7 +12,8 @@ import json
 import sys
 from pathlib import Path
 
-from ..config import OBJECTIVES, ConfigError, load
+from ..config import OBJECTIVES, ConfigError
+from ..config.loader import load
 from ..flags import add_model_args, overrides_from_args
 
 

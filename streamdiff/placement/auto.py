@@ -9,7 +9,8 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..config import Config, ConfigError, explicit_layout, planned
+from ..config import Config, ConfigError
+from ..config.layout import explicit_layout, planned
 from ..models.spec import DIT_DIMS
 from ..supervisor.topology import model_facts
 from .cost import DoesNotFit, ModelCost, dit_name, model_cost

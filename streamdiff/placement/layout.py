@@ -6,7 +6,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from ..config import TopologyConfig, explicit_layout
+from ..config import TopologyConfig
+from ..config.layout import explicit_layout
 from ..supervisor.topology import Topology, layout_processes
 
 

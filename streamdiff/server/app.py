@@ -1,12 +1,12 @@
 """HTTP front end: the OpenAI-compatible Videos API, health, metrics, the player page
-(supervisor process; aiohttp on the supervisor's own event loop).
+(supervisor process; aiohttp on the supervisor's own event loop): the routes and their
+handlers. Beside it: middleware.py (counts, errors, keys), bodies.py (reading a request's body),
+streaming.py (writing a video's bytes), control.py (starting jobs), realtime.py (the WebSocket).
 """
 
 from __future__ import annotations
 
 import asyncio
-import hmac
-import json
 import logging
 from email.utils import formatdate
 from pathlib import Path
@@ -16,188 +16,18 @@ from aiohttp import web
 from ..config import Config
 from ..supervisor.core import Supervisor
 from .api import APIError, bad, parse_steer
+from .bodies import body_limit, read_request_data
 from .control import apply_landing, start_job
-from .jobs import Job, JobExpired, JobStore
+from .jobs import Job, JobStore
 from .keys import API_KEYS, CONFIG, JOBS, STORE, SUPERVISOR
+from .middleware import auth_middleware, count_middleware, errors_middleware
 from .realtime import realtime_video
 from .store import VideoStore, node_of
+from .streaming import byte_range, stream_job
 
 log = logging.getLogger("streamdiff.http")
 
 STATIC = Path(__file__).with_name("static")
-
-
-def error_json(err: APIError) -> web.Response:
-    return web.json_response(err.body(), status=err.status, headers=err.headers)
-
-
-@web.middleware
-async def count_middleware(request: web.Request, handler):
-    """streamdiff_http_requests_total by status class (a 5xx is always a bug or an outage)."""
-    metrics = request.app[SUPERVISOR].metrics
-    status = 500
-    try:
-        resp = await handler(request)
-        status = resp.status
-        return resp
-    except web.HTTPException as exc:
-        status = exc.status
-        raise
-    finally:
-        if metrics is not None:
-            metrics.requests.labels(f"{status // 100}xx").inc()
-
-
-@web.middleware
-async def errors_middleware(request: web.Request, handler):
-    try:
-        return await handler(request)
-    except APIError as err:
-        return error_json(err)
-    except web.HTTPException as exc:
-        if exc.status < 400:
-            raise
-        kind = "invalid_request_error" if exc.status < 500 else "server_error"
-        code = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}.get(exc.status)
-        message = exc.text if exc.text and not exc.text.startswith(f"{exc.status}:") else exc.reason
-        if exc.status == 413:
-            message = f"request body too large (limit {request.app[CONFIG].server.max_body_bytes} bytes)"
-        keep = {k: v for k, v in exc.headers.items() if k in ("Allow", "Retry-After", "WWW-Authenticate")}
-        return error_json(APIError(exc.status, message, None, code, kind, keep))
-    except (asyncio.CancelledError, ConnectionResetError):
-        raise
-    except Exception:
-        log.exception("%s %s failed", request.method, request.path)
-        return error_json(APIError(500, "internal server error", None, "internal_error", "server_error"))
-
-
-@web.middleware
-async def auth_middleware(request: web.Request, handler):
-    keys = request.app[API_KEYS]
-    open_paths = {"/health", "/livez", "/"} | (
-        set() if request.app[CONFIG].server.metrics_require_auth else {"/metrics"}
-    )
-    if keys and request.path not in open_paths and not request.path.startswith("/static/"):
-        header = request.headers.get("Authorization", "")
-        token = header[7:].strip().encode() if header.lower().startswith("bearer ") else b""
-        # Compare against every key in constant time (no early exit that leaks which matched).
-        ok = False
-        for key in keys:
-            ok |= hmac.compare_digest(token, key)
-        if not ok:
-            raise APIError(
-                401,
-                "Incorrect API key provided",
-                None,
-                "invalid_api_key",
-                "invalid_request_error",
-                {"WWW-Authenticate": "Bearer"},
-            )
-    return await handler(request)
-
-
-# ----------------------------------------------------------------------------- request bodies
-
-
-async def read_request_data(request: web.Request) -> dict:
-    ctype = request.content_type
-    timeout = request.app[CONFIG].server.request_read_timeout_s
-    try:
-        async with asyncio.timeout(timeout):
-            if ctype == "multipart/form-data":
-                return await read_multipart(request)
-            if ctype == "application/x-www-form-urlencoded":
-                try:
-                    form = await request.post()
-                except (web.HTTPException, TimeoutError):
-                    raise
-                except Exception as exc:  # no boundary, broken parts, bad encoding
-                    raise bad(f"malformed form body: {exc}", None, "invalid_body") from None
-                data = {}
-                for k, v in form.items():
-                    if not isinstance(v, str):
-                        raise bad(f"file uploads are not supported ('{k}')", k, "unsupported_parameter")
-                    data[k] = v
-                return data
-            raw = await request.read()
-    except TimeoutError:
-        raise APIError(408, f"the request body did not arrive within {timeout:g}s", None, "request_timeout") from None
-    if ctype not in ("application/json", "", "application/octet-stream", "text/plain"):
-        raise APIError(
-            415,
-            f"unsupported content type {ctype!r}: send application/json or multipart/form-data",
-            None,
-            "unsupported_media_type",
-        )
-    limit = request.app[CONFIG].server.max_body_bytes
-    if len(raw) > limit and b'"input_reference"' not in raw:  # only an image may take a body past the limit
-        raise web.HTTPRequestEntityTooLarge(max_size=limit, actual_size=len(raw))
-    try:
-        data = json.loads(raw or b"null")
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise bad(f"We could not parse the JSON body of your request: {exc}", None, "invalid_json") from None
-    if not isinstance(data, dict):
-        raise bad("the request body must be a JSON object", None, "invalid_body")
-    image = data.get("input_reference")
-    if len(raw) - (len(image) if isinstance(image, str) else 0) > limit:  # the image has a limit of its own
-        raise web.HTTPRequestEntityTooLarge(max_size=limit, actual_size=len(raw))
-    return data
-
-
-def body_limit(cfg: Config) -> int:
-    """The largest body aiohttp reads: server.max_body_bytes, plus room for an image as a base64
-    data URL (limits.max_image_bytes, 4/3 larger); the JSON reader checks the rest is within
-    server.max_body_bytes. Multipart bodies are read part by part (read_multipart)."""
-    return cfg.server.max_body_bytes + -(-cfg.limits.max_image_bytes // 3) * 4 + 1024
-
-
-async def read_multipart(request: web.Request) -> dict:
-    """A multipart form, part by part: the fields together within server.max_body_bytes (else
-    413), and one file, `input_reference`, within limits.max_image_bytes. An image over its limit
-    is a 400 naming the limit; the rest of it is read and dropped (up to 8x the limit, beyond which
-    413) so that the client, still sending, reads the answer rather than a reset connection."""
-    cfg = request.app[CONFIG]
-    limit, max_image = cfg.server.max_body_bytes, cfg.limits.max_image_bytes
-    try:
-        reader = await request.multipart()
-        data, fields, too_big = {}, 0, None
-        while (part := await reader.next()) is not None:
-            name = part.name or ""
-            if part.filename is None:
-                value = bytearray()
-                while chunk := await part.read_chunk(1 << 16):
-                    fields += len(chunk)
-                    if fields > limit:
-                        raise web.HTTPRequestEntityTooLarge(max_size=limit, actual_size=fields)
-                    value += chunk
-                data[name] = bytes(value).decode(part.get_charset(default="utf-8"))
-                continue
-            if name != "input_reference":
-                raise bad(f"file uploads are not supported ('{name}')", name, "unsupported_parameter")
-            buf, n = bytearray(), 0
-            while chunk := await part.read_chunk(1 << 16):
-                n += len(chunk)
-                if n > 8 * max_image:
-                    raise web.HTTPRequestEntityTooLarge(max_size=8 * max_image, actual_size=n)
-                if n <= max_image:
-                    buf += chunk
-            if n > max_image:
-                too_big = n
-            data[name] = bytes(buf)
-    except (web.HTTPException, APIError):
-        raise
-    except Exception as exc:  # no boundary, broken parts, bad encoding
-        raise bad(f"malformed form body: {exc}", None, "invalid_body") from None
-    if too_big is not None:
-        raise bad(
-            f"'input_reference' is {too_big} bytes; the limit is {max_image} (limits.max_image_bytes)",
-            "input_reference",
-            "image_too_large",
-        )
-    return data
-
-
-# ----------------------------------------------------------------------------- handlers
 
 
 async def create_video(request: web.Request) -> web.StreamResponse:
@@ -205,74 +35,6 @@ async def create_video(request: web.Request) -> web.StreamResponse:
     if not job.request.stream:
         return web.json_response(job.video_object(), headers={"openai-poll-after-ms": "1000"})
     return await stream_job(request, job, live=True)
-
-
-def _start_failure(job: Job) -> APIError:
-    """The JSON error for a streaming job that ended before its first fragment."""
-    err = job.error or {"code": "generation_failed", "message": job.state}
-    if err["code"] == "invalid_request":
-        return APIError(400, err["message"], None, "invalid_request")
-    if err["code"] == "cancelled":
-        return APIError(503, err["message"], None, "cancelled", "server_error", {"Retry-After": "5"})
-    return APIError(500, f"the video could not start: {err['message']}", None, err["code"], "server_error")
-
-
-async def stream_job(request: web.Request, job: Job, live: bool, start_chunk: int = 0) -> web.StreamResponse:
-    """Write the job's bytes as they come. `live`: this response is the job's consumer (acks
-    each fragment: backpressure) and its disconnect cancels the job.
-
-    The status line waits for the first fragment: a session that fails before it (a request
-    its workers refuse, an encoder that cannot open) answers a JSON error, not a 200 followed
-    by a cut. The init segment alone would not play anyway."""
-    resp = web.StreamResponse(
-        headers={
-            "Content-Type": "video/mp4",
-            "Cache-Control": "no-store",
-            "X-Video-Id": job.id,
-            "X-Content-Type-Options": "nosniff",
-        }
-    )
-    resp.enable_chunked_encoding()
-    timeout = request.app[CONFIG].server.client_write_timeout_s
-    held: list[bytes] = []  # chunks before the first fragment
-    complete = False
-    try:
-        async for chunk, is_fragment in job.follow(start_chunk):
-            if not resp.prepared:
-                held.append(chunk)
-                if not is_fragment:
-                    continue
-                await resp.prepare(request)
-                chunk, held = b"".join(held), []
-            try:
-                async with asyncio.timeout(timeout):
-                    await resp.write(chunk)
-            except TimeoutError:
-                log.warning("job %s: client accepted no bytes for %.0fs; dropping it", job.id, timeout)
-                raise ConnectionResetError("client too slow") from None
-            if live and is_fragment:
-                job.ack()
-        complete = job.state == "done"
-    except (ConnectionResetError, asyncio.CancelledError):
-        if live and not job.finished:
-            job.cancel("client disconnected")
-        raise
-    except JobExpired:
-        log.warning("job %s expired under a reader: ending its transfer truncated", job.id)
-    if not resp.prepared:
-        if complete:  # a video without fragments cannot be asked for; be exact anyway
-            await resp.prepare(request)
-            await resp.write(b"".join(held))
-        else:
-            raise _start_failure(job)
-    if not complete:
-        # A failed or cancelled stream must not look like a finished short clip: end the
-        # connection without the terminating chunk, so clients see a truncated transfer.
-        if request.transport is not None:
-            request.transport.close()
-        return resp
-    await resp.write_eof()
-    return resp
 
 
 def get_job(request: web.Request) -> Job:
@@ -390,32 +152,6 @@ async def delete_video(request: web.Request) -> web.Response:
     return web.json_response({"id": vid, "object": "video.deleted", "deleted": True})
 
 
-def _byte_range(request: web.Request, size: int, etag: str, last_modified: str) -> tuple[int, int] | None:
-    """The one byte range to send, per RFC 9110 section 14: (start, stop), or None for the whole
-    representation. A malformed or multi-range Range header is ignored (200), and so is one
-    whose If-Range names another version; an unsatisfiable single range raises 416.
-    aiohttp's `http_range` parses the header (its slice is start/stop with a negative start for
-    a suffix range)."""
-    header = request.headers.get("Range")
-    if header is None:
-        return None
-    if_range = request.headers.get("If-Range")
-    if if_range is not None and if_range.strip() not in (etag, last_modified):
-        return None  # a weak or stale validator: the client wants the whole new representation
-    try:
-        rng = request.http_range
-    except ValueError:
-        return None
-    start, stop = rng.start, rng.stop
-    if start is not None and start < 0:  # suffix range: the last -start bytes
-        start = max(0, size + start)
-    elif start is None or header.strip().lower().endswith("=-0"):
-        start = size  # "bytes=-0": an empty suffix is unsatisfiable
-    if start >= size:
-        raise web.HTTPRequestRangeNotSatisfiable(headers={"Content-Range": f"bytes */{size}"})
-    return start, min(size, stop) if stop is not None else size
-
-
 async def video_content(request: web.Request) -> web.StreamResponse:
     variant = request.query.get("variant", "video")
     if variant != "video":
@@ -449,7 +185,7 @@ async def video_content(request: web.Request) -> web.StreamResponse:
         "Content-Disposition": f'inline; filename="{job.id}.mp4"',
     }
     try:
-        rng = _byte_range(request, size, etag, last_modified)
+        rng = byte_range(request, size, etag, last_modified)
     except web.HTTPRequestRangeNotSatisfiable as exc:
         return web.Response(status=416, headers={**headers, **exc.headers})
     if rng is None:

@@ -6,7 +6,8 @@ import os
 import socket
 from dataclasses import dataclass, field
 
-from ..config import Config, ConfigError, explicit_layout, injected_faults, parse_size, sampler_overrides
+from ..config import Config, ConfigError, injected_faults, parse_size, sampler_overrides
+from ..config.layout import explicit_layout
 from ..ipc.shm import RingSpec
 from ..models.spec import ModelSpec, preset_facts
 from ..workers import faults as injected
@@ -136,7 +137,7 @@ def build_topology(
         for rank, name in enumerate(g):
             group_specs[name] = GroupSpec(f"vae{gi}", rank, len(g), addr, t.shard_front, p.collective_timeout_s)
     for gi, g in enumerate(lay.dit_groups):
-        if len(g) > 1 and t.mode != "aggregated":  # aggregated: the VAE group's process group (config.py)
+        if len(g) > 1 and t.mode != "aggregated":  # aggregated: the VAE group's process group (config/layout.py)
             addr = f"tcp://127.0.0.1:{free_port()}"
             for rank, name in enumerate(g):
                 group_specs[name] = GroupSpec(f"dit{gi}", rank, len(g), addr, False, p.collective_timeout_s)

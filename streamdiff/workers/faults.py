@@ -1,6 +1,6 @@
 """Deliberate faults for the fault-injection tests and drills (worker processes).
 
-Off unless `STREAMDIFF_FAULTS` is set (read in config.py, handed to each worker in its spec).
+Off unless `STREAMDIFF_FAULTS` is set (read in config/__init__.py, handed to each worker in its spec).
 Each entry is `WORKER:POINT:KIND`, optionally `@seed=N` (only sessions opened with that seed)
 and `#I` (only the I-th start of that worker: 0 is the first, 1 the first restart); entries are
 separated by commas. For example `vae0.1:check:request@seed=7` makes shard 1 of group 0 refuse

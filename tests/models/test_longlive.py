@@ -165,7 +165,7 @@ def test_never_refuses_a_scene_that_asks():
 
 @pytest.mark.parametrize("policy,refused", [("never", True), ("on_request", False), ("every_switch", False)])
 def test_the_api_refuses_recache_only_on_a_never_server(policy, refused):
-    from streamdiff.config import load
+    from streamdiff.config.loader import load
     from streamdiff.server.api import APIError, parse_steer
 
     cfg = load(None, {"sampler": {"recache": policy}})

@@ -188,7 +188,7 @@ class TAEHVDecoder(nn.Module):
         shard_front: bool = False,
     ) -> torch.Tensor:
         """A whole block, in chunks of `plan.frames_per_call` latent frames (the CPU working set).
-        The plan must have one band: TAEHV is never height-sharded (config.py refuses it)."""
+        The plan must have one band: TAEHV is never height-sharded (config/layout.py refuses it)."""
         if plan is not None and (len(plan.bands) != 1 or rank != 0):
             raise ValueError(f"TAEHV decodes whole frames on one worker, not {len(plan.bands)} bands (rank {rank})")
         step = plan.frames_per_call if plan is not None else z.shape[2]
