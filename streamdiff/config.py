@@ -20,6 +20,7 @@ from typing import Any, get_type_hints
 
 from .models.catalog import checkpoint_preset
 from .models.spec import EMBEDDED_PRESETS, known_presets
+from .platform.base import KINDS
 
 
 class ConfigError(ValueError):
@@ -422,7 +423,7 @@ def validate(cfg: Config) -> None:
         f"hybrid: the VAE group spans the DiT's devices and more (more than dit_devices = {t.dit_devices})",
         t.vae_devices,
     )
-    _check(t.device in ("cpu", "cuda", "xpu"), "topology.device", "must be cpu, cuda or xpu", t.device)
+    _check(t.device in KINDS, "topology.device", f"must be {', '.join(KINDS[:-1])} or {KINDS[-1]}", t.device)
     group = t.vae_group_size or t.vae_devices or 1
     _check(
         group >= 1 and t.vae_devices % group == 0,

@@ -1,2 +1,2 @@
-"""Adaptive placement: band weights of a VAE group (bands.py), the profiler (profile.py), the
+"""Adaptive placement: band weights of a VAE group (bands.py), the profiler (profile/), the
 pipeline simulator (sim.py) and the layout planner (planner.py)."""

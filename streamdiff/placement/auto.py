@@ -11,10 +11,12 @@ from pathlib import Path
 
 from ..config import Config, ConfigError, explicit_layout, planned
 from ..models.spec import DIT_DIMS
+from ..platform.devices import device_count, device_memory
 from ..supervisor.topology import model_facts
 from .cost import DoesNotFit, ModelCost, dit_name, model_cost
 from .planner import plan
-from .profile import Profile, cache_path, device_count, device_memory, load_cached, measure, model_key
+from .profile.measure import measure
+from .profile.schema import Profile, cache_path, load_cached, model_key
 from .sim import Layout, cut_exchange
 
 

@@ -46,7 +46,8 @@ def profile_main(argv: list[str]) -> int:
         p.error(f"--rounds: {a.rounds} must be at least 1")
     from ..supervisor.topology import model_facts
     from .auto import state_dir
-    from .profile import cache_path, measure
+    from .profile.measure import measure
+    from .profile.schema import cache_path
 
     cfg = _config(a)
     default = tuple(model_facts(cfg)["default_size"])
@@ -112,7 +113,7 @@ def plan_main(argv: list[str]) -> int:
     from .auto import dtype_bytes, state_dir
     from .cost import GIB, DoesNotFit, dit_name, model_cost, priced_profile
     from .planner import plan
-    from .profile import Profile, cache_path
+    from .profile.schema import Profile, cache_path
 
     # --preset is the model to plan for, which needs no weights: not the daemon's --preset
     model_flags = ("config", "device", "model", "decoder", "decoder_weights")

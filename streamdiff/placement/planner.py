@@ -28,7 +28,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..config import OBJECTIVES, Config
-from .profile import Profile, offered_cuts
+from .profile.schema import Profile, offered_cuts
 from .sim import Layout, Prediction, simulate
 
 

@@ -13,7 +13,7 @@ processes whose service times come from the profile (profile.py):
   group decodes, the DiT runs at the rate the shard leaves free, times the share of that time
   the profile's hybrid probe saw a DiT turn into work (processor sharing);
 - on shared cores (Layout.shared) each stage runs on its own threads while the other runs, and
-  at its speed on all the cores while the other waits (it borrows them: workers/lending.py);
+  at its speed on all the cores while the other waits (it borrows them: platform/cpu_lending.py);
 - each session's encoder is a thread of its own (libx264's measured time per block); the
   client takes every fragment at once. On the CPU the supervisor shares the DiT workers' cores,
   so each block's DiT work also carries what the encoder took from the DiT (the profile's DiT
@@ -35,11 +35,11 @@ from dataclasses import dataclass, field, replace
 
 from ..config import Config
 from ..ipc import messages as m
-from ..models.wan.kernels import split_rows
+from ..models.wan.rows import split_rows
 from ..plan import Scene, plan_blocks
 from ..supervisor import scheduler as s
 from ..supervisor.topology import Topology, layout_processes
-from .profile import Profile
+from .profile.schema import Profile
 
 HOP_S = 0.001  # a message's way through ZeroMQ and back, and the ring copies around it
 BUSY_GAP_S = 0.01  # a process whose last job ended this recently is still busy (an aggregated
@@ -134,7 +134,7 @@ class Costs:
         # On the CPU the supervisor (the encoder threads) shares the DiT workers' cores: what
         # encoding a block takes from the DiT, measured beside it (0 where not measured).
         self.host_ms = max(0.0, self.dit.get("host_block_ms", self.dit["block_ms"]) - self.dit["block_ms"])
-        # an image-to-video request's first block: the image encoded and committed (profile.py `_image_ms`;
+        # an image-to-video request's first block: the image encoded and committed (profile/probes.py `_image_ms`;
         # where not measured, a first block's time)
         self.image_ms = self.dit.get("image_ms", self.dit["first_ms"])
         self.fig = fig
@@ -156,7 +156,7 @@ class Costs:
         return sum(beside_dit[:cut]) if beside_dit and cut else self._stages_off_vae(cut)
 
     def _cut_probes(self) -> tuple[float, float, float, float] | None:
-        """Over the cuts the profile ran side by side (profile.py `_levels`): what they added to
+        """Over the cuts the profile ran side by side (profile/cpu_probes.py `levels`): what they added to
         the DiT's block, took off the VAE's, and the stage times they moved as timed on the DiT
         and as a share of the VAE's decode; None where none was (probes are of one-thread
         workers)."""
