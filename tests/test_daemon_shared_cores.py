@@ -1,6 +1,6 @@
 """The daemon with its workers lending each other their cores (`--share-cores`): each worker
 runs on its own core as in disagg-1+1, and while one waits the other runs on both (its thread
-count and affinity widen before each DiT block or VAE convolution; workers/lending.py). Their
+count and affinity widen before each DiT block or VAE convolution; platform/cpu_lending.py). Their
 OpenMP threads sleep while they wait instead of spinning on a core the other needs. The video
 equals one DiT and one VAE on cores of their own."""
 

@@ -1,4 +1,4 @@
-"""Shared cores' ledger (workers/lending.py): a worker runs on its own threads plus those of every
+"""Shared cores' ledger (platform/cpu_lending.py): a worker runs on its own threads plus those of every
 worker waiting now, and changes its count before each DiT block and VAE convolution."""
 
 from __future__ import annotations
@@ -6,18 +6,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from streamdiff.workers.lending import HostSlot, Lender
-from streamdiff.workers.spec import LendSpec, create_ledger
+from streamdiff.platform.cpu_lending import HostSlot, Lender, LendSpec, create_ledger
+from streamdiff.workers.lend import install_lender
 
 
 @pytest.fixture(autouse=True)
 def _restore_threads():
-    """Lenders change this process's thread count and install the conv checkpoint: undo both."""
-    from streamdiff.models.wan import kernels
-
+    """Lenders change this process's thread count: undo it."""
     before = torch.get_num_threads()
     yield
-    kernels.set_checkpoint(None)
     torch.set_num_threads(before)
 
 
@@ -60,9 +57,9 @@ def test_hooks_go_before_every_dit_block_and_vae_convolution(tmp_path):
     dec = WanVAEDecoder(VAEConfig(base_dim=4, num_res_blocks=0))
     net = WanDiT(DiTConfig(dim=32, ffn_dim=64, num_heads=2, num_layers=3, text_dim=16, text_len=4))
     convs = [x for x in dec.modules() if isinstance(x, CausalConv3d)]
-    assert len(convs) > 3 and vae.install(dec) > len(convs)  # the norms, blocks and resamplers too
+    assert len(convs) > 3 and install_lender(vae, dec) > len(convs)  # the norms, blocks and resamplers too
     assert all(c._forward_pre_hooks for c in convs)
-    assert dit.install(net) == 3 == sum(isinstance(x, Block) for x in net.modules())
+    assert install_lender(dit, net) == 3 == sum(isinstance(x, Block) for x in net.modules())
     vae.running(True)  # the DiT waits: two threads
     assert torch.get_num_threads() == 2
     dit.running(True)  # ... and now runs: the next convolution goes back to one
@@ -108,14 +105,15 @@ def test_a_cpu_convolution_lets_the_lender_in_before_each_temporal_tap(tmp_path)
     """A full-resolution 3D conv takes up to 38 ms on one EPYC core: a worker also changes its
     thread count before each of its temporal taps (each a conv2d), not only before the module."""
     from streamdiff.models.wan import kernels
+    from streamdiff.models.wan.vae import VAEConfig, WanVAEDecoder
 
     dit, vae = _pair(tmp_path)
-    vae.install(torch.nn.Sequential())
-    assert kernels._checkpoint == vae.adjust
+    dec = WanVAEDecoder(VAEConfig(base_dim=4, num_res_blocks=0))
+    install_lender(vae, torch.nn.Sequential(dec))
+    assert dec.checkpoint == vae.adjust
     calls = []
-    kernels.set_checkpoint(lambda: calls.append(1))
     x, w = torch.randn(1, 4, 5, 6, 6), torch.randn(2, 4, 3, 3, 3)
-    y = kernels.conv3d_valid_t(x, w, None, 1, 1)
+    y = kernels.conv3d_valid_t(x, w, None, 1, 1, lambda: calls.append(1))
     assert len(calls) == 3 and y.shape == (1, 2, 3, 6, 6)
     ref = torch.nn.functional.conv3d(x, w, None, padding=(0, 1, 1))
     assert torch.allclose(y, ref, atol=1e-5)

@@ -30,6 +30,7 @@ EXAMPLES = [
         ),
     ),
     m.Heartbeat("vae0.1", 0.25),
+    m.Heartbeat("dit0", 1.0, 0.5, m.CpuStats(borrowed_s=2.5)),  # the CPU platform's figures
     m.LatentDone("video_1", 3, 5, [16, 3, 18, 32], 12.5),
     m.FramesDone("video_1", 3, 1, 2, 40.0, skipped=True),
     m.Failed("vae0.0", "RequestError: no", "video_1", 3, "request"),

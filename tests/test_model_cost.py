@@ -27,7 +27,7 @@ from streamdiff.placement.cost import (
     priced_profile,
 )
 from streamdiff.placement.planner import plan
-from streamdiff.placement.profile import Profile
+from streamdiff.placement.profile.schema import Profile
 
 ROOT = Path(__file__).resolve().parents[1]
 B70 = ROOT / "docs" / "results" / "profile-b70.json"  # published 1.3B figures

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from streamdiff.models.wan.kernels import split_rows
+from streamdiff.models.wan.rows import split_rows
 from streamdiff.supervisor.bands import Balance, block_ms, solve
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -193,7 +193,8 @@ def synthetic(
     (a shot's first block the same), no batching gain; `group`: a 2-way VAE group's own time per
     shard at equal bands (wall the same: no waits)."""
     from streamdiff.config import Config
-    from streamdiff.placement.profile import Profile, cpu_model, model_key
+    from streamdiff.placement.profile.schema import Profile, model_key
+    from streamdiff.platform.devices import cpu_model
 
     def stage(ms, rows=None):
         out = {"first_ms": ms, "block_ms": ms, "own_ms": ms, "batch_ms": {"2": ms, "4": ms}}
@@ -426,7 +427,7 @@ def test_an_adapting_cut_moves_to_where_the_measured_sides_balance():
 def test_a_cut_moves_only_where_a_shot_starts():
     from streamdiff.ipc import messages as m
     from streamdiff.workers.errors import RequestError
-    from streamdiff.workers.stages import check_cut_change, cut_of
+    from streamdiff.workers.stage_common import check_cut_change, cut_of
 
     msg = m.DecodeBlock("s", 1, 0, 0, [16, 3, 18, 32], 12, vae_cut=5)
     assert cut_of(msg, 4) == 5 and cut_of(m.DecodeBlock("s", 1, 0, 0, [16, 3, 18, 32], 12), 4) == 4
@@ -641,7 +642,7 @@ def test_the_planner_ranks_eight_b70s_from_the_published_figures():
     from streamdiff.config import Config
     from streamdiff.models.spec import PRESET_FACTS
     from streamdiff.placement.planner import plan
-    from streamdiff.placement.profile import Profile
+    from streamdiff.placement.profile.schema import Profile
 
     prof = Profile.from_json((ROOT / "docs" / "results" / "profile-b70.json").read_text())
     facts = dict(PRESET_FACTS["wan2.1-t2v-1.3b"])
@@ -659,7 +660,7 @@ def test_the_planner_ranks_eight_b70s_from_the_published_figures():
 def test_a_profile_is_cached_only_for_its_machine_model_and_size(tmp_path):
     from streamdiff.config import Config
     from streamdiff.config.loader import override
-    from streamdiff.placement.profile import Profile, cache_path, load_cached
+    from streamdiff.placement.profile.schema import Profile, cache_path, load_cached
 
     prof = synthetic(100.0, 200.0)
     cfg = Config()
@@ -701,7 +702,7 @@ def test_streamdiffd_profile_measures_this_machine(tmp_path):
     out = tmp_path / "p.json"
     r = run_cli("profile", "--sizes", "64x32", "--rounds", "1", "--out", str(out))
     assert r.returncode == 0, r.stderr
-    from streamdiff.placement.profile import Profile
+    from streamdiff.placement.profile.schema import Profile
 
     prof = Profile.from_json(out.read_text())
     fig = prof.sizes["64x32"]
@@ -733,7 +734,7 @@ def test_streamdiffd_profile_measures_this_machine(tmp_path):
                 assert fig[role][t]["block_ms"] == pytest.approx(lv[role][t]) and lv["factors"][role + t] > 0
         # two cuts run side by side as a stage-cut layout runs them: about half, and the most
         # offered (up to half the VAE's stage time)
-        from streamdiff.placement.profile import offered_cuts
+        from streamdiff.placement.profile.schema import offered_cuts
 
         offered = offered_cuts(fig["vae"]["1"]["stages_ms"])
         assert set(lv["cuts"]) == {str(offered[-1]), str(offered[(len(offered) - 1) // 2])}
@@ -773,7 +774,7 @@ def test_a_profile_measured_elsewhere_plans_the_daemon_and_a_wrong_one_is_refuse
 def test_a_profiles_thread_rounds_take_their_level_from_the_interleaved_cycles():
     """Rounds measured a minute apart on a drifting machine: the 2-thread VAE came out 2.35x the
     1-thread one. The cycles' levels replace each round's, every time in it scaled alike."""
-    from streamdiff.placement.profile import _rescale
+    from streamdiff.placement.profile.cpu_probes import rescale
 
     res = {
         "256x144": {
@@ -788,7 +789,7 @@ def test_a_profiles_thread_rounds_take_their_level_from_the_interleaved_cycles()
         }
     }
     levels = {"256x144": {"dit": {"1": 150.0, "2": 110.0}, "vae": {"1": 255.0, "2": 170.0}}}
-    _rescale(res, levels)
+    rescale(res, levels)
     fig = res["256x144"]
     d1, d2 = fig["dit"]["1"], fig["dit"]["2"]
     assert d1 == {"first_ms": 225.0, "block_ms": 150.0, "batch_ms": {"2": 135.0}, "cut_stages_ms": [7.5, 15.0]}
@@ -805,7 +806,7 @@ def test_a_daemon_with_no_layout_flags_plans_from_its_cached_profile_and_streams
 
     prof = synthetic(100.0, 200.0, group=105.0, dit2=95.0, vae2=190.0)
     from streamdiff.config import Config
-    from streamdiff.placement.profile import cache_path
+    from streamdiff.placement.profile.schema import cache_path
 
     cache_path(str(tmp_path), Config(), (256, 144)).write_text(prof.to_json())
     body = {"prompt": "a lighthouse", "num_frames": 33, "seed": 3}
@@ -838,7 +839,7 @@ def test_a_daemon_that_plans_a_vae_cut_runs_it(tmp_path):
         "cuts": {"3": {"dit": 150.0, "vae": 164.0}, "5": {"dit": 100 + 1.25 * 140, "vae": 200 - 0.9 * 140}},
     }
     from streamdiff.config import Config
-    from streamdiff.placement.profile import cache_path
+    from streamdiff.placement.profile.schema import cache_path
 
     cache_path(str(tmp_path), Config(), (256, 144)).write_text(prof.to_json())
     body = {"prompt": "a lighthouse", "num_frames": 33, "seed": 3}

@@ -29,3 +29,102 @@ def test_the_api_reaches_the_engine_only_through_its_boundary():
                 assert not node.module.endswith(("scheduler", "workers", "capacity")), (path.name, node.module)
             if isinstance(node, ast.Attribute):
                 assert node.attr not in ("scheduler", "pool"), (path.name, node.lineno)
+
+
+def _device_kind_branches(tree) -> list[tuple[int, str]]:
+    """Where code branches on an accelerator's kind: a comparison with "cuda" or "xpu" (alone
+    or in a tuple, list or set), a `.startswith("cuda")`-like test, `torch.cuda` / `torch.xpu`,
+    `getattr(torch, ...)` (a runtime picked by name) or `.is_available()`."""
+    import ast
+
+    kinds = {"cuda", "xpu"}
+
+    def names_kind(node) -> bool:
+        if isinstance(node, ast.Constant) and isinstance(node.value, str):
+            return node.value.split(":")[0] in kinds
+        if isinstance(node, ast.Tuple | ast.List | ast.Set):
+            return any(names_kind(e) for e in node.elts)
+        return False
+
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Compare) and any(names_kind(x) for x in (node.left, *node.comparators)):
+            found.append((node.lineno, "compares with an accelerator kind"))
+        elif isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "torch":
+            if node.attr in kinds:
+                found.append((node.lineno, f"torch.{node.attr}"))
+        elif isinstance(node, ast.Call):
+            f = node.func
+            if (
+                isinstance(f, ast.Name)
+                and f.id == "getattr"
+                and node.args
+                and getattr(node.args[0], "id", "") == "torch"
+            ):
+                found.append((node.lineno, "getattr(torch, ...)"))
+            elif isinstance(f, ast.Attribute) and f.attr == "is_available":
+                found.append((node.lineno, ".is_available()"))
+            elif isinstance(f, ast.Attribute) and f.attr in ("startswith", "endswith"):
+                if any(names_kind(a) for a in node.args):
+                    found.append((node.lineno, f".{f.attr}(an accelerator kind)"))
+    return found
+
+
+def test_only_the_platform_branches_on_the_device_kind():
+    """The rule: outside streamdiff/platform/ no code asks which accelerator it runs on (see
+    `_device_kind_branches`). models/ is exempt: it keeps its dtype and device plumbing
+    (`x.device.type != "cpu"` picks the CPU kernels; the model tests compare devices), and
+    tests/ and tools/ are not the daemon. What stays allowed elsewhere, honestly: tests against
+    "cpu" (CPU-only policy, e.g. the planner's thread counts or pinning, which is a choice of
+    layout, not of runtime), and the kinds named as plain data (argparse choices, error-text
+    keywords)."""
+    import ast
+
+    root = ROOT / "streamdiff"
+    bad = []
+    for path in sorted(root.rglob("*.py")):
+        rel = path.relative_to(root)
+        if rel.parts[0] in ("platform", "models"):
+            continue
+        bad += [(str(rel), line, what) for line, what in _device_kind_branches(ast.parse(path.read_text()))]
+    assert not bad, bad
+
+
+def test_the_rule_sees_a_device_branch():
+    import ast
+
+    code = (
+        'if d.type == "cuda":\n    torch.cuda.synchronize()\n'
+        'elif d in ("xpu", "cpu"): pass\ngetattr(torch, k).is_available()'
+    )
+    assert sorted(_device_kind_branches(ast.parse(code))) == [
+        (1, "compares with an accelerator kind"),
+        (2, "torch.cuda"),
+        (3, "compares with an accelerator kind"),
+        (4, ".is_available()"),
+        (4, "getattr(torch, ...)"),
+    ]
+
+
+def test_the_supervisor_process_imports_no_torch():
+    """What `streamdiffd` runs before (and beside) its workers imports no torch: the CLI, the
+    server, the supervisor, placement (`place()`: layout, memory check, device facts; on an
+    accelerator those come from a child) and a VAE cut's ring sizing (the decoder's shape comes
+    from a child). Torch is imported only in spawned children (workers, the profile's probes)."""
+    code = """
+import sys
+import streamdiff.cli, streamdiff.server.app, streamdiff.supervisor.core, streamdiff.placement.auto
+import streamdiff.cli.placement, streamdiff.cli.daemon, streamdiff.placement.planner, streamdiff.placement.sim
+from streamdiff.config import Config
+from streamdiff.config.loader import override
+from streamdiff.placement.auto import place
+from streamdiff.supervisor.core import Supervisor
+assert "torch" not in sys.modules, "torch at import"
+layout = {"mode": "disaggregated", "dit_devices": 1, "vae_devices": 1, "vae_cut": 2}
+cfg, _ = place(override(Config(), topology=layout), log=lambda *a: None)
+assert "torch" not in sys.modules, "torch in place()"
+Supervisor(cfg)._ring_sizes()
+assert "torch" not in sys.modules, "torch in a VAE cut's ring sizing"
+"""
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr

@@ -33,7 +33,7 @@ from streamdiff.models.presets import get_preset  # noqa: E402
 from streamdiff.models.spec import ModelSpec  # noqa: E402
 from streamdiff.models.wan.taehv import TAEHVConfig, random_taehv  # noqa: E402
 from streamdiff.models.wan.vae import VAEConfig, WanVAEDecoder  # noqa: E402
-from streamdiff.placement.profile import cpu_model  # noqa: E402
+from streamdiff.platform.devices import cpu_model  # noqa: E402
 
 
 def engine(decoder: str, real: bool, published_taehv: bool, device: str) -> VAEEngine:

@@ -153,8 +153,9 @@ def stage_costs(cpu: int, size: tuple[int, int]) -> tuple[list[float], list[list
     import torch
 
     from streamdiff.models.engines import VAEEngine
-    from streamdiff.models.wan.vae import decode_stages, decoder_stages, stage_shapes
-    from streamdiff.placement.profile import stage_times
+    from streamdiff.models.wan.stage_times import stage_times
+    from streamdiff.models.wan.vae import decode_stages, decoder_stages
+    from streamdiff.models.wan.vae_shapes import stage_shapes
 
     eng = VAEEngine(_spec(), "cpu")
     vae, (w, h), n = eng.model, size, len(decoder_stages(eng.model))
@@ -205,7 +206,7 @@ def main() -> None:
         summary[cut] = {"ms_per_block": v, "median_ms": med, "speedup_over_first": base / med}
         print(f"cut {cut}: median {med:.0f} ms/block {[round(x) for x in v]}, x{base / med:.2f} of cut {cuts[0]}")
     if a.json:
-        from streamdiff.placement.profile import cpu_model
+        from streamdiff.platform.devices import cpu_model
 
         meta = {"cpu": cpu_model(), "nproc": os.cpu_count(), "size": a.size, "time": time.strftime("%Y-%m-%d %H:%M")}
         doc = {"meta": meta, "stages_ms": costs, "stage_shapes": shapes, "cuts": summary}

@@ -172,18 +172,6 @@ async def extend_start_timeout(notifier) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if argv and argv[0] == "models":
-        from .models.catalog import main as models_main
-
-        return models_main(argv[1:])
-    if argv and argv[0] == "generate":
-        from .generate import main as generate_main
-
-        return generate_main(argv[1:])
-    if argv and argv[0] in ("profile", "plan"):
-        from ..placement.commands import main as placement_main
-
-        return placement_main(argv)
     args = parse_args(argv)
     try:
         cfg = load(args.config, overrides_from_args(args))

@@ -134,11 +134,12 @@ def device_of(cfg: Config) -> str:
     """One device for both stages: the first of its kind (cpu, cuda:0, xpu:0)."""
     import torch
 
+    from .platform import for_device
+
     kind = cfg.topology.device
     if kind == "cpu":
         return "cpu"
-    backend = getattr(torch, kind, None)
-    if backend is None or not backend.is_available():
+    if not for_device(kind).available():
         raise UsageError(f"--device {kind}: no {kind} device is visible to this PyTorch ({torch.__version__})")
     return f"{kind}:0"
 
@@ -152,7 +153,7 @@ def generate(cfg: Config, req: VideoRequest, args: argparse.Namespace) -> tuple[
     from ..models import engines
     from ..models.wan.loading import CheckpointError
     from ..supervisor.topology import model_spec
-    from ..workers.stages import decode_png
+    from ..workers.stage_common import decode_png
 
     device = device_of(cfg)
     spec = model_spec(cfg)

@@ -46,7 +46,8 @@ def profile_main(argv: list[str]) -> int:
     if a.rounds < 1:
         p.error(f"--rounds: {a.rounds} must be at least 1")
     from ..placement.auto import state_dir
-    from ..placement.profile import cache_path, measure
+    from ..placement.profile.measure import measure
+    from ..placement.profile.schema import cache_path
     from ..supervisor.topology import model_facts
 
     cfg = _config(a)
@@ -112,7 +113,7 @@ def plan_main(argv: list[str]) -> int:
     from ..placement.auto import dtype_bytes, state_dir
     from ..placement.cost import GIB, DoesNotFit, dit_name, model_cost, priced_profile
     from ..placement.planner import plan
-    from ..placement.profile import Profile, cache_path
+    from ..placement.profile.schema import Profile, cache_path
     from ..supervisor.topology import model_facts
 
     # --preset is the model to plan for, which needs no weights: not the daemon's --preset

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from ..models.catalog import checkpoint_preset
 from ..models.spec import EMBEDDED_PRESETS, known_presets
+from ..platform.base import KINDS
 from . import OBJECTIVES, Config, ConfigError, parse_size
 from .layout import broken_rule
 
@@ -108,7 +109,7 @@ def validate(cfg: Config) -> None:
     _check(0 <= t.devices <= 64, "topology.devices", "must be 0-64", t.devices)
     _check(0 <= t.dit_devices <= 64, "topology.dit_devices", "must be 1-64 (0: planned or 1)", t.dit_devices)
     _check(0 <= t.vae_devices <= 64, "topology.vae_devices", "must be 1-64 (0: planned or 1)", t.vae_devices)
-    _check(t.device in ("cpu", "cuda", "xpu"), "topology.device", "must be cpu, cuda or xpu", t.device)
+    _check(t.device in KINDS, "topology.device", f"must be {', '.join(KINDS[:-1])} or {KINDS[-1]}", t.device)
     _check(1 <= t.threads_per_worker <= 256, "topology.threads_per_worker", "must be 1-256", t.threads_per_worker)
     _check(0 <= t.vae_cut <= 64, "topology.vae_cut", "must be 0-64 (0: the VAE workers decode whole)", t.vae_cut)
     _check(

@@ -86,7 +86,7 @@ class DecodeBatch(Message, tag="decb"):
     """VAE: these blocks, of different sessions, in one decode call where their sizes and cache
     phases agree (the supervisor chose them; every shard of the group gets the same batch, so
     the shards agree by construction); one FramesDone each. `weights`: the group's band weights
-    (kernels.split_rows; empty: equal bands); a running shot whose bands they change has its
+    (models/wan/rows.split_rows; empty: equal bands); a running shot whose bands they change has its
     cached rows moved first (parallel/vae_group.move_bands)."""
 
     blocks: list[DecodeBlock]
@@ -204,11 +204,17 @@ class Ready(Message, tag="ready"):
     info: ReadyInfo = ReadyInfo()
 
 
+class CpuStats(msgspec.Struct):
+    """The CPU platform's own figures (platform/cpu_lending.py), in a heartbeat."""
+
+    borrowed_s: float = 0.0  # shared cores: seconds this incarnation ran on waiting workers' threads too
+
+
 class Heartbeat(Message, tag="hb"):
     worker: str
     busy_s: float  # seconds the current message has been running (0 when idle)
     idle_s: float = 0.0  # seconds it has been waiting for messages with none queued (0 when not)
-    borrowed_s: float = 0.0  # shared cores: seconds this incarnation ran on waiting workers' threads too
+    platform: CpuStats | None = None  # the platform's extra figures (None: it has none)
 
 
 class LatentDone(Message, tag="latent"):
@@ -219,7 +225,8 @@ class LatentDone(Message, tag="latent"):
     compute_ms: float  # this block's share of its batch's time
     skipped: bool = False  # the session was cancelled: nothing was written
     batch: int = 1  # blocks computed together in that forward
-    busy_ms: float = 0.0  # of compute_ms, the stage's own work (on the CPU: its CPU time per thread)
+    # of compute_ms, the stage's own device work (the platform's Stopwatch: on the CPU its CPU time per thread)
+    busy_ms: float = 0.0
     data_shape: list[int] = []  # the slot holds the decoder's first stages' output of this shape (vae_cut)
 
 
@@ -231,7 +238,8 @@ class FramesDone(Message, tag="frames"):
     compute_ms: float  # this block's share of its batch's time
     skipped: bool = False  # the group agreed the session was cancelled: nothing was written
     batch: int = 1  # blocks decoded together in that call
-    busy_ms: float = 0.0  # of compute_ms, this shard's own work (on the CPU: its CPU time per thread; not waits)
+    # of compute_ms, this shard's own device work, not its waits on collectives (the platform's Stopwatch)
+    busy_ms: float = 0.0
     rows: int = 0  # the latent rows of this shard's band
 
 

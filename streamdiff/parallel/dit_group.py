@@ -12,26 +12,28 @@ Self-attention needs every token, so around it two all-to-alls swap what a rank 
 So each rank attends with its own heads over the whole sequence, and its KV cache holds only
 its heads (the cache, the largest per-session memory, is split g ways). The head's output
 (a few channels per token) is all-gathered once per forward, so every rank returns the same
-whole block. Bands are contiguous patch rows (`kernels.split_rows`: sizes differ by at most
+whole block. Bands are contiguous patch rows (`rows.split_rows`: sizes differ by at most
 one row) and heads are split the same way, so neither the height nor the head count has to
 divide by g. Equal to one device within float rounding (tests/parallel/test_dit_group.py).
 
 The collectives are `all_to_all_single` with split sizes (gloo on the CPU, NCCL, oneCCL), which
 allows uneven pieces; an all-gather of uneven pieces is the same call with this rank's piece
-sent to everyone. Every rank runs the same forwards in the same order (the DiT stage agrees on each
-block before running it, workers/stages.py), so the collectives always match.
+sent to everyone. Each collective runs inside the platform's wait clock (streamdiff/platform): on the
+CPU gloo blocks and a host clock times it; on CUDA/XPU events around it on the stream, read at the
+block's end. Every rank runs the same forwards in the same order (the DiT stage agrees on each
+block before running it, workers/dit_stage.py), so the collectives always match.
 """
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 from math import prod
 
 import torch
 import torch.distributed as dist
 
-from ..models.wan.kernels import split_rows
+from ..models.wan.rows import split_rows
+from ..platform.base import WaitClock
 
 
 @dataclass(frozen=True)
@@ -45,13 +47,19 @@ class Grid:
 
 
 class SeqParallel:
-    def __init__(self, rank: int, world: int, heads: int) -> None:
+    def __init__(self, rank: int, world: int, heads: int, clock: WaitClock | None = None) -> None:
         if heads < world:
             raise ValueError(f"a DiT of {heads} attention heads cannot be split over {world} devices")
         self.rank, self.world = rank, world
         self.heads = split_rows(heads, world)  # heads of each rank
-        self.wait_s = 0.0  # time inside collectives (communication and waiting for peers)
+        self.clock = clock or WaitClock()  # the platform's (`Platform.wait_clock`)
         self.bytes_sent = 0
+
+    @property
+    def wait_s(self) -> float:
+        """Time inside collectives so far (communication and waiting for peers); read it at a
+        block's end (on an accelerator it waits for the device)."""
+        return self.clock.wait_s
 
     @property
     def local_heads(self) -> int:
@@ -73,9 +81,8 @@ class SeqParallel:
         flat = torch.cat([t.reshape(-1) for t in send])
         sizes = [prod(s) for s in shapes]
         into = torch.empty(sum(sizes), dtype=flat.dtype, device=flat.device)
-        t0 = time.perf_counter()
-        dist.all_to_all_single(into, flat, sizes, [t.numel() for t in send])
-        self.wait_s += time.perf_counter() - t0
+        with self.clock.span():
+            dist.all_to_all_single(into, flat, sizes, [t.numel() for t in send])
         self.bytes_sent += sum(t.numel() * t.element_size() for i, t in enumerate(send) if i != self.rank)
         return [part.view(s) for part, s in zip(into.split(sizes), shapes, strict=True)]
 

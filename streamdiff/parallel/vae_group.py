@@ -1,6 +1,6 @@
 """Height-sharded VAE decoding across a group of processes (runs in the VAE shard workers).
 
-Each shard owns a horizontal band of latent rows (`models/wan/kernels.split_rows`) and so a band of every output
+Each shard owns a horizontal band of latent rows (`models/wan/rows.split_rows`) and so a band of every output
 frame (8x the rows). The decoder (models/wan/vae.py) asks its `Halo` for one neighbour row
 above and below at every 3x3 convolution; `ExchangeHalo` answers with point-to-point sends
 and receives to the two neighbours (zero rows at the global top and bottom), posted all at once
@@ -19,7 +19,6 @@ frames. tools/bench_vae_shard.py measures both.
 
 from __future__ import annotations
 
-import time
 from datetime import timedelta
 
 import torch
@@ -27,8 +26,8 @@ import torch.distributed as dist
 
 from ..models.wan.kernels import empty, layout
 from ..models.wan.vae import Halo
-
-BACKENDS = {"cpu": "gloo", "cuda": "nccl", "xpu": "xccl"}
+from ..platform import for_device
+from ..platform.base import WaitClock
 
 
 def init_group(
@@ -39,7 +38,7 @@ def init_group(
     if dist.is_initialized():
         return
     dev = torch.device(device)
-    backend = backend or BACKENDS[dev.type]
+    backend = backend or for_device(device).backend
     kw = {"device_id": dev} if backend == "nccl" else {}
     dist.init_process_group(
         backend,
@@ -60,10 +59,16 @@ def group_max(values: list[int], device: str) -> list[int]:
 
 
 class ExchangeHalo(Halo):
-    def __init__(self, rank: int, bands: list[tuple[int, int]]) -> None:
+    def __init__(self, rank: int, bands: list[tuple[int, int]], clock: WaitClock | None = None) -> None:
         self.rank, self.world, self.bands = rank, len(bands), bands
         self.bytes_sent = 0  # halo traffic of this shard, for the benchmark
-        self.wait_s = 0.0  # time spent waiting for neighbours (a shard's busy time is the rest)
+        self.clock = clock or WaitClock()  # the platform's (`Platform.wait_clock`)
+
+    @property
+    def wait_s(self) -> float:
+        """Time spent waiting for neighbours (a shard's busy time is the rest); read it at a
+        block's end (on an accelerator it waits for the device)."""
+        return self.clock.wait_s
 
     def _scale(self, x: torch.Tensor) -> int:
         r0, r1 = self.bands[self.rank]
@@ -94,10 +99,9 @@ class ExchangeHalo(Halo):
 
     def complete(self, pending, dest: torch.Tensor) -> None:
         works, recv_up, recv_down = pending
-        t0 = time.perf_counter()
-        for w in works:
-            w.wait()
-        self.wait_s += time.perf_counter() - t0
+        with self.clock.span():  # on an accelerator: the stream's wait for the transfers
+            for w in works:
+                w.wait()
         dest[..., :1, :] = recv_up if recv_up is not None else 0  # zero rows at the global edges
         dest[..., -1:, :] = recv_down if recv_down is not None else 0
 
@@ -110,9 +114,8 @@ class ExchangeHalo(Halo):
         buf.zero_()
         buf[..., : x.shape[-2], :] = x
         parts = [torch.empty_like(buf) for _ in range(self.world)]
-        t0 = time.perf_counter()
-        dist.all_gather(parts, buf)
-        self.wait_s += time.perf_counter() - t0
+        with self.clock.span():
+            dist.all_gather(parts, buf)
         self.bytes_sent += buf.numel() * buf.element_size() * (self.world - 1)
         full = torch.cat([p[..., :n, :] for p, n in zip(parts, sizes)], dim=-2)
         return full.contiguous(memory_format=layout(full))

@@ -12,12 +12,14 @@ from pathlib import Path
 from ..config import Config, ConfigError
 from ..config.layout import explicit_layout, planned
 from ..models.spec import DIT_DIMS
+from ..platform.devices import device_count, device_memory
 from ..supervisor.topology import model_facts
 from .cost import DoesNotFit, ModelCost, dit_name, model_cost
 from .costs import cut_exchange
 from .layout import Layout
 from .planner import plan
-from .profile import Profile, cache_path, device_count, device_memory, load_cached, measure, model_key
+from .profile.measure import measure
+from .profile.schema import Profile, cache_path, load_cached, model_key
 
 
 @dataclass

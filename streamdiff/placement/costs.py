@@ -1,4 +1,4 @@
-"""Service times from a profile (profile.py), as the simulator (sim.py) charges them: a DiT
+"""Service times from a profile (profile/), as the simulator (sim.py) charges them: a DiT
 batch, a VAE group's batch and each shard's band, the encoder, a VAE cut, and the speed a stage
 gets from cores lent to it."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .layout import Layout
-from .profile import Profile
+from .profile.schema import Profile
 
 SPATIAL = 8
 
@@ -36,7 +36,7 @@ class Costs:
         # On the CPU the supervisor (the encoder threads) shares the DiT workers' cores: what
         # encoding a block takes from the DiT, measured beside it (0 where not measured).
         self.host_ms = max(0.0, self.dit.get("host_block_ms", self.dit["block_ms"]) - self.dit["block_ms"])
-        # an image-to-video request's first block: the image encoded and committed (profile.py `_image_ms`;
+        # an image-to-video request's first block: the image encoded and committed (profile/probes.py `_image_ms`;
         # where not measured, a first block's time)
         self.image_ms = self.dit.get("image_ms", self.dit["first_ms"])
         self.fig = fig
@@ -58,7 +58,7 @@ class Costs:
         return sum(beside_dit[:cut]) if beside_dit and cut else self._stages_off_vae(cut)
 
     def _cut_probes(self) -> tuple[float, float, float, float] | None:
-        """Over the cuts the profile ran side by side (profile.py `_levels`): what they added to
+        """Over the cuts the profile ran side by side (profile/cpu_probes.py `levels`): what they added to
         the DiT's block, took off the VAE's, and the stage times they moved as timed on the DiT
         and as a share of the VAE's decode; None where none was (probes are of one-thread
         workers)."""
@@ -172,7 +172,7 @@ class Costs:
     ) -> tuple[float, list[float]]:
         """(seconds for the group's batch, each shard's own seconds); `cut`: the batch's VAE cut
         (default: the layout's); `busy`: the process ran other work
-        until now (a shot's first block after idle is slower on two threads, profile.py)."""
+        until now (a shot's first block after idle is slower on two threads, profile/cpu_probes.py)."""
         v = self.vae1
         scale = self._batch(v, n, v["block_ms"]) / v["block_ms"] * n
         if first:

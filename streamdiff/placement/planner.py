@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 from ..config import OBJECTIVES, Config
 from .layout import Layout
-from .profile import Profile, offered_cuts
+from .profile.schema import Profile, offered_cuts
 from .sim import Prediction, simulate
 
 

@@ -3,7 +3,7 @@ from a profile's service times (costs.py).
 
 The policy is not modelled but run: the daemon's own `Scheduler` (admission, EDF, batching,
 band weights, pacing) takes the simulated events and its actions are carried out on simulated
-processes whose service times come from the profile (profile.py):
+processes whose service times come from the profile (profile/):
 
 - every worker is a process with one FIFO of batches, as the real ones are; an aggregated
   worker's DiT and VAE batches queue in the same FIFO;
@@ -14,7 +14,7 @@ processes whose service times come from the profile (profile.py):
   group decodes, the DiT runs at the rate the shard leaves free, times the share of that time
   the profile's hybrid probe saw a DiT turn into work (processor sharing);
 - on shared cores (Layout.shared) each stage runs on its own threads while the other runs, and
-  at its speed on all the cores while the other waits (it borrows them: workers/lending.py);
+  at its speed on all the cores while the other waits (it borrows them: platform/cpu_lending.py);
 - each session's encoder is a thread of its own (libx264's measured time per block); the
   client takes every fragment at once. On the CPU the supervisor shares the DiT workers' cores,
   so each block's DiT work also carries what the encoder took from the DiT (the profile's DiT
@@ -36,12 +36,12 @@ from dataclasses import dataclass, field, replace
 
 from ..config import Config
 from ..ipc import messages as m
-from ..models.wan.kernels import split_rows
+from ..models.wan.rows import split_rows
 from ..plan import Scene, plan_blocks
 from ..supervisor import scheduler as s
 from .costs import SPATIAL, Costs, cut_exchange
 from .layout import Layout
-from .profile import Profile
+from .profile.schema import Profile
 
 HOP_S = 0.001  # a message's way through ZeroMQ and back, and the ring copies around it
 BUSY_GAP_S = 0.01  # a process whose last job ended this recently is still busy (an aggregated

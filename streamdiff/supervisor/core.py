@@ -26,7 +26,7 @@ from ..config import Config, ConfigError
 from ..ipc import messages as m
 from ..ipc.shm import Ring, sweep_stale
 from ..plan import plan_blocks
-from ..workers.lending import HostSlot
+from ..platform.cpu_lending import HostSlot
 from . import scheduler as sch
 from .driver import Driver
 from .engine import SessionHandle
@@ -57,7 +57,7 @@ class Supervisor:
         self.pool: WorkerPool | None = None
         self.scheduler: Scheduler | None = None
         self.driver: Driver | None = None
-        self.host_slot: HostSlot | None = None
+        self.host_gate: HostSlot | None = None  # CPU shared cores: the encoders' byte in the ledger
         self.topology: Topology | None = None
         self._ctx: zmq.asyncio.Context | None = None
         self._router: zmq.asyncio.Socket | None = None  # recv_from_workers
@@ -65,7 +65,7 @@ class Supervisor:
         self._tasks: list[asyncio.Task] = []
         self.loop_alive: dict[str, float] = {}  # task -> last time it went round (for /health)
         self.started_at = time.time()
-        self._vae_cfg = None  # the preset's VAE config, for the cut's activation shapes
+        self._vae_cfg = None  # the preset's decoder shape (vae_shapes.DecoderShape), for the cut's activations
 
     # -- start --------------------------------------------------------------------------------
     def _ring_sizes(self) -> tuple[int, int]:
@@ -81,13 +81,12 @@ class Supervisor:
 
     def _stage_shapes(self, frames: int, h: int, w: int) -> list[tuple[int, ...]]:
         """What each decoder stage makes of a block (the preset's VAE config: the one written next
-        to the weights, else the release's; the DiT worker checks each block)."""
-        from ..models.presets import get_preset
-        from ..models.wan.vae import stage_shapes
+        to the weights, else the release's, read once in a child; the DiT worker checks each block)."""
+        from ..models.wan.vae_shapes import decoder_shape, stage_shapes
         from .topology import model_spec
 
         if self._vae_cfg is None:
-            self._vae_cfg = get_preset(model_spec(self.cfg)).vae
+            self._vae_cfg = decoder_shape(model_spec(self.cfg))
         return stage_shapes(self._vae_cfg, frames, h, w)
 
     def _cut_shape(self, cut: int, frames: int, h: int, w: int) -> tuple[int, ...]:
@@ -147,9 +146,9 @@ class Supervisor:
             self._cut_fits(self.latent_ring.spec.slot_bytes),
         )
         host = self.topology.host_lend
-        self.host_slot = HostSlot(host) if host else None
+        self.host_gate = HostSlot(host) if host else None
         self.driver = driver = Driver(
-            self.cfg, self.scheduler, self._send, self.pool.ready_workers, self.frame_ring, self.host_slot
+            self.cfg, self.scheduler, self._send, self.pool.ready_workers, self.frame_ring, self.host_gate
         )
         self.pool.on_lost = lambda names, why: driver.post(sch.WorkersLost(frozenset(names), why))
         self.pool.on_worker_ready = lambda name: driver.post(sch.WorkerReady(name, self.pool.workers[name].info))
@@ -391,8 +390,8 @@ class Supervisor:
         for ring in (self.latent_ring, self.frame_ring):
             if ring is not None:
                 ring.close(unlink=True)
-        if self.host_slot is not None:
-            self.host_slot.close()
+        if self.host_gate is not None:
+            self.host_gate.close()
         if self.runtime_dir:
             shutil.rmtree(self.runtime_dir, ignore_errors=True)
         self.state = STOPPED

@@ -44,10 +44,10 @@ class Driver:
         send: Callable[[str, m.Message], None],
         ready: Callable[[], Collection[str]],  # the worker processes ready now (the pool's)
         frame_ring: Ring,
-        host_slot=None,  # shared cores: workers/lending.py HostSlot, set while an encoder runs
+        host_gate=None,  # the platform's gate around host work on the workers' devices (CPU shared cores: HostSlot)
     ) -> None:
         self.cfg = cfg
-        self.host_slot = host_slot
+        self.host_gate = host_gate
         self.scheduler = scheduler
         self.send = send
         self.ready = ready
@@ -171,9 +171,9 @@ class Driver:
 
     def _fragment(self, writer: FragmentWriter, *args) -> bytes:
         """On the encoder's thread."""
-        if self.host_slot is None:
+        if self.host_gate is None:
             return writer.fragment(*args)
-        with self.host_slot.running():
+        with self.host_gate.running():
             return writer.fragment(*args)
 
     async def _encode(self, enc: _Encoder, a: s.Encode) -> None:

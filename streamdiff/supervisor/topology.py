@@ -10,8 +10,9 @@ from ..config import Config, ConfigError, injected_faults, parse_size, sampler_o
 from ..config.layout import explicit_layout
 from ..ipc.shm import RingSpec
 from ..models.spec import ModelSpec, preset_facts
+from ..platform.cpu_lending import LendSpec, create_ledger
 from ..workers import faults as injected
-from ..workers.spec import GroupSpec, LendSpec, WorkerSpec, create_ledger
+from ..workers.spec import GroupSpec, WorkerSpec
 
 
 @dataclass(frozen=True)
@@ -21,7 +22,7 @@ class Topology:
     vae_groups: list[list[str]]  # each group's shards in rank order
     devices: dict[str, int] = field(default_factory=dict)  # worker -> device index (hybrid: two per device)
     dit_groups: dict[str, list[str]] = field(default_factory=dict)  # a DiT group's rank 0 -> its ranks in order
-    host_lend: LendSpec | None = None  # shared cores: the supervisor's encoders' byte (workers/lending.py)
+    host_lend: LendSpec | None = None  # shared cores: the supervisor's encoders' byte (platform/cpu_lending.py)
 
     def members(self, dit: str) -> list[str]:
         """The processes that run DiT `dit`: its group's ranks, or itself."""
@@ -123,7 +124,7 @@ def build_topology(
     """The worker specs of cfg's layout (`layout_processes`); in hybrid mode the DiT runs below
     the VAE shard beside it in priority: on the CPU it takes the core while the shard waits at
     its halo exchanges. On shared cores the workers lend each other their cores through a ledger
-    file in `runtime_dir` (workers/lending.py)."""
+    file in `runtime_dir` (platform/cpu_lending.py)."""
     t, p = explicit_layout(cfg.topology), cfg.pipeline
     spec = model_spec(cfg)
     try:

@@ -39,7 +39,7 @@ class WorkerState:
     info: dict = field(default_factory=dict)
     last_heartbeat: float = 0.0
     busy_s: float = 0.0
-    borrowed_s: float = 0.0  # shared cores: over the daemon's life (workers/lending.py)
+    borrowed_s: float = 0.0  # shared cores: over the daemon's life (platform/cpu_lending.py)
     borrowed_now: float = 0.0  # ... of which the current incarnation's
     restarts: int = 0  # over the daemon's life (shown in /health)
     recent_failures: int = 0  # deaths since it last stayed up restart_backoff_reset_s (sets the back-off)
@@ -172,8 +172,10 @@ class WorkerPool:
         if w is not None:
             w.last_heartbeat, w.busy_s = time.monotonic(), msg.busy_s
             # a restarted worker counts from 0 again: what it reports below the last is all new
-            w.borrowed_s += msg.borrowed_s - w.borrowed_now if msg.borrowed_s >= w.borrowed_now else msg.borrowed_s
-            w.borrowed_now = msg.borrowed_s
+            if msg.platform is not None:  # the CPU platform's figures (shared cores)
+                borrowed = msg.platform.borrowed_s
+                w.borrowed_s += borrowed - w.borrowed_now if borrowed >= w.borrowed_now else borrowed
+                w.borrowed_now = borrowed
             # A second of waiting: every reply it sent before has arrived (loopback), and a
             # message sent before the wait began would have ended it: what it still owes us from
             # before then, it never received.

@@ -49,33 +49,16 @@ def _die_with_parent() -> None:
 
 
 def _setup_process(spec: WorkerSpec) -> None:
-    for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
-        os.environ[var] = str(spec.threads)
-    if spec.cpus and hasattr(os, "sched_setaffinity"):
-        try:
-            os.sched_setaffinity(0, spec.cpus)
-        except OSError:
-            pass
-    if spec.low_priority:
-        _yield_cpu()
+    """The platform's process setup (threads; on the CPU affinity and a hybrid DiT's low
+    priority), then logging."""
+    from ..platform import for_device
+
+    for_device(spec.device).setup_process(spec.threads, spec.cpus, spec.low_priority)
     logging.basicConfig(
         level=spec.log_level.upper(),
         stream=sys.stderr,
         format=f"%(asctime)s %(levelname)s [{spec.name}] %(name)s: %(message)s",
     )
-
-
-def _yield_cpu() -> None:
-    """Run below every normal process (hybrid DiT): SCHED_IDLE where the kernel has it (a waking
-    VAE shard on the same core preempts it at once), else the lowest nice. Threads made later
-    inherit it. Unprivileged processes may lower their own priority."""
-    try:
-        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
-    except (AttributeError, OSError):
-        try:
-            os.nice(19)
-        except OSError:
-            pass
 
 
 class Worker:
@@ -97,11 +80,12 @@ class Worker:
         self.stages: dict[str, object] = {}
         self.faults = Faults(spec.faults, spec.name, spec.incarnation)
         self.seeds: dict[str, int] = {}  # session -> seed (only for matching injected faults)
-        self.lender = None  # shared cores (workers/lending.py)
+        self.lender = None  # CPU shared cores (platform/cpu_lending.py)
 
     # -- start-up ---------------------------------------------------------------------------
     def start(self) -> None:
-        from .stages import DiTStage, VAEStage
+        from .dit_stage import DiTStage
+        from .vae_stage import VAEStage
 
         ready: dict = {}
         self.faults.hit("start")
@@ -113,12 +97,13 @@ class Worker:
             ready["vae"] = self.stages["vae"].info()
         info = m.ReadyInfo(self.spec.device, list(self.spec.roles), **ready)
         if self.spec.lend:
-            from .lending import Lender
+            from ..platform.cpu_lending import Lender
+            from .lend import install_lender
 
             self.lender = Lender(self.spec.lend)
             for stage in self.stages.values():
                 for model in stage.models():
-                    self.lender.install(model)
+                    install_lender(self.lender, model)
         self.send(m.Ready(self.spec.name, os.getpid(), info))
         threading.Thread(target=self._heartbeat, name="heartbeat", daemon=True).start()
 
@@ -138,8 +123,8 @@ class Worker:
             busy = time.monotonic() - self.busy_since if self.busy_since else 0.0
             waiting = self.waiting_since
             idle = time.monotonic() - waiting if waiting else 0.0
-            borrowed = self.lender.borrowed_s() if self.lender else 0.0
-            sock.send(m.Heartbeat(self.spec.name, busy, idle, borrowed).encode())
+            stats = m.CpuStats(self.lender.borrowed_s()) if self.lender else None
+            sock.send(m.Heartbeat(self.spec.name, busy, idle, stats).encode())
             time.sleep(self.spec.heartbeat_interval_s)
         sock.close()
 

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from ..ipc.shm import RingSpec
 from ..models.spec import ModelSpec
+from ..platform.cpu_lending import LendSpec
 from .faults import Fault
 
 
@@ -20,24 +21,6 @@ class GroupSpec:
     init_addr: str = ""  # tcp://127.0.0.1:PORT for torch.distributed's rendezvous (world > 1)
     shard_front: bool = False  # shard the low-resolution front too (all-gather for attention)
     timeout_s: float = 120.0
-
-
-@dataclass(frozen=True)
-class LendSpec:
-    """Shared cores (workers/lending.py): the ledger file, this worker's byte in it, and every
-    worker's own threads, in ledger order."""
-
-    path: str
-    index: int
-    threads: tuple[int, ...]
-    groups: tuple[int, ...] = ()  # each byte's cores: a group's threads are free while all its bytes are 0
-    cores: tuple[int, ...] = ()  # every shared core: where the worker's thread runs while it borrows
-
-
-def create_ledger(path: str, workers: int) -> None:
-    """The supervisor's side of workers/lending.py: one zero byte per worker (all waiting)."""
-    with open(path, "wb") as f:
-        f.write(bytes(workers))
 
 
 @dataclass(frozen=True)
@@ -60,6 +43,6 @@ class WorkerSpec:
     max_batch: int = 4  # blocks of different sessions in one DiT forward or VAE call, at most this many
     incarnation: int = 0  # 0 for the first start, +1 at each restart
     low_priority: bool = False  # hybrid DiT: yields its device's CPU to the VAE shard beside it
-    lend: LendSpec | None = None  # shared cores: borrows waiting workers' cores (workers/lending.py)
+    lend: LendSpec | None = None  # shared cores: borrows waiting workers' cores (platform/cpu_lending.py)
     vae_cut: int = 0  # the DiT runs the VAE decoder's first vae_cut stages, the VAE the rest (topology.vae_cut)
     faults: tuple[Fault, ...] = ()  # deliberate faults (tests and drills only; see workers/faults.py)

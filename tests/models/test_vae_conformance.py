@@ -10,9 +10,9 @@ from streamdiff.models.wan.vae import (
     decode_stages,
     decode_stages_sessions,
     decoder_stages,
-    stage_shapes,
     to_uint8_frames,
 )
+from streamdiff.models.wan.vae_shapes import stage_shapes
 
 
 def reference_decode(ref, ours, z):

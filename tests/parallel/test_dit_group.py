@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from streamdiff.models.wan.dit import DiTConfig, WanDiT
-from streamdiff.models.wan.kernels import split_rows
+from streamdiff.models.wan.rows import split_rows
 
 from ..helpers import free_port
 

@@ -18,7 +18,7 @@ import torch
 from streamdiff.ipc import messages as m
 from streamdiff.ipc.shm import Ring
 from streamdiff.models.spec import ModelSpec
-from streamdiff.workers.stages import put_activation
+from streamdiff.workers.stage_common import put_activation
 
 from ..helpers import free_port
 
@@ -78,7 +78,7 @@ def shard_main(rank, world, addr, latent_spec, frame_spec, out, weights=None, cu
     try:
         from streamdiff.workers.faults import Faults
         from streamdiff.workers.spec import GroupSpec, WorkerSpec
-        from streamdiff.workers.stages import VAEStage
+        from streamdiff.workers.vae_stage import VAEStage
 
         group = GroupSpec("g", rank, world, addr, timeout_s=60) if world > 1 else None
         spec = WorkerSpec(

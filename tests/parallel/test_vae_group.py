@@ -11,7 +11,8 @@ import traceback
 import pytest
 import torch
 
-from streamdiff.models.wan.kernels import CPU_DECODE_WORKING_SET_BYTES, plan_block, split_rows
+from streamdiff.models.wan.kernels import CPU_DECODE_WORKING_SET_BYTES, plan_block
+from streamdiff.models.wan.rows import split_rows
 from streamdiff.models.wan.vae import VAEConfig, WanVAEDecoder
 
 from ..helpers import free_port

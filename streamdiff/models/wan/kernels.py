@@ -17,10 +17,13 @@ The model definition (vae.py) says what is computed; this module says how, per d
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from .rows import split_rows
 
 # CPU decode works on about this many bytes of full-resolution activations per call (a few latent
 # frames; the estimate counts input, output and the conv buffer). Measured on a 32 MiB L3: at
@@ -28,46 +31,7 @@ import torch.nn.functional as F
 # 256x144 three per call (42 MiB by this estimate) beat one per call (152 against 168 ms).
 CPU_DECODE_WORKING_SET_BYTES = 48 * 2**20
 
-# Called before every CPU conv2d when set (each temporal tap of a 3D conv is one): shared cores
-# (workers/lending.py) change a worker's thread count there. A full-resolution 3D conv of the
-# tiny preset's 256x144 block takes up to 38 ms on one EPYC core, long beside the DiT's idle
-# spells of about 20 ms.
-_checkpoint = None
-
-
-def set_checkpoint(fn) -> None:
-    global _checkpoint
-    _checkpoint = fn
-
-
 # ----------------------------------------------------------------------------- the block plan
-
-
-def split_rows(height: int, world: int, weights: tuple[float, ...] | None = None) -> list[tuple[int, int]]:
-    """Contiguous bands of `height` rows for `world` shards. Equal weights (the default): sizes
-    differ by at most one. Otherwise each band's size follows its weight (a shard's share of the
-    group's capacity, `placement`), rounded by largest remainder with at least one row each; a
-    function of its arguments alone, so every rank derives the same bands."""
-    if height < world:
-        raise ValueError(f"{height} latent rows cannot be split over {world} shards")
-    if weights is None or len(set(weights)) <= 1:
-        base, extra = divmod(height, world)
-        sizes = [base + (1 if i < extra else 0) for i in range(world)]
-    else:
-        if len(weights) != world or min(weights) <= 0:
-            raise ValueError(f"band weights {list(weights)} for {world} shards: one positive weight per shard")
-        exact = [height * w / sum(weights) for w in weights]
-        sizes = [max(1, int(e)) for e in exact]
-        while sum(sizes) > height:  # the one-row floors took rows: from the largest band
-            sizes[sizes.index(max(sizes))] -= 1
-        by_remainder = sorted(range(world), key=lambda i: (sizes[i] - exact[i], i))
-        for i in by_remainder[: height - sum(sizes)]:
-            sizes[i] += 1
-    out, r = [], 0
-    for n in sizes:
-        out.append((r, r + n))
-        r += n
-    return out
 
 
 @dataclass(frozen=True)
@@ -155,13 +119,22 @@ def cat_frames(prev: torch.Tensor | None, x: torch.Tensor, pad: int) -> torch.Te
 
 
 def conv2d(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, padding: tuple[int, int] = (0, 0)
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    padding: tuple[int, int] = (0, 0),
+    checkpoint: Callable[[], None] | None = None,
 ) -> torch.Tensor:
-    """conv2d over frames that keeps the CPU's channels-last layout (1x1: a matmul)."""
+    """conv2d over frames that keeps the CPU's channels-last layout (1x1: a matmul).
+
+    `checkpoint`: called before the CPU conv when given: the CPU platform's shared cores
+    (platform/cpu_lending.py) change a worker's thread count there (the decoder's `checkpoint`,
+    set by the worker). A full-resolution 3D conv of the tiny preset's 256x144 block takes up
+    to 38 ms on one EPYC core, long beside the DiT's idle spells of about 20 ms."""
     if x.device.type != "cpu":
         return F.conv2d(x, weight, bias, padding=padding)
-    if _checkpoint is not None:
-        _checkpoint()
+    if checkpoint is not None:
+        checkpoint()
     cl = torch.channels_last
     if weight.shape[2] == weight.shape[3] == 1:
         y = F.linear(x.contiguous(memory_format=cl).permute(0, 2, 3, 1), weight.flatten(1), bias)
@@ -170,7 +143,12 @@ def conv2d(
 
 
 def conv3d_valid_t(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, h_pad: int, w_pad: int
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    h_pad: int,
+    w_pad: int,
+    checkpoint: Callable[[], None] | None = None,
 ) -> torch.Tensor:
     """3D conv with no temporal padding (the causal frames are already in x), zero padding in
     H and W as given; on the CPU one conv2d per temporal tap over all frames, summed."""
@@ -180,6 +158,7 @@ def conv3d_valid_t(
     b, t = x.shape[0], x.shape[2] - kt + 1
     out = None
     for dt in range(kt):
-        y = conv2d(frames(x[:, :, dt : dt + t]), weight[:, :, dt], bias if dt == 0 else None, (h_pad, w_pad))
+        b_dt = bias if dt == 0 else None
+        y = conv2d(frames(x[:, :, dt : dt + t]), weight[:, :, dt], b_dt, (h_pad, w_pad), checkpoint)
         out = y if out is None else out.add_(y)
     return unframes(out, b)

@@ -19,6 +19,7 @@ halo. The cached frames are stored with their halo rows, so a shard never re-exc
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -131,6 +132,7 @@ NO_HALO = Halo()
 class Ctx:
     state: VAEState
     halo: Halo = field(default_factory=Halo)
+    checkpoint: Callable[[], None] | None = None  # before each CPU conv2d (WanVAEDecoder.checkpoint)
 
 
 # ----------------------------------------------------------------------------- building blocks
@@ -151,7 +153,7 @@ class CausalConv3d(nn.Conv3d):
         if n:
             ctx.state.cache[self.slot] = cat_frames(None, x[:, :, -n:], 0)  # stored with their halo rows
         h_pad = 1 if kh > 1 and halo.rows == 0 else 0
-        return conv3d_valid_t(x, self.weight, self.bias, h_pad, self.padding[2])
+        return conv3d_valid_t(x, self.weight, self.bias, h_pad, self.padding[2], ctx.checkpoint)
 
 
 def with_halo(x: torch.Tensor, halo: Halo, prev: torch.Tensor | None = None, front: int = 0) -> torch.Tensor:
@@ -244,10 +246,11 @@ class AttentionBlock(nn.Module):
     def forward(self, x: torch.Tensor, ctx: Ctx) -> torch.Tensor:
         x = ctx.halo.gather(x)
         b, c, t, h, w = x.shape
-        y = conv2d(self.norm(frames(x)), self.to_qkv.weight, self.to_qkv.bias)
+        y = conv2d(self.norm(frames(x)), self.to_qkv.weight, self.to_qkv.bias, checkpoint=ctx.checkpoint)
         q, k, v = y.reshape(b * t, 3 * c, h * w).transpose(1, 2).unsqueeze(1).chunk(3, dim=-1)
         y = F.scaled_dot_product_attention(q, k, v)  # (b*t, 1, h*w, c)
-        y = conv2d(y.squeeze(1).transpose(1, 2).reshape(b * t, c, h, w), self.proj.weight, self.proj.bias)
+        y = y.squeeze(1).transpose(1, 2).reshape(b * t, c, h, w)
+        y = conv2d(y, self.proj.weight, self.proj.bias, checkpoint=ctx.checkpoint)
         return ctx.halo.local(x + unframes(y, b))
 
 
@@ -284,7 +287,7 @@ class Resample(nn.Module):
         y = F.interpolate(frames(x).float(), scale_factor=2.0, mode="nearest-exact").to(x.dtype)
         y = with_halo(y, ctx.halo)
         conv = self.resample[1]
-        return unframes(conv2d(y, conv.weight, conv.bias, (1 - ctx.halo.rows, 1)), x.shape[0])
+        return unframes(conv2d(y, conv.weight, conv.bias, (1 - ctx.halo.rows, 1), ctx.checkpoint), x.shape[0])
 
 
 class Decoder3d(nn.Module):
@@ -337,6 +340,9 @@ class WanVAEDecoder(nn.Module):
         for i, m in enumerate(slots):
             m.slot = i
         self.num_slots = len(slots)
+        # Called before every CPU conv2d when set (each temporal tap of a 3D conv is one): the CPU
+        # platform's shared cores set it (workers/lend.py, platform/cpu_lending.py).
+        self.checkpoint: Callable[[], None] | None = None
         self.register_buffer("mean", torch.tensor(cfg.latents_mean).view(1, -1, 1, 1, 1), persistent=False)
         self.register_buffer("std", torch.tensor(cfg.latents_std).view(1, -1, 1, 1, 1), persistent=False)
 
@@ -372,7 +378,7 @@ class WanVAEDecoder(nn.Module):
         w = self.conv2.weight
         z = z.to(device=w.device, dtype=torch.float32) * self.std + self.mean  # de-normalise
         z = z.to(w.dtype).contiguous(memory_format=layout(z))
-        return unframes(conv2d(frames(z), w[:, :, 0], self.conv2.bias), z.shape[0])
+        return unframes(conv2d(frames(z), w[:, :, 0], self.conv2.bias, checkpoint=self.checkpoint), z.shape[0])
 
     @torch.no_grad()
     def decode_sessions(
@@ -429,12 +435,12 @@ class WanVAEDecoder(nn.Module):
     def _decode_chunk(
         self, z: torch.Tensor, state: VAEState, rows: tuple[int, int], halo: Halo, shard_front: bool
     ) -> torch.Tensor:
-        ctx = Ctx(state, halo)
+        ctx = Ctx(state, halo, self.checkpoint)
         r0, r1 = rows
         if shard_front:
             x = self.decoder.front(self._prologue(z[..., r0:r1, :]), ctx)
         else:
-            x = self.decoder.front(self._prologue(z), Ctx(state))
+            x = self.decoder.front(self._prologue(z), Ctx(state, checkpoint=self.checkpoint))
             s = x.shape[-2] // z.shape[-2]
             x = x[..., r0 * s : r1 * s, :]
         x = self.decoder.back(x, ctx)
@@ -482,23 +488,6 @@ def decoder_stages(vae: WanVAEDecoder) -> list:
     return [first, *d.upsamples, head]
 
 
-def stage_shapes(cfg: VAEConfig, latent_frames: int, h: int, w: int) -> list[tuple[int, int, int, int]]:
-    """The output shape (C, T, H, W) of each of `decoder_stages` on a steady block of
-    `latent_frames` latent frames of h x w (a shot's first block has fewer frames): what a cut
-    after that stage hands over, which the supervisor sizes its ring with before any model is
-    built. Mirrors `Decoder3d`'s construction."""
-    dims = [cfg.base_dim * u for u in (cfg.dim_mult[-1], *cfg.dim_mult[::-1])]
-    temporal_up = cfg.temporal_downsample[::-1]
-    t = latent_frames
-    out = [(dims[0], t, h, w)]
-    for i, cout in enumerate(dims[1:]):
-        out += [(cout, t, h, w)] * (cfg.num_res_blocks + 1)
-        if i != len(cfg.dim_mult) - 1:
-            t, h, w = t * (2 if temporal_up[i] else 1), 2 * h, 2 * w
-            out.append((cout // 2, t, h, w))
-    return [*out, (3, t, h, w)]
-
-
 @torch.no_grad()
 def decode_stages(
     vae: WanVAEDecoder, x: torch.Tensor, state: VAEState, lo: int, hi: int, latent_frames: int
@@ -508,7 +497,7 @@ def decode_stages(
     `latent_frames`: the block's latent frames, which the state counts. Running [0, c) and then
     [c, end) equals `decode` exactly."""
     stages = decoder_stages(vae)
-    ctx = Ctx(state)
+    ctx = Ctx(state, checkpoint=vae.checkpoint)
     if lo > 0:  # an activation from another process: this decoder's device, dtype and layout
         x = x.to(device=vae.conv2.weight.device, dtype=vae.conv2.weight.dtype)
         x = x.contiguous(memory_format=layout(x))  # the ring holds it so already; row-major: ~8% slower stages

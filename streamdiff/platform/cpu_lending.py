@@ -1,14 +1,15 @@
-"""Shared cores: a worker lends its cores to the other while it waits (runs in a worker; the
-supervisor's side is `HostSlot`).
+"""Shared cores, the CPU platform's own mechanism: a worker lends its cores to the other while
+it waits (`Lender` runs in a worker; the supervisor's side is `HostSlot`).
 
-With `--share-cores` (one DiT and one VAE worker on the CPU) each worker owns `threads` cores, as
-in disagg-1+1. A file that the supervisor creates in its runtime directory holds one byte per
+With `--share-cores` (one DiT and one VAE worker on the CPU) each worker owns `threads` cores,
+as in disagg-1+1. A file that the supervisor creates in its runtime directory holds one byte per
 worker (1 while it runs a batch) and one for the supervisor's encoder threads, which run on the
 DiT's cores; bytes of the same cores form a group. Before each DiT block, each module of the VAE
-decoder and each CPU conv2d (`kernels.set_checkpoint`), a worker sets its OpenMP thread count to
-its own threads plus those of every other group whose bytes are all 0, and while it borrows, the
-thread that runs its forward may run on every shared core. So the VAE decodes on both cores while
-the DiT waits for a ring slot, and on its own core again once the DiT (or an encode) runs.
+decoder and each CPU conv2d (the decoder's `checkpoint`, models/wan/kernels.py), a worker sets
+its OpenMP thread count to its own threads plus those of every other group whose bytes are all
+0, and while it borrows, the thread that runs its forward may run on every shared core. So the
+VAE decodes on both cores while the DiT waits for a ring slot, and on its own core again once
+the DiT (or an encode) runs.
 
 Why thread counts and affinity, not the kernel alone: two workers that each keep two threads on
 two cores run every OpenMP region at the pace of whichever thread shares its core, and an encoder
@@ -24,8 +25,25 @@ import mmap
 import os
 import threading
 import time
+from dataclasses import dataclass
 
-from .spec import LendSpec
+
+@dataclass(frozen=True)
+class LendSpec:
+    """The ledger file, this worker's byte in it, and every worker's own threads, in ledger
+    order (workers/spec.py carries it to a worker; the supervisor keeps its own, `HostSlot`)."""
+
+    path: str
+    index: int
+    threads: tuple[int, ...]
+    groups: tuple[int, ...] = ()  # each byte's cores: a group's threads are free while all its bytes are 0
+    cores: tuple[int, ...] = ()  # every shared core: where the worker's thread runs while it borrows
+
+
+def create_ledger(path: str, workers: int) -> None:
+    """The supervisor's side: one zero byte per worker (all waiting)."""
+    with open(path, "wb") as f:
+        f.write(bytes(workers))
 
 
 def _map(spec: LendSpec) -> mmap.mmap:
@@ -91,20 +109,13 @@ class Lender:
         """A forward pre-hook: take the cores of whoever is waiting now, give back the rest."""
         self.set_threads(self.threads_now())
 
-    def install(self, module) -> int:
-        """Adjust before every DiT block and every module of the VAE decoder in `module`, and
-        before each CPU conv2d (kernels.py); returns how many modules. The DiT's waits fall at
-        the end of each VAE block, where the decoder's full-resolution norms and convolutions
-        run: a check only before each 3D convolution left up to 38 ms unchecked there."""
-        from ..models.wan import kernels, vae
-        from ..models.wan.dit import Block
-
-        kernels.set_checkpoint(self.adjust)
+    def install(self, modules) -> int:
+        """Adjust before each of `modules` runs (a forward pre-hook; the worker chooses them:
+        workers/lend.py); returns how many."""
         n = 0
-        for sub in module.modules():
-            if isinstance(sub, Block) or type(sub).__module__ == vae.__name__:
-                sub.register_forward_pre_hook(self.adjust)
-                n += 1
+        for sub in modules:
+            sub.register_forward_pre_hook(self.adjust)
+            n += 1
         return n
 
     def close(self) -> None:

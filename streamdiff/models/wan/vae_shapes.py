@@ -1,0 +1,63 @@
+"""The shapes of the Wan VAE decoder's stages, without torch: the supervisor sizes its latent
+ring for a VAE cut with them before any model is built, and checks a cut against a slot."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class DecoderShape:
+    """What fixes the decoder's stage shapes (models/wan/vae.py VAEConfig's fields)."""
+
+    base_dim: int
+    dim_mult: tuple[int, ...]
+    num_res_blocks: int
+    temporal_downsample: tuple[bool, ...]
+
+
+def stage_shapes(cfg, latent_frames: int, h: int, w: int) -> list[tuple[int, int, int, int]]:
+    """The output shape (C, T, H, W) of each of `decoder_stages` on a steady block of
+    `latent_frames` latent frames of h x w (a shot's first block has fewer frames): what a cut
+    after that stage hands over, which the supervisor sizes its ring with before any model is
+    built. Mirrors `Decoder3d`'s construction. `cfg`: a VAEConfig or a DecoderShape."""
+    dims = [cfg.base_dim * u for u in (cfg.dim_mult[-1], *cfg.dim_mult[::-1])]
+    temporal_up = cfg.temporal_downsample[::-1]
+    t = latent_frames
+    out = [(dims[0], t, h, w)]
+    for i, cout in enumerate(dims[1:]):
+        out += [(cout, t, h, w)] * (cfg.num_res_blocks + 1)
+        if i != len(cfg.dim_mult) - 1:
+            t, h, w = t * (2 if temporal_up[i] else 1), 2 * h, 2 * w
+            out.append((cout // 2, t, h, w))
+    return [*out, (3, t, h, w)]
+
+
+def _child(spec, out) -> None:
+    try:
+        from ..presets import get_preset
+
+        v = get_preset(spec).vae
+        out.put(DecoderShape(v.base_dim, tuple(v.dim_mult), v.num_res_blocks, tuple(v.temporal_downsample)))
+    except Exception as exc:
+        out.put(ValueError(str(exc)))
+
+
+def decoder_shape(spec) -> DecoderShape:
+    """The preset's decoder shape (the config written next to the weights, else the release's),
+    read in a spawned child: the presets import torch, which the supervisor never does."""
+    from ...spawn import spawn_context
+
+    ctx = spawn_context()
+    out = ctx.Queue()
+    p = ctx.Process(target=_child, args=(spec, out), daemon=True)
+    p.start()
+    try:
+        got = out.get(timeout=300)
+    finally:
+        p.join(timeout=30)
+        if p.is_alive():
+            p.kill()
+    if isinstance(got, Exception):
+        raise got
+    return got

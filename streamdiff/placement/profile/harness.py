@@ -1,0 +1,75 @@
+"""The profile's children: one process per probe, pinned as the daemon pins a worker, run
+one measurement at a time so none competes."""
+
+from __future__ import annotations
+
+import statistics
+
+from ...platform import for_device
+from ...spawn import spawn_context
+
+STEADY_BLOCKS = 6  # steady blocks timed per measurement (after a shot's first): the DiT's window fills
+GROUP_SIZES_MAX = 4
+# A shot's first block is timed on this many fresh sessions after the steady blocks, as a worker
+# meets one, and their median kept: timed just after the cold block, the VAE's first blocks took
+# 216-236 ms on the EPYC, and 174-179 after steady ones, as the daemon's (174-175).
+FIRST_BLOCKS = 3
+# ... each after this long idle, as a worker meets a new request: on two threads a first block
+# took 119-128 ms after 0.3 s idle and 102-105 straight after other blocks (one thread: no
+# difference), and the daemon's two-thread workers sharing both cores took 111-125.
+FIRST_IDLE_S = 0.3
+
+
+def pin(device: str, cpus: tuple[int, ...], threads: int) -> None:
+    """As a worker of `threads` threads on these cores (the platform's process setup)."""
+    for_device(device).setup_process(threads, cpus)
+    import torch
+
+    torch.set_num_threads(threads)
+
+
+def median(xs: list[float]) -> float:
+    return statistics.median(xs) if xs else 0.0
+
+
+def leave(world: int) -> None:
+    if world > 1:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_children(targets: list[tuple], timeout_s: float) -> list:
+    """Start one process per (fn, args), wait for each one's result; raise on any error."""
+    ctx = spawn_context()
+    out = ctx.Queue()
+    procs = [ctx.Process(target=fn, args=(*args, out), daemon=True) for fn, args in targets]
+    for p in procs:
+        p.start()
+    results = []
+    try:
+        for _ in procs:
+            status, value = out.get(timeout=timeout_s)
+            if status != "ok":
+                raise RuntimeError(f"profiling failed:\n{value}")
+            results.append(value)
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+    return results
+
+
+def cpus_of(device: int, threads: int) -> tuple[int, ...]:
+    """The cores a worker on this device index is pinned to (as the daemon pins them)."""
+    from ...supervisor.topology import _cpus as worker_cpus
+
+    return worker_cpus(device, threads, True)
+
+
+def heads_of(spec) -> int:
+    from ...models.presets import get_preset
+
+    return get_preset(spec).dit.num_heads

@@ -1,0 +1,91 @@
+"""What CUDA and XPU share: device events for timing, the runtime's memory query.
+
+Work on an accelerator is queued: a host clock around it measures the enqueue. The stopwatch
+and the wait clock record events on the current stream around the block and around each
+collective, and read them once, at the block's end (`stop`, `wait_s`): nothing inside a block
+waits for the device. A collective's events bracket the time the stream spent in it:
+communication and waiting for peers (NCCL and oneCCL make the current stream wait for the
+collective's own stream), so `own = device time - waits` means on a GPU what it means on the CPU.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+
+import torch
+
+from .base import Platform, Stopwatch, WaitClock
+
+
+class EventStopwatch(Stopwatch):
+    def __init__(self, runtime) -> None:
+        self.rt = runtime
+        self.wall0, self.begin = 0.0, None
+
+    def start(self) -> None:
+        self.begin = self.rt.Event(enable_timing=True)
+        self.begin.record()
+        self.wall0 = time.perf_counter()
+
+    def stop(self, waited_s: float = 0.0) -> tuple[float, float]:
+        end = self.rt.Event(enable_timing=True)
+        end.record()
+        end.synchronize()
+        wall = time.perf_counter() - self.wall0
+        device_s = self.begin.elapsed_time(end) / 1000
+        return wall, min(wall, max(0.0, device_s - waited_s))
+
+
+class EventWaitClock(WaitClock):
+    def __init__(self, runtime) -> None:
+        super().__init__()
+        self.rt = runtime
+        self.pending: list[tuple] = []
+
+    @contextlib.contextmanager
+    def span(self):
+        a, b = self.rt.Event(enable_timing=True), self.rt.Event(enable_timing=True)
+        a.record()
+        try:
+            yield
+        finally:
+            b.record()
+            self.pending.append((a, b))
+
+    @property
+    def wait_s(self) -> float:
+        if self.pending:
+            self.pending[-1][1].synchronize()
+            self._total += sum(a.elapsed_time(b) for a, b in self.pending) / 1000
+            self.pending.clear()
+        return self._total
+
+
+class AcceleratorPlatform(Platform):
+    runtime_name = ""
+
+    def __init__(self, device: str) -> None:
+        super().__init__(device)
+        self.rt = getattr(torch, self.runtime_name, None)
+
+    def available(self) -> bool:
+        return self.rt is not None and self.rt.is_available()
+
+    def select(self) -> None:
+        self.rt.set_device(torch.device(self.device))
+
+    def sync(self) -> None:
+        self.rt.synchronize()
+
+    def stopwatch(self, threads: int) -> Stopwatch:
+        return EventStopwatch(self.rt)
+
+    def wait_clock(self) -> WaitClock:
+        return EventWaitClock(self.rt)
+
+    def memory_budget(self, cpu_budget: int) -> int:
+        """90% of the device memory still free after the model loaded (where the runtime says)."""
+        if not hasattr(self.rt, "mem_get_info"):
+            return cpu_budget
+        return int(0.9 * self.rt.mem_get_info(torch.device(self.device))[0])

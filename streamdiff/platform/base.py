@@ -1,0 +1,97 @@
+"""What every platform provides, and the parts they share (no torch at import)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+
+KINDS = ("cpu", "cuda", "xpu")
+BACKENDS = {"cpu": "gloo", "cuda": "nccl", "xpu": "xccl"}  # torch.distributed's for each kind
+
+
+def kind_of(device: str) -> str:
+    """ "cuda:1" -> "cuda"; raises on a kind this daemon does not know."""
+    kind = device.split(":", 1)[0]
+    if kind not in KINDS:
+        raise ValueError(f"device {device!r}: must be one of {', '.join(KINDS)}")
+    return kind
+
+
+class Stopwatch:
+    """A block's wall time and the stage's own device work (`busy_ms`): what the stage took of
+    its device, not what it spent waiting for neighbours on collectives. Each platform says how
+    its own work is measured; `stop(waited_s)` takes the waits its `WaitClock` counted.
+    `start` and `stop` bracket one block; nothing inside the block waits for the device."""
+
+    def start(self) -> None:
+        raise NotImplementedError
+
+    def stop(self, waited_s: float = 0.0) -> tuple[float, float]:
+        """(wall seconds, own seconds) since start."""
+        raise NotImplementedError
+
+
+class WaitClock:
+    """Time spent inside collectives (communication and waiting for peers) by one stage: each
+    collective runs inside `span()`; `wait_s` is the total so far, read at a block's end."""
+
+    def __init__(self) -> None:
+        self._total = 0.0
+
+    @contextlib.contextmanager
+    def span(self):
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self._total += time.perf_counter() - t0
+
+    @property
+    def wait_s(self) -> float:
+        return self._total
+
+
+class Platform:
+    """One device's platform (`for_device`)."""
+
+    kind = ""
+    low_priority_runs = False  # a hybrid DiT yields its device's core to the VAE shard beside it
+    idle_timing = False  # the profile sleeps before a shot's first block, as a waiting worker would
+
+    def __init__(self, device: str) -> None:
+        self.device = device
+        self.backend = BACKENDS[self.kind]
+
+    def available(self) -> bool:
+        """Whether this PyTorch sees a device of this kind (in-process: creates no context)."""
+        return True
+
+    def select(self) -> None:
+        """Make this device the process's current one (accelerators)."""
+
+    def setup_process(self, threads: int, cpus: tuple[int, ...] = (), low_priority: bool = False) -> None:
+        """Before any model is built: the math libraries' thread pools sized to the worker's
+        threads (on accelerators too: host-side copies and the like, and several workers share
+        the host's cores)."""
+        for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
+            os.environ[var] = str(threads)
+
+    def sync(self) -> None:
+        """Wait until the device has done everything queued so far."""
+
+    def stopwatch(self, threads: int) -> Stopwatch:
+        raise NotImplementedError
+
+    def wait_clock(self) -> WaitClock:
+        return WaitClock()
+
+    def memory_budget(self, cpu_budget: int) -> int:
+        """What this worker's sessions may hold once the model is loaded."""
+        return cpu_budget
+
+    def idle(self, seconds: float) -> None:
+        """The profile's idle spell before a shot's first block (only where it changes the
+        timing: the CPU's caches and frequency; `idle_timing`)."""
+        if self.idle_timing:
+            time.sleep(seconds)

@@ -1,0 +1,315 @@
+"""The DiT stage of a worker: latent blocks, alone or as one rank of a DiT group
+(workers/stage_common.py says what the stages share)."""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import torch
+
+from ..ipc import messages as m
+from ..ipc.shm import Ring
+from ..models.wan.dit import compile_stats
+from ..parallel.vae_group import group_max
+from ..platform import select
+from .errors import RequestError
+from .faults import Faults
+from .spec import WorkerSpec
+from .stage_common import (
+    REFUSE,
+    RUN,
+    SKIP,
+    check_cut,
+    check_cut_change,
+    cut_of,
+    decode_png,
+    in_order,
+    leave_group,
+    phase,
+    put_activation,
+    timed_ms,
+)
+
+log = logging.getLogger("streamdiff.worker")
+
+
+class DiTStage:
+    """A DiT worker, or one rank of a DiT group (parallel/dit_group.py). Every rank of a group
+    gets every message, checks every block and agrees on it with the others (as a VAE group's
+    shards do), so all run the same forwards; rank 0 alone writes the latents and answers."""
+
+    def __init__(self, spec: WorkerSpec, faults: Faults) -> None:
+        from ..models.engines import DiTEngine
+
+        torch.set_num_threads(spec.threads)
+        self.platform = select(spec.device)
+        self.device = spec.device
+        self.clock = self.platform.stopwatch(spec.threads)
+        g = spec.group if spec.dit_group else None
+        self.rank, self.world = (g.rank, g.world) if g else (0, 1)
+        if self.world > 1:
+            from ..parallel.dit_group import SeqParallel
+            from ..parallel.vae_group import init_group
+
+            init_group(g.init_addr, g.rank, g.world, spec.device, g.timeout_s)
+        self.engine = DiTEngine(spec.model, spec.device)
+        if self.world > 1:
+            heads = self.engine.model.cfg.num_heads
+            self.engine.model.parallel = SeqParallel(self.rank, self.world, heads, self.platform.wait_clock())
+        self.ring = Ring(spec.latent_ring)
+        self.faults = faults
+        self.sessions: dict = {}
+        self.seeds: dict[str, int] = {}
+        self.next_block: dict[str, int] = {}  # session -> the block index due next
+        self.images: dict[str, torch.Tensor] = {}  # session -> its checked image, until its block runs
+        self.cpu_budget = spec.cpu_memory_budget_bytes
+        self.max_batch = spec.max_batch
+        # topology.vae_cut: the VAE decoder's first stages run here on each block, each session
+        # with its own cache for them; the latent slot carries their output to the VAE worker.
+        # The supervisor may move a session's cut at a shot's start (GenerateBlock.vae_cut).
+        self.cut, self.vae, self.vae_states, self.vae_cuts, self.stages = spec.vae_cut, None, {}, {}, 0
+        if self.cut:
+            from ..models.engines import VAEEngine
+
+            self.vae = VAEEngine(spec.model, spec.device, spec.vae_working_set_bytes).model
+            self.stages = check_cut(self.vae, self.cut)
+        self.calibration = self.calibrate()
+
+    def models(self) -> list[torch.nn.Module]:
+        """The modules this stage runs (shared cores install their hooks on them)."""
+        return [self.engine.model] + ([self.vae] if self.vae is not None else [])
+
+    def info(self) -> m.DiTReady:
+        p = self.engine.preset
+        facts = m.ModelFacts(
+            model=p.name,
+            frames_per_block=p.sampler.frames_per_block,
+            fps=p.fps,
+            spatial_factor=p.vae.spatial_factor,
+            temporal_factor=p.vae.temporal_factor,
+            size_multiple=p.vae.spatial_factor * p.dit.patch_size[1],
+            latent_channels=p.dit.in_channels,
+            default_size=list(p.default_size),
+            embedded_weights=p.embedded,
+            i2v=self.engine.i2v,
+            loaded=self.engine.loaded,
+        )
+        return m.DiTReady(**self.calibration, rank=self.rank, world=self.world, facts=facts)
+
+    def calibrate(self) -> dict:
+        """One steady-state block at the preset's default size, timed (the admission model's
+        first estimate, refined by every block after), and what a session holds in memory."""
+        p, w, h = self.engine.preset, *self.engine.preset.default_size
+        sess = self.engine.open_session(w, h, seed=0)
+        self.engine.set_scene(sess, "calibration", cut=True)
+        self.engine.generate_block(sess, p.sampler.frames_per_block)  # the first block has its own steps
+        # Steady state: a full attention window behind the timed block, as in most of a stream
+        # (timed after one block, the cost came out 30-40% low and a hybrid's first bands too wide).
+        # With a cut, the block's first VAE stages are part of its cost here (warmed like the DiT).
+        fpb = p.sampler.frames_per_block
+        for i in range(-(-sess.state.kv.window // fpb) - 1):
+            self._cut_stages([("calibration", i == 0, self.engine.generate_block(sess, fpb)[0], self.cut)])
+        self.clock.start()
+        ms = timed_ms(
+            self.platform,
+            lambda: self._cut_stages([("calibration", False, self.engine.generate_block(sess, fpb)[0], self.cut)]),
+        )
+        _, own_s = self.clock.stop()
+        self.vae_states.pop("calibration", None)
+        self.vae_cuts.pop("calibration", None)
+        kv = sess.state.kv
+        tokens = kv.k[0].shape[2]  # window * tokens per frame
+        # The rolling sampler holds a second cache (its window's context) beside the history.
+        # Every buffer is allocated when the session opens and reused by its shots, and scales
+        # with the tokens per frame: bytes per token of the window, exact at any frame size.
+        held = [kv] + ([sess.rolling.scratch.kv] if sess.rolling is not None else [])
+        per_token = sum(c.nbytes for c in held) / tokens
+        cross = sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in sess.state.cross)
+        budget = self.platform.memory_budget(self.cpu_budget)
+        # Per-block share of a batched forward of two sessions (larger batches are measured as
+        # the supervisor runs them), if half the memory budget holds a second session.
+        batch_ms = {}
+        fits = int(self.max_batch > 1 and budget // 2 >= 2 * (per_token * tokens + cross))
+        if -self._agree([-fits])[0]:  # a group's ranks all time the pair or none does
+            other = self.engine.open_session(w, h, seed=1)
+            self.engine.set_scene(other, "calibration", cut=True)
+            self.engine.generate_block(other, p.sampler.frames_per_block)
+            pair, fpb = [sess, other], p.sampler.frames_per_block
+            self.engine.generate_blocks(pair, fpb)  # cold: a new shape
+            batch_ms["2"] = timed_ms(self.platform, lambda: self.engine.generate_blocks(pair, fpb)) / 2
+        self.graphs = compile_stats()["graphs"]
+        if self.engine.compiled:  # compiled at the first calibration blocks
+            self.engine.loaded["compile"] = {"mode": self.engine.loaded["compile"], "on": True, **compile_stats()}
+            log.info("DiT blocks compiled: %(graphs)d graphs in %(compile_s).1f s", self.engine.loaded["compile"])
+        return {
+            "cost": m.StageCost(ms, [w, h], busy_ms=1000 * own_s),
+            "batch_ms": batch_ms,
+            # keys, values, latents and tail, exact (KVCache.nbytes)
+            "memory": m.DiTMemory(per_token, kv.window, cross, budget, self.engine.least_cache_frames),
+        }
+
+    def open(self, msg: m.OpenSession) -> None:
+        self.seeds[msg.session] = msg.seed
+        self.faults.hit("open", msg.seed)
+        try:
+            self.sessions[msg.session] = self.engine.open_session(msg.width, msg.height, msg.seed, msg.held_frames)
+        except ValueError as exc:
+            raise RequestError(str(exc)) from None
+
+    def close(self, session: str) -> None:
+        self.sessions.pop(session, None)
+        self.seeds.pop(session, None)
+        self.next_block.pop(session, None)
+        self.images.pop(session, None)
+        self.vae_states.pop(session, None)
+        self.vae_cuts.pop(session, None)
+
+    def _cut_stages(self, blocks: list[tuple[str, bool, torch.Tensor, int]]) -> dict[str, torch.Tensor]:
+        """blocks: (session, starts a shot, latent (C, f, h, w), the block's cut). Each
+        session's latent, or with a cut its first stages' output (float32, CPU): what goes into
+        its ring slot. Blocks of one shape and cut whose stage caches are at the same phase run
+        their stages in one call."""
+        if not self.cut:
+            return {key: latent for key, _, latent, _ in blocks}
+        from ..models.wan.vae import decode_stages_sessions
+
+        groups: dict[tuple, list] = {}
+        for key, shot_start, latent, cut in blocks:
+            if shot_start or key not in self.vae_states:
+                self.vae_states[key] = self.vae.new_state()
+            self.vae_cuts[key] = cut
+            groups.setdefault((tuple(latent.shape), cut, phase(self.vae_states[key])), []).append((key, latent))
+        out = {}
+        for (_, cut, _), group in groups.items():
+            x = torch.stack([latent for _, latent in group])
+            states = [self.vae_states[key] for key, _ in group]
+            y = decode_stages_sessions(self.vae, x, states, 0, cut, x.shape[2]).float().cpu()
+            out.update({key: y[i] for i, (key, _) in enumerate(group)})
+        return out
+
+    def check(self, msg: m.GenerateBlock, sess) -> None:
+        seed = self.seeds.get(msg.session)
+        self.faults.hit("check", seed)
+        in_order(self.next_block, msg)
+        c = self.engine.model.cfg.in_channels
+        shape = (c, msg.frames, *sess.latent_hw)
+        if msg.frames < 1:
+            raise RequestError(f"a block of {msg.frames} latent frames")
+        fpb = self.engine.frames_per_block
+        if self.engine.rolling_schedule is not None and msg.frames != fpb:  # its window holds whole blocks
+            raise RequestError(f"the rolling sampler makes whole blocks of {fpb} latent frames, not {msg.frames}")
+        if msg.image is not None:
+            if not self.engine.i2v:
+                raise RequestError(f"model {self.engine.preset.name!r} does not condition on an image")
+            if not msg.cut or msg.frames != 1 or self.engine.rolling_schedule is not None or self.cut:
+                raise RequestError(
+                    "an image is a shot's first block of one latent frame (no rolling sampler, no VAE cut)"
+                )
+            img, f = decode_png(msg.image), self.engine.preset.vae.spatial_factor
+            if tuple(img.shape) != (sess.latent_hw[0] * f, sess.latent_hw[1] * f, 3):
+                raise RequestError(f"the image is {img.shape[1]}x{img.shape[0]}, not the video's size")
+            self.images[msg.session] = img
+        rows = sess.latent_hw[0] // self.engine.model.cfg.patch_size[1]
+        if rows < self.world:  # each rank of a DiT group computes at least one row of patches
+            raise RequestError(f"{rows} rows of patches cannot be split over a DiT group of {self.world}")
+        if np.prod(shape) * 4 > self.ring.spec.slot_bytes:
+            raise RequestError(f"a latent block of shape {shape} does not fit a ring slot")
+        if self.cut:
+            from ..models.wan.vae_shapes import stage_shapes
+
+            cut = cut_of(msg, self.cut)
+            check_cut_change(self.vae_cuts, msg, cut, self.stages, msg.cut or msg.session not in self.vae_states)
+            out = stage_shapes(self.vae.cfg, msg.frames, *sess.latent_hw)[cut - 1]
+            if np.prod(out) * 4 > self.ring.spec.slot_bytes:
+                raise RequestError(f"the VAE's first {cut} stages make {list(out)} of a block: too big for a ring slot")
+
+    def run_batch(self, msgs: list[m.GenerateBlock], closed: set[str]) -> tuple[list, list]:
+        """The next block of each message's session (the supervisor's batch: one block per
+        session), in one batched forward where sizes and step counts agree.
+        Returns (replies, refusals): LatentDone per block run or skipped, (message, RequestError)
+        per block refused at its check. Any other error propagates: the worker's own. In a DiT
+        group the ranks agree on each block first (a cancel wins over a refusal); rank 0 answers
+        for the group, and a rank that refused a block reports it (the others skip it)."""
+        verdicts, refused = [], {}
+        for msg in msgs:
+            sess = self.sessions.get(msg.session)
+            verdict = SKIP if msg.session in closed or sess is None else RUN
+            if verdict == RUN:
+                try:
+                    self.check(msg, sess)
+                except RequestError as exc:
+                    verdict, refused[msg.block, msg.session] = REFUSE, exc
+            verdicts.append(verdict)
+        replies, refusals, run = [], [], []
+        for msg, verdict in zip(msgs, self._agree(verdicts), strict=True):
+            if verdict == REFUSE and (msg.block, msg.session) in refused:
+                refusals.append((msg, refused[msg.block, msg.session]))
+            elif verdict != RUN:
+                replies.append(m.LatentDone(msg.session, msg.block, msg.slot, [], 0.0, skipped=True))
+            else:
+                run.append((msg, self.sessions[msg.session]))
+        sp = self.engine.model.parallel if self.world > 1 else None
+        waited = sp.wait_s if sp else 0.0
+        self.clock.start()
+        for msg, sess in run:
+            self.faults.hit("compute", self.seeds.get(msg.session))
+            if msg.prompt is not None:
+                # an image block is not drawn: the authors draw the F - 1 frames after it
+                left = max(0, msg.shot_left - 1) if msg.image is not None else msg.shot_left
+                self.engine.set_scene(sess, msg.prompt, cut=msg.cut, seed=msg.seed, recache=msg.recache, shot_left=left)
+        latents = {}
+        for msg, sess in run:  # image-to-video: the picture's latent is the shot's first block
+            if msg.image is not None:
+                latents[msg.session] = self.engine.start_from_image(sess, self.images.pop(msg.session))[0]
+        groups: dict[tuple, list] = {}  # sessions denoise together where size and step count agree
+        for msg, sess in (r for r in run if r[0].image is None):
+            groups.setdefault((sess.latent_hw, msg.frames, len(self.engine.steps_of(sess))), []).append((msg, sess))
+        for group in groups.values():
+            left = [msg.shot_left for msg, _ in group]
+            outs = self.engine.generate_blocks([sess for _, sess in group], group[0][0].frames, left)
+            latents.update({msg.session: out[0] for (msg, _), out in zip(group, outs, strict=True)})
+        if self.engine.compiled:  # a new shape compiled: few, and each one said
+            stats = compile_stats()
+            if stats["graphs"] != self.graphs:
+                log.info(
+                    "DiT blocks: %d more graph(s) compiled, %d in all, %.1f s compiling so far",
+                    stats["graphs"] - self.graphs,
+                    stats["graphs"],
+                    stats["compile_s"],
+                )
+                self.graphs = stats["graphs"]
+        data = self._cut_stages([(msg.session, msg.cut, latents[msg.session], cut_of(msg, self.cut)) for msg, _ in run])
+        waited = (sp.wait_s if sp else 0.0) - waited  # the group's all-to-alls: not this rank's own work
+        wall, own = self.clock.stop(waited)
+        if self.rank > 0:
+            return [], refusals
+        n = max(1, len(run))
+        ms, busy = 1000 * wall / n, 1000 * own / n  # each block's share
+        for msg, _ in run:
+            latent, out = latents[msg.session], data[msg.session]  # (C, f, h, w) float32, CPU; or a cut's
+            if self.cut:
+                put_activation(self.ring, msg.slot, out)
+            else:
+                self.ring.array(msg.slot, out.shape, np.float32)[...] = out.numpy()
+            cut_shape = list(out.shape) if self.cut else []
+            replies.append(
+                m.LatentDone(
+                    msg.session,
+                    msg.block,
+                    msg.slot,
+                    list(latent.shape),
+                    ms,
+                    batch=len(run),
+                    busy_ms=busy,
+                    data_shape=cut_shape,
+                )
+            )
+        return replies, refusals
+
+    def _agree(self, verdicts: list[int]) -> list[int]:
+        return group_max(verdicts, self.device) if self.world > 1 else verdicts
+
+    def shutdown(self) -> None:
+        self.ring.close()
+        leave_group(self.world)
