@@ -1,8 +1,8 @@
 """`streamdiffd profile` and `streamdiffd plan`: the profiler and the planner from the shell.
 
 streamdiffd profile                        # measure this machine; cached where the daemon looks
-streamdiffd profile --sizes 256x144,128x64 --rounds 3 --out docs/profile-cpu.json
-streamdiffd plan --devices 8 --profile docs/profile-b70.json --objective streams
+streamdiffd profile --sizes 256x144,128x64 --rounds 3 --out docs/results/profile-cpu.json
+streamdiffd plan --devices 8 --profile docs/results/profile-b70.json --objective streams
 """
 
 from __future__ import annotations

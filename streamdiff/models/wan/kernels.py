@@ -3,8 +3,9 @@ layout, and the per-block decode plan that every shard of a VAE group shares.
 
 The model definition (vae.py) says what is computed; this module says how, per device:
 
-- On the CPU, PyTorch's conv3d falls back to an im2col kernel 4-8x slower than oneDNN's
-  channels-last conv2d (docs/benchmarks.md), so a 3D conv runs as one conv2d per temporal tap,
+- On the CPU, PyTorch's conv3d falls back to a slow im2col kernel
+  (docs/benchmarks.md#model-stages-toolsbench_modelspy), so a 3D conv runs as one conv2d per
+  temporal tap,
   summed; 1x1 convs run as a matmul over channels (PyTorch's 1x1 CPU conv returns channels-first
   and would push every later op off oneDNN's fast path); activations stay frames-major
   channels-last. Elsewhere the native ops and the default layout are used.
@@ -26,9 +27,8 @@ import torch.nn.functional as F
 from .rows import split_rows
 
 # CPU decode works on about this many bytes of full-resolution activations per call (a few latent
-# frames; the estimate counts input, output and the conv buffer). Measured on a 32 MiB L3: at
-# 416x240 one latent frame per call took 371 ms against 546 ms per frame for three, while at
-# 256x144 three per call (42 MiB by this estimate) beat one per call (152 against 168 ms).
+# frames; the estimate counts input, output and the conv buffer): what stays in cache, measured
+# in docs/benchmarks.md#model-stages-toolsbench_modelspy.
 CPU_DECODE_WORKING_SET_BYTES = 48 * 2**20
 
 # ----------------------------------------------------------------------------- the block plan

@@ -20,7 +20,7 @@ are (a CPU "device" is a core per thread), one measurement at a time so none com
   inside the all-to-alls (the link's cost, and what the planner weighs against 1/g of the work);
 - the encoder (libx264) per block.
 
-The result is plain JSON (`Profile.to_json`); `docs/profile-cpu.json` is this project's CPU.
+The result is plain JSON (`Profile.to_json`); `docs/results/profile-cpu.json` is this project's CPU.
 
 The package's rooms: `schema` (the Profile, its cache and what the planner reads of it),
 `harness` (the children's plumbing: one process per probe, pinned as a worker is), `probes`

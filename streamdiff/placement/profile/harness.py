@@ -11,12 +11,13 @@ from ...spawn import spawn_context
 STEADY_BLOCKS = 6  # steady blocks timed per measurement (after a shot's first): the DiT's window fills
 GROUP_SIZES_MAX = 4
 # A shot's first block is timed on this many fresh sessions after the steady blocks, as a worker
-# meets one, and their median kept: timed just after the cold block, the VAE's first blocks took
-# 216-236 ms on the EPYC, and 174-179 after steady ones, as the daemon's (174-175).
+# meets one, and their median kept: timed just after the cold block, first blocks came out slower
+# than a worker meets them
+# (docs/benchmarks.md#shared-cores-and-the-cut-priced-at-its-exchange-2026-12-01-the-epyc-later-still).
 FIRST_BLOCKS = 3
 # ... each after this long idle, as a worker meets a new request: on two threads a first block
-# took 119-128 ms after 0.3 s idle and 102-105 straight after other blocks (one thread: no
-# difference), and the daemon's two-thread workers sharing both cores took 111-125.
+# after idle is slower than one straight after other blocks
+# (docs/benchmarks.md#shared-cores-and-the-cut-priced-at-its-exchange-2026-12-01-the-epyc-later-still).
 FIRST_IDLE_S = 0.3
 
 
