@@ -31,6 +31,98 @@ def test_the_api_reaches_the_engine_only_through_its_boundary():
                 assert node.attr not in ("scheduler", "pool"), (path.name, node.lineno)
 
 
+# The house's layers, low to high: a module imports only from its own package or a lower layer
+# (function-level imports included). placement sits above the supervisor: it drives the
+# supervisor's own scheduler in simulation and plans the topologies the supervisor runs; the CLI
+# calls `place()` before it builds the Supervisor. train (the embedded default's training) and
+# the CLI are the top.
+LAYERS = [
+    {"spawn", "plan", "ipc", "metrics", "sdnotify", "synthetic", "cluster", "media"},
+    {"platform"},
+    {"models"},
+    {"config"},
+    {"flags"},
+    {"parallel"},
+    {"workers"},
+    {"supervisor"},
+    {"placement"},
+    {"server"},
+    {"train", "cli"},
+]
+
+
+def _imports() -> dict[str, set[str]]:
+    """streamdiff's modules -> the streamdiff modules (and names) each imports, anywhere in it."""
+    import ast
+
+    src = ROOT / "streamdiff"
+    out: dict[str, set[str]] = {}
+    for path in src.rglob("*.py"):
+        parts = list(path.relative_to(src.parent).with_suffix("").parts)
+        package = parts[:-1]
+        name = ".".join(parts[:-1] if path.name == "__init__.py" else parts)
+        seen: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                base = package[: len(package) - node.level + 1] if node.level else []
+                target = ".".join(base + ([node.module] if node.module else []))
+                if target.startswith("streamdiff"):
+                    seen.add(target)
+                    seen.update(f"{target}.{a.name}" for a in node.names)
+            elif isinstance(node, ast.Import):
+                seen.update(a.name for a in node.names if a.name.startswith("streamdiff"))
+        out[name] = seen
+    return out
+
+
+def test_no_import_runs_up_the_layers():
+    rank = {pkg: i for i, layer in enumerate(LAYERS) for pkg in layer}
+    top = [p.stem for p in (ROOT / "streamdiff").iterdir() if p.suffix == ".py" or (p / "__init__.py").exists()]
+    assert {t for t in top if t != "__init__"} <= set(rank), "a new package: give it a layer"
+    up = []
+    for mod, targets in _imports().items():
+        mine = mod.split(".")[1] if "." in mod else None
+        for t in targets:
+            theirs = t.split(".")[1] if t.count(".") else None
+            if mine and theirs in rank and theirs != mine and rank[theirs] >= rank[mine]:
+                up.append(f"{mod} -> {t}")
+    assert not up, "imports that run up (or across) the layers:\n" + "\n".join(sorted(up))
+
+
+def test_no_import_circles():
+    """No module reaches itself through its imports (Tarjan's strongly connected components)."""
+    graph = _imports()
+    graph = {m: {t for t in ts if t in graph and t != m} for m, ts in graph.items()}
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    circles = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                circles.append(sorted(comp))
+
+    for v in graph:
+        if v not in index:
+            visit(v)
+    assert not circles, circles
+
+
 def _device_kind_branches(tree) -> list[tuple[int, str]]:
     """Where code branches on an accelerator's kind: a comparison with "cuda" or "xpu" (alone
     or in a tuple, list or set), a `.startswith("cuda")`-like test, `torch.cuda` / `torch.xpu`,
