@@ -89,6 +89,19 @@ def test_no_import_runs_up_the_layers():
     assert not up, "imports that run up (or across) the layers:\n" + "\n".join(sorted(up))
 
 
+def test_every_import_of_streamdiff_names_a_module_that_exists():
+    """A relative import one level off (`from .platform` inside cli/) is caught here, not when
+    a subcommand first runs it."""
+    graph = _imports()
+    missing = []
+    for mod, targets in graph.items():
+        for t in targets:
+            parent = t.rsplit(".", 1)[0]
+            if t not in graph and parent not in graph:  # neither a module nor a name in one
+                missing.append(f"{mod} -> {t}")
+    assert not missing, missing
+
+
 def test_no_import_circles():
     """No module reaches itself through its imports (Tarjan's strongly connected components)."""
     graph = _imports()

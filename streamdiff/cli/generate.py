@@ -134,7 +134,7 @@ def device_of(cfg: Config) -> str:
     """One device for both stages: the first of its kind (cpu, cuda:0, xpu:0)."""
     import torch
 
-    from .platform import for_device
+    from ..platform import for_device
 
     kind = cfg.topology.device
     if kind == "cpu":
