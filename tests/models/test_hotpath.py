@@ -133,7 +133,7 @@ def test_a_storyboard_with_three_cuts_holds_one_cache():
     torch.manual_seed(0)
     eng = DiTEngine(ModelSpec(preset="tiny", dtype="float32", compile="off"))
     eng.model = WanDiT(BIG).eval()
-    sess = eng.open_session(256, 144, seed=0)
+    sess = eng.open_session(128, 64, seed=0)
     kv = sess.state.kv
     buffers = [t.data_ptr() for t in (*kv.k, *kv.v)]
     shots = [(11, 4), (12, 2), (13, 5), (14, 3)]  # (seed, blocks): a cut before each after the first
@@ -145,7 +145,7 @@ def test_a_storyboard_with_three_cuts_holds_one_cache():
     assert big.seen == []
     assert sess.state.kv is kv and [t.data_ptr() for t in (*kv.k, *kv.v)] == buffers
     for (seed, _), blocks_ in zip(shots, got, strict=True):
-        fresh = eng.open_session(256, 144, seed=seed)
+        fresh = eng.open_session(128, 64, seed=seed)
         eng.set_scene(fresh, "a shot", cut=True)
         for b in blocks_:
             torch.testing.assert_close(b, eng.generate_block(fresh, 3), rtol=1e-5, atol=1e-5)
