@@ -42,6 +42,20 @@ def yield_cpu() -> None:
             pass
 
 
+def available_cores() -> list[int]:
+    """The cores this process may run on (all of them where the kernel does not say)."""
+    return sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+
+
+def worker_cores(index: int, threads: int, pin: bool = True) -> tuple[int, ...]:
+    """The cores the worker on device index `index` is pinned to: `threads` of them, in turn
+    around the available ones (none when not pinning, or the kernel does not say)."""
+    avail = available_cores()
+    if not pin or not avail:
+        return ()
+    return tuple(avail[(index * threads + k) % len(avail)] for k in range(threads))
+
+
 def pin(cpus: tuple[int, ...]) -> None:
     """This process onto these cores (none: as it is)."""
     if cpus and hasattr(os, "sched_setaffinity"):

@@ -10,6 +10,7 @@ from ..config import Config, ConfigError, injected_faults, parse_size, sampler_o
 from ..config.layout import explicit_layout
 from ..ipc.shm import RingSpec
 from ..models.spec import ModelSpec, preset_facts
+from ..platform.cpu import available_cores, worker_cores
 from ..platform.cpu_lending import LendSpec, create_ledger
 from ..workers import faults as injected
 from ..workers.spec import GroupSpec, WorkerSpec
@@ -68,17 +69,6 @@ def model_facts(cfg: Config) -> dict:
 
 def _device(kind: str, index: int) -> str:
     return "cpu" if kind == "cpu" else f"{kind}:{index}"
-
-
-def _available() -> list[int]:
-    return sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
-
-
-def _cpus(index: int, threads: int, pin: bool) -> tuple[int, ...]:
-    avail = _available()
-    if not pin or not avail:
-        return ()
-    return tuple(avail[(index * threads + k) % len(avail)] for k in range(threads))
 
 
 @dataclass(frozen=True)
@@ -153,7 +143,7 @@ def build_topology(
         # the last byte is the supervisor's encoder, on the DiT's cores (core.py _pin_self)
         dit0 = next(i for i, (_, roles, _) in enumerate(lay.procs) if "dit" in roles)
         groups = tuple(range(n)) + (dit0,)
-        cores = tuple(_available())
+        cores = tuple(available_cores())
         lend = {name: LendSpec(ledger, i, own, groups, cores) for i, (name, _, _) in enumerate(lay.procs)}
         host = LendSpec(ledger, n, own, groups, cores)
     workers = [
@@ -162,7 +152,7 @@ def build_topology(
             roles=roles,
             device=_device(t.device, i),
             threads=t.threads_per_worker,
-            cpus=_cpus(i, t.threads_per_worker, pin),  # shared cores: its own ones, and more to borrow
+            cpus=worker_cores(i, t.threads_per_worker, pin),  # shared cores: its own ones, and more to borrow
             model=spec,
             control_addr=control_addr,
             latent_ring=latent_ring,

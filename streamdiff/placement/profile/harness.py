@@ -65,9 +65,9 @@ def run_children(targets: list[tuple], timeout_s: float) -> list:
 
 def cpus_of(device: int, threads: int) -> tuple[int, ...]:
     """The cores a worker on this device index is pinned to (as the daemon pins them)."""
-    from ...supervisor.topology import _cpus as worker_cpus
+    from ...platform.cpu import worker_cores
 
-    return worker_cpus(device, threads, True)
+    return worker_cores(device, threads)
 
 
 def heads_of(spec) -> int:
