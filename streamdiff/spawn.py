@@ -14,3 +14,29 @@ def spawn_context():
     docs/benchmarks.md#shared-cores-and-the-cut-priced-at-its-exchange-2026-12-01-the-epyc-later-still."""
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     return mp.get_context("spawn")
+
+
+def _answer(fn, args, out) -> None:
+    try:
+        out.put(fn(*args))
+    except Exception as exc:  # raised again in the parent
+        out.put(exc)
+
+
+def in_child(fn, *args, timeout_s: float = 300.0):
+    """`fn(*args)` in a spawned child, its result (or exception) back in this process: what the
+    supervisor asks of torch (a device's facts, a decoder's shape) without importing it. `fn`
+    must be a module-level function and its result picklable."""
+    ctx = spawn_context()
+    out = ctx.Queue()
+    p = ctx.Process(target=_answer, args=(fn, args, out), daemon=True)
+    p.start()
+    try:
+        got = out.get(timeout=timeout_s)
+    finally:
+        p.join(timeout=30)
+        if p.is_alive():
+            p.kill()
+    if isinstance(got, Exception):
+        raise got
+    return got

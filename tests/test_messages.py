@@ -59,3 +59,13 @@ def test_malformed_messages_are_refused(raw):
         m.decode(msgpack.packb(raw))
     with pytest.raises(m.ProtocolError):
         m.decode(b"\xc1 not msgpack")
+
+
+def test_a_compiled_vae_says_so_in_its_facts():
+    """The VAE stage's compile figures travel in READY and reach the supervisor's facts (so
+    `/health` `model` and `/v1/models` `loaded`, beside the DiT's)."""
+    cost = m.StageCost(10.0, [256, 144])
+    compiled = {"mode": "on", "on": True, "graphs": 3, "compile_s": 9.4}
+    info = m.decode(m.Ready("vae0.0", 1, m.ReadyInfo("cpu", ["vae"], vae=m.VAEReady(cost, compile=compiled))).encode())
+    assert info.info.facts()["vae_compile"] == compiled
+    assert "vae_compile" not in m.ReadyInfo("cpu", ["vae"], vae=m.VAEReady(cost)).facts()

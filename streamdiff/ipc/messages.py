@@ -175,6 +175,7 @@ class VAEReady(msgspec.Struct, frozen=True):
     spatial_factor: int = 8
     temporal_factor: int = 4
     stages_ms: StageTimes | None = None  # with a VAE cut: each decoder stage's time
+    compile: dict | None = None  # --compile on this device: graphs compiled and seconds spent (the Wan VAE's norms)
 
 
 class ReadyInfo(msgspec.Struct, frozen=True):
@@ -189,6 +190,8 @@ class ReadyInfo(msgspec.Struct, frozen=True):
         out: dict = {}
         if self.vae is not None:
             out.update(spatial_factor=self.vae.spatial_factor, temporal_factor=self.vae.temporal_factor)
+            if self.vae.compile is not None:
+                out["vae_compile"] = self.vae.compile
         if self.dit is not None and self.dit.facts is not None:
             out.update(msgspec.structs.asdict(self.dit.facts))
         return out

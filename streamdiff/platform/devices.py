@@ -46,11 +46,11 @@ def _accelerator(kind: str) -> Devices:
     return Devices(rt.device_count(), rt.get_device_name(0), mem)
 
 
-def _child(kind: str, out) -> None:
+def _ask(kind: str) -> Devices:
     try:
-        out.put(_accelerator(kind))
+        return _accelerator(kind)
     except Exception as exc:  # reported in the parent
-        out.put(RuntimeError(f"asking the {kind} runtime failed: {exc!r}"))
+        raise RuntimeError(f"asking the {kind} runtime failed: {exc!r}") from None
 
 
 @functools.cache
@@ -59,21 +59,9 @@ def devices(kind: str) -> Devices:
     if kind == "cpu":
         n = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
         return Devices(n, cpu_model())
-    from ..spawn import spawn_context
+    from ..spawn import in_child
 
-    ctx = spawn_context()
-    out = ctx.Queue()
-    p = ctx.Process(target=_child, args=(kind, out), daemon=True)
-    p.start()
-    try:
-        got = out.get(timeout=300)
-    finally:
-        p.join(timeout=30)
-        if p.is_alive():
-            p.kill()
-    if isinstance(got, Exception):
-        raise got
-    return got
+    return in_child(_ask, kind)
 
 
 def device_count(kind: str) -> int:

@@ -195,6 +195,10 @@ class Supervisor:
             self.facts.update(
                 {k: v for k, v in info.items() if k in ("model", "size_multiple", "embedded_weights", "loaded", "i2v")}
             )
+            if "vae_compile" in info:  # the decoder's compile, beside the DiT's in what was loaded
+                self.facts["vae_compile"] = info["vae_compile"]
+        if "loaded" in self.facts and "vae_compile" in self.facts:
+            self.facts["loaded"] = {**self.facts["loaded"], "vae_compile": self.facts["vae_compile"]}
         if "loaded" in self.facts:
             log.info("model: %s", describe_loaded(self.facts["loaded"]))
 

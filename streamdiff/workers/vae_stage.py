@@ -3,11 +3,14 @@ whole height (workers/stage_common.py says what the stages share)."""
 
 from __future__ import annotations
 
+import logging
+
 import numpy as np
 import torch
 
 from ..ipc import messages as m
 from ..ipc.shm import Ring
+from ..models.wan.dit import compile_stats
 from ..models.wan.rows import split_rows
 from ..parallel.vae_group import ExchangeHalo, group_max, move_bands
 from ..platform import select
@@ -27,6 +30,8 @@ from .stage_common import (
     take_activations,
     timed_ms,
 )
+
+log = logging.getLogger(__name__)
 
 
 class VAEStage:
@@ -59,6 +64,9 @@ class VAEStage:
         self.cpu_budget = spec.cpu_memory_budget_bytes
         self.max_batch = spec.max_batch
         self.calibration = self.calibrate()
+        if self.engine.compiled:  # compiled at the calibration blocks; a new shape later adds few
+            self.calibration["compile"] = {"mode": spec.model.compile, "on": True, **compile_stats()}
+            log.info("VAE norms compiled: %(graphs)d graphs in %(compile_s).1f s", self.calibration["compile"])
 
     def models(self) -> list[torch.nn.Module]:
         return [self.engine.model]

@@ -33,31 +33,19 @@ def stage_shapes(cfg, latent_frames: int, h: int, w: int) -> list[tuple[int, int
     return [*out, (3, t, h, w)]
 
 
-def _child(spec, out) -> None:
-    try:
-        from ..presets import get_preset
+def _shape_of(spec) -> DecoderShape:
+    from ..presets import get_preset
 
+    try:
         v = get_preset(spec).vae
-        out.put(DecoderShape(v.base_dim, tuple(v.dim_mult), v.num_res_blocks, tuple(v.temporal_downsample)))
-    except Exception as exc:
-        out.put(ValueError(str(exc)))
+    except Exception as exc:  # the parent gets one picklable error naming it
+        raise ValueError(str(exc)) from None
+    return DecoderShape(v.base_dim, tuple(v.dim_mult), v.num_res_blocks, tuple(v.temporal_downsample))
 
 
 def decoder_shape(spec) -> DecoderShape:
     """The preset's decoder shape (the config written next to the weights, else the release's),
     read in a spawned child: the presets import torch, which the supervisor never does."""
-    from ...spawn import spawn_context
+    from ...spawn import in_child
 
-    ctx = spawn_context()
-    out = ctx.Queue()
-    p = ctx.Process(target=_child, args=(spec, out), daemon=True)
-    p.start()
-    try:
-        got = out.get(timeout=300)
-    finally:
-        p.join(timeout=30)
-        if p.is_alive():
-            p.kill()
-    if isinstance(got, Exception):
-        raise got
-    return got
+    return in_child(_shape_of, spec)
