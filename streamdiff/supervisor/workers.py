@@ -335,10 +335,11 @@ class WorkerPool:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline and any(w.process and w.process.is_alive() for w in self.workers.values()):
             await asyncio.sleep(0.05)
-        for w in self.workers.values():
-            if w.process is not None and w.process.is_alive():
-                w.process.terminate()
-        await asyncio.sleep(0.2)
+        late = [w for w in self.workers.values() if w.process is not None and w.process.is_alive()]
+        for w in late:
+            w.process.terminate()
+        if late:  # SIGTERM's moment to land before the kill below
+            await asyncio.sleep(0.2)
         for w in self.workers.values():
             if w.process is not None:
                 self._kill(w)

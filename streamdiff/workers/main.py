@@ -74,6 +74,7 @@ class Worker:
         self.pending: collections.deque[m.Message] = collections.deque()
         self.closed: set[str] = set()
         self.stop = False
+        self.stopping = threading.Event()  # wakes the heartbeat at shutdown (its socket must close first)
         self.busy_since = 0.0
         self.waiting_since = 0.0
         self.parent = os.getppid()
@@ -125,7 +126,7 @@ class Worker:
             idle = time.monotonic() - waiting if waiting else 0.0
             stats = m.CpuStats(self.lender.borrowed_s()) if self.lender else None
             sock.send(m.Heartbeat(self.spec.name, busy, idle, stats).encode())
-            time.sleep(self.spec.heartbeat_interval_s)
+            self.stopping.wait(self.spec.heartbeat_interval_s)
         sock.close()
 
     # -- loop ---------------------------------------------------------------------------------
@@ -231,7 +232,10 @@ class Worker:
         os._exit(3)
 
     def shutdown(self) -> None:
+        """Stop: the heartbeat closes its socket at once (the context's term waits for it, which
+        a sleeping heartbeat held up by up to an interval at every stop)."""
         self.stop = True
+        self.stopping.set()
         for stage in self.stages.values():
             stage.shutdown()
         if self.lender:
