@@ -67,7 +67,11 @@ class Admission(SchedulerState):
 
     def _held_frames(self, sess: Session) -> int:
         """The most latent frames a shot of this session can hold (`plan.most_held_frames`): its
-        KV cache is sized for no more where that is shorter than the window. 0: a live video."""
+        KV cache is sized for no more where that is shorter than the window. 0: a live video.
+        Fixed when the session opens, as the worker's cache is: a steer after that replans its
+        blocks, and admission keeps pricing the cache that was allocated."""
+        if sess.held_frames is not None:
+            return sess.held_frames
         return 0 if sess.live else most_held_frames(sess.blocks)
 
     def _demand(self, sess: Session, dit: str, group: int) -> Demand:
@@ -142,7 +146,8 @@ class Admission(SchedulerState):
         log.info("session %s starts on %s and VAE group %d, busy shares %s", sess.id, sess.dit, sess.group, share)
         sess.state, sess.started = RUNNING, self.now
         self.metrics.queue_seconds.observe(sess.started - sess.created)
-        opened = m.OpenSession(sess.id, sess.width, sess.height, sess.seed, self._held_frames(sess))
+        sess.held_frames = self._held_frames(sess)
+        opened = m.OpenSession(sess.id, sess.width, sess.height, sess.seed, sess.held_frames)
         for w in self._workers_of(sess):
             self._out.append(Send(w, opened))
         self._out.append(Start(sess.id, {"dit": sess.dit, "vae": list(sess.vae_workers)}))

@@ -108,6 +108,7 @@ class Session:
     demand: Demand | None = None  # what it asked of its units when it was placed
     live: bool = False  # open-ended: paced to its player, ends at its cap or a stop
     steered_at: list[int] = field(default_factory=list)  # the blocks where steered scenes start
+    held_frames: int | None = None  # its KV cache's bound, fixed when it opens (admission._held_frames)
 
     def __post_init__(self) -> None:
         if not self.tickets:
