@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from ..plan import cache_frames
+from .compiled import use_compile
 from .presets import (
     ModelSpec,
     build_dit,
@@ -23,7 +24,7 @@ from .presets import (
     image_to_video,
 )
 from .wan import rolling
-from .wan.dit import DiTState, use_compile
+from .wan.dit import DiTState
 from .wan.kernels import CPU_DECODE_WORKING_SET_BYTES, DecodePlan, plan_block
 from .wan.sampler import denoise_block, denoise_sessions, sigma_of, step_timesteps
 from .wan.taehv import TAEHVState

@@ -10,7 +10,7 @@ import torch
 
 from ..ipc import messages as m
 from ..ipc.shm import Ring
-from ..models.wan.dit import compile_stats
+from ..models.compiled import compile_stats
 from ..parallel.vae_group import group_max
 from ..platform import select
 from .errors import RequestError

@@ -3,6 +3,7 @@ whole height (workers/stage_common.py says what the stages share)."""
 
 from __future__ import annotations
 
+import copy
 import logging
 
 import numpy as np
@@ -10,7 +11,7 @@ import torch
 
 from ..ipc import messages as m
 from ..ipc.shm import Ring
-from ..models.wan.dit import compile_stats
+from ..models.compiled import compile_stats
 from ..models.wan.rows import split_rows
 from ..parallel.vae_group import ExchangeHalo, group_max, move_bands
 from ..platform import select
@@ -109,9 +110,7 @@ class VAEStage:
         batch_ms = {}
         fits = int(self.max_batch > 1 and budget // 2 >= 2 * cache)
         if -self._agree([-fits])[0]:
-            other = self.engine.open_session()
-            decode([other], 1)
-            decode([other], fpb)  # the same cache phase as `state`
+            other = copy.deepcopy(state)  # the same cache phase, without decoding its blocks again
             decode([state, other], fpb)  # cold: a new shape
             batch_ms["2"] = decode([state, other], fpb) / 2
         out = {

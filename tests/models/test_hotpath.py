@@ -4,15 +4,22 @@ blocks equal eager ones without recompiling through a stream with cuts."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from streamdiff.models.compiled import compile_stats
 from streamdiff.models.engines import DiTEngine, VAEEngine
 from streamdiff.models.spec import ModelSpec
 from streamdiff.models.wan import rolling
-from streamdiff.models.wan.dit import DiTConfig, KVCache, WanDiT, compile_stats
+from streamdiff.models.wan.dit import DiTConfig, KVCache, WanDiT
 from streamdiff.models.wan.sampler import SamplerConfig, denoise_block, denoise_sessions
+
+ROOT = Path(__file__).resolve().parents[2]
 
 CFG = DiTConfig(dim=32, ffn_dim=64, num_heads=2, num_layers=2, text_dim=16, text_len=8)
 LAT_H, LAT_W = 4, 6
@@ -234,6 +241,28 @@ def test_the_engine_block_builds_nothing_from_host_data():
 
 
 # ----------------------------------------------------------------------------- compiled
+
+
+def test_an_eager_worker_never_imports_dynamo():
+    """Without --compile, a DiT and a VAE stage start, calibrate and report what compiled (nothing)
+    without importing torch._dynamo (1.5 s of a worker's start on this CPU): in a fresh process,
+    as a worker is."""
+    code = (
+        "import sys\n"
+        "from streamdiff.models.compiled import compile_stats\n"
+        "from streamdiff.models.engines import DiTEngine, VAEEngine\n"
+        "from streamdiff.models.spec import ModelSpec\n"
+        "spec = ModelSpec(preset='tiny', compile='auto')\n"
+        "dit, vae = DiTEngine(spec), VAEEngine(spec)\n"
+        "s = dit.open_session(128, 64, seed=1)\n"
+        "dit.set_scene(s, 'a red ball', cut=True)\n"
+        "z = dit.generate_block(s, 3)\n"
+        "assert compile_stats() == {'graphs': 0, 'compile_s': 0.0}\n"
+        "print('torch._dynamo' in sys.modules)\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "False"
 
 
 def test_compiled_blocks_equal_eager_and_do_not_recompile_through_cuts():
