@@ -24,3 +24,21 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "device" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture
+def plain_daemon():
+    """The run's shared plain daemon (tests/helpers.py `shared_daemon`), idle."""
+    from .helpers import shared_daemon
+
+    return shared_daemon()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _stop_the_shared_daemon():
+    """Stops the shared daemon, if a test started it, once every test has run: it exits 0 and
+    leaves no shared memory."""
+    yield
+    from .helpers import stop_shared_daemon
+
+    stop_shared_daemon()

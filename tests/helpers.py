@@ -110,6 +110,17 @@ class Daemon:
     def health(self) -> dict:
         return httpx.get(self.url + "/health", timeout=5).json()
 
+    def wait_idle(self, timeout_s: float = 60) -> dict:
+        """The pipeline with nothing tracked and every ring slot free (a stream a test left or
+        cancelled has ended): a shared daemon is handed over in this state."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            p = self.health()["pipeline"]
+            if p["tracked"] == 0 and p["latent_slots_used"] == 0 and p["frame_slots_used"] == 0:
+                return p
+            time.sleep(0.1)
+        raise AssertionError(f"pipeline not idle: {self.health()['pipeline']}")
+
     def logs(self) -> str:
         return Path(self.log.name).read_text(errors="replace")[-6000:]
 
@@ -280,13 +291,35 @@ def assert_same_as_one_dit_and_vae(got: bytes, body: dict, *flags: str) -> None:
     """`got` is the video a plain daemon (one DiT worker, one VAE worker; `flags` added) streams
     for `body`."""
     key = json.dumps([flags, body], sort_keys=True)
-    if key not in _REFERENCES:
+    if key not in _REFERENCES and not flags:  # the shared plain daemon (tests/conftest.py)
+        _REFERENCES[key], _, _ = stream_video(shared_daemon().url, body)
+    elif key not in _REFERENCES:
         ref = Daemon("--dit-gpus", "1", "--vae-gpus", "1", *flags)
         try:
             _REFERENCES[key], _, _ = stream_video(ref.url, body)
         finally:
             assert ref.stop() == 0, ref.logs()
     assert_same_video(got, _REFERENCES[key])
+
+
+_SHARED: list[Daemon] = []
+
+
+def shared_daemon() -> Daemon:
+    """One plain daemon (the tests' default layout, default settings) for the whole test run,
+    started at its first use, handed over idle; the `plain_daemon` fixture stops it at the end.
+    Tests that change a daemon's settings, count its totals or kill its processes start their own."""
+    if not _SHARED:
+        _SHARED.append(Daemon())
+    _SHARED[0].wait_idle()
+    return _SHARED[0]
+
+
+def stop_shared_daemon() -> None:
+    if _SHARED:
+        d = _SHARED.pop()
+        assert d.stop() == 0, d.logs()
+        assert d.segments() == []
 
 
 def decode(data: bytes, strict: bool = True) -> dict:

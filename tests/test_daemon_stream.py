@@ -118,12 +118,9 @@ def test_same_seed_same_video_across_requests(layout_daemon):
     check_video(a, 21, 128, 64, 16)
 
 
-@pytest.fixture(scope="module")
-def daemon():
-    d = Daemon()
-    yield d
-    assert d.stop() == 0, d.logs()
-    assert d.segments() == []
+@pytest.fixture
+def daemon(plain_daemon):
+    return plain_daemon  # the run's shared plain daemon, idle (tests/conftest.py)
 
 
 def test_two_concurrent_streams_complete(daemon):

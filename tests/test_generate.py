@@ -16,7 +16,7 @@ from streamdiff.models.engines import DiTEngine
 from streamdiff.plan import Scene, plan_blocks, shot_left
 from streamdiff.supervisor.topology import model_spec
 
-from .helpers import ROOT, SHORT_STORY, Daemon, assert_same_video, decode, ffprobe, stream_video
+from .helpers import ROOT, SHORT_STORY, assert_same_as_one_dit_and_vae, decode, ffprobe
 
 
 def generate(*flags: str, timeout_s: float = 300) -> subprocess.CompletedProcess:
@@ -88,12 +88,7 @@ def test_a_storyboard_is_the_video_the_daemon_streams(tmp_path):
     planned = sum(b.latent_frames for b in plan_blocks(scenes, 3, 4))
     assert torch.load(latents).shape == (1, 16, planned, 18, 32)
 
-    daemon = Daemon()
-    try:
-        want, _, _ = stream_video(daemon.url, SHORT_STORY)
-    finally:
-        assert daemon.stop() == 0, daemon.logs()
-    assert_same_video(got, want)
+    assert_same_as_one_dit_and_vae(got, SHORT_STORY)
 
 
 @pytest.fixture(scope="module")

@@ -13,14 +13,12 @@ import aiohttp
 import httpx
 import pytest
 
-from .helpers import Daemon, decode, fragments, post_video, wait_until
+from .helpers import decode, fragments, post_video, wait_until
 
 
-@pytest.fixture(scope="module")
-def daemon():
-    d = Daemon()
-    yield d
-    assert d.stop() == 0, d.logs()
+@pytest.fixture
+def daemon(plain_daemon):
+    return plain_daemon  # the run's shared plain daemon, idle (tests/conftest.py)
 
 
 class Reader(threading.Thread):

@@ -10,11 +10,9 @@ import pytest
 from ..helpers import Daemon, decode, ffprobe, fragments, stream_video
 
 
-@pytest.fixture(scope="module")
-def d():
-    daemon = Daemon()
-    yield daemon
-    daemon.stop()
+@pytest.fixture
+def d(plain_daemon):
+    return plain_daemon  # the run's shared plain daemon, idle (tests/conftest.py)
 
 
 def wait_done(d: Daemon, video_id: str, timeout_s: float = 120) -> dict:

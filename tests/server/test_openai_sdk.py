@@ -7,16 +7,14 @@ import warnings
 
 import pytest
 
-from ..helpers import Daemon, decode
+from ..helpers import decode
 
 openai = pytest.importorskip("openai")
 
 
-@pytest.fixture(scope="module")
-def d():
-    daemon = Daemon()
-    yield daemon
-    daemon.stop()
+@pytest.fixture
+def d(plain_daemon):
+    return plain_daemon  # the run's shared plain daemon, idle (tests/conftest.py)
 
 
 def test_openai_client_creates_polls_and_downloads(d, tmp_path):

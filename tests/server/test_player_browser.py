@@ -24,11 +24,9 @@ FLAGS = [
 ]
 
 
-@pytest.fixture(scope="module")
-def daemon():
-    d = Daemon()
-    yield d
-    d.stop()
+@pytest.fixture
+def daemon(plain_daemon):
+    return plain_daemon  # the run's shared plain daemon, idle (tests/conftest.py)
 
 
 def open_player(p, url: str):
