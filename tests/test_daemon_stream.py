@@ -175,16 +175,6 @@ def dit_batch_counts(d: Daemon) -> dict[int, float]:
     return {int(s.labels["batch"]): s.value for s in fam.samples if s.name.endswith("_total")}
 
 
-def idle(d: Daemon, timeout_s: float = 30) -> dict:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        p = d.health()["pipeline"]
-        if p["tracked"] == 0 and p["latent_slots_used"] == 0 and p["frame_slots_used"] == 0:
-            return p
-        time.sleep(0.1)
-    raise AssertionError(f"pipeline not idle: {d.health()['pipeline']}")
-
-
 def test_client_disconnect_frees_the_session(daemon):
     body = {"prompt": "an endless train", "seconds": 60, "stream": True}
     with httpx.stream("POST", daemon.url + "/v1/videos", json=body, timeout=60) as r:
@@ -195,7 +185,7 @@ def test_client_disconnect_frees_the_session(daemon):
             if len([f for f in fragments(data) if "end" in f]) >= 2:
                 break  # leave after two fragments: the context manager closes the connection
     # The session is cancelled at the next block boundary and every slot comes back.
-    p = idle(daemon)
+    p = daemon.wait_idle(30)
     assert p["running"] == 0 and p["queued"] == 0
     job = httpx.get(f"{daemon.url}/v1/videos/{video_id}", timeout=10).json()
     assert job["status"] == "failed" and job["error"]["code"] == "cancelled"
