@@ -58,6 +58,22 @@ class Caption:
         return cls(colour, rng.choice(SHAPES), rng.choice(sorted(DIRECTIONS)), background)
 
 
+# The prompts the embedded default never trains on (the first HELD_OUT of `held_out_prompts`'s
+# draw), so that what it draws from them is judged on prompts it has not seen.
+HELD_OUT = 48
+
+
+def held_out_prompts(n: int = HELD_OUT, seed: int = 4242) -> list[Caption]:
+    """`n` distinct captions drawn from their own seed; the first HELD_OUT are never trained on."""
+    rng, seen, out = random.Random(seed), set(), []
+    while len(out) < n:
+        c = Caption.random(rng)
+        if c.prompt not in seen:
+            seen.add(c.prompt)
+            out.append(c)
+    return out
+
+
 @dataclass(frozen=True)
 class Clip:
     caption: Caption

@@ -18,7 +18,7 @@ from ..models.wan.dit import DiTConfig, WanDiT
 from ..models.wan.sampler import SamplerConfig, denoise_block, warped_timesteps
 from ..models.wan.text import TinyTextEncoder
 from ..models.wan.vae import VAEConfig, to_uint8_frames
-from ..synthetic import Caption, check
+from ..synthetic import check, held_out_prompts
 from .vae import load_vae
 
 
@@ -93,17 +93,6 @@ def reconstruct(out: Path, vae_cfg: VAEConfig, n: int = 24, frames: int = 61, la
     Image.fromarray(np.concatenate(sheet, axis=0)).save(out / f"recon_{step}.png")
     log(json.dumps(summary))
     return summary
-
-
-def held_out_prompts(n: int, seed: int = 4242) -> list[Caption]:
-    """Captions drawn apart from the training clips' stream (another seed), distinct."""
-    rng, seen, out = random.Random(seed), set(), []
-    while len(out) < n:
-        c = Caption.random(rng)
-        if c.prompt not in seen:
-            seen.add(c.prompt)
-            out.append(c)
-    return out
 
 
 def evaluate(

@@ -72,6 +72,9 @@ class VAERun:
     save_every: int = 200
     save_seconds: float = 600.0  # a killed run loses at most this much wall time
     keep_every: int = 0  # copy the checkpoint to vae_step{N}.pt every N steps (0: never)
+    # Train the decoder alone on the encoder's latents as they are: once the DiT's data set is
+    # encoded, the decoder goes on learning without moving the latents the DiT learns.
+    freeze_encoder: bool = False
 
     def recipe(self) -> dict:
         """What makes two runs the same phase of the learning-rate schedule."""
@@ -90,6 +93,7 @@ _RECIPE = (
     "object_weight",
     "edge_weight",
     "edge_px",
+    "freeze_encoder",
 )
 
 
@@ -162,6 +166,8 @@ def train_vae(out: Path, cfg: VAEConfig, run: VAERun, log=print) -> None:
     chunk = run.chunk or latents
     if latents % chunk:
         raise ValueError(f"{latents} latent frames do not split into chunks of {chunk}")
+    # Its optimiser state stays in the checkpoint; AdamW skips parameters without a gradient.
+    enc.requires_grad_(not run.freeze_encoder)
     x = mask = state = None
     i = latents
     while step < run.steps:

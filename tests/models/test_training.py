@@ -101,6 +101,7 @@ def test_a_training_run_logs_checkpoints_and_resumes(tmp_path):
     encode_dataset(tmp_path, VAE, sampler, dit_run, log=lambda s: None)
     data = torch.load(tmp_path / "latents.pt", weights_only=False)
     assert data["latents"].shape == (3, 16, 2, 18, 32) and len(data["prompts"]) == 3
+    assert data["masks"].shape == (3, 2, 18, 32) and 0 < data["masks"].float().mean() < 0.25
     cfg = DiTConfig(dim=24, ffn_dim=48, freq_dim=16, num_heads=2, num_layers=1, text_dim=8, text_len=64)
     train_dit(tmp_path, cfg, sampler, dit_run, text_seed=1, log=lambda s: None)
     rows = [json.loads(line) for line in (tmp_path / "dit_curve.jsonl").read_text().splitlines()]
@@ -173,6 +174,39 @@ def test_a_killed_run_resumes_its_schedule_and_keeps_milestones(tmp_path):
     train_vae(tmp_path / "killed", VAE, other, log=lambda s: None)
     assert lrs(tmp_path / "killed")[5] == 2e-3 / 100  # the first step of its warmup
     assert torch.load(tmp_path / "killed" / "vae.pt", weights_only=True)["meta"]["phase_start"] == 4
+
+
+def test_the_dit_never_trains_on_the_held_out_prompts_and_weights_the_object():
+    import random
+
+    from streamdiff.synthetic import COLOURS, Caption, clip, held_out_prompts
+    from streamdiff.train.dit import latent_mask
+
+    held = held_out_prompts()
+    assert len({c.prompt for c in held}) == len(held) == 48
+    c = clip(Caption("red", "square", "right", "blue"), frames=9, rng=random.Random(1))
+    m = latent_mask(c.frames, COLOURS["red"])
+    assert m.shape == (3, 18, 32)
+    for j, f in enumerate((0, 4, 8)):  # each latent frame's last pixel frame: its box is inside
+        x0, y0, x1, y1 = c.boxes[f]
+        assert m[j, y0 // 8, x0 // 8] == 1 and m[j, (y1 - 1) // 8, (x1 - 1) // 8] == 1
+    assert m.mean() < 0.2
+
+
+def test_a_frozen_encoder_keeps_the_latents_the_dit_learns(tmp_path):
+    """Resumed with the encoder frozen, a run trains the decoder alone: the encoder's weights (so
+    the DiT's encoded data set) stay as they were, the decoder's move."""
+    from streamdiff.train.vae import VAERun, train_vae
+
+    run = VAERun(steps=1, batch=1, frames=5, chunk=1, crop=(32, 32), lr=1e-3, log_every=1, save_every=1)
+    train_vae(tmp_path, VAE, run, log=lambda s: None)
+    before = torch.load(tmp_path / "vae.pt", weights_only=True)
+    train_vae(tmp_path, VAE, VAERun(**{**run.__dict__, "steps": 3, "freeze_encoder": True}), log=lambda s: None)
+    after = torch.load(tmp_path / "vae.pt", weights_only=True)
+    assert after["step"] == 3
+    for k, v in before["encoder"].items():
+        assert torch.equal(v, after["encoder"][k]), k
+    assert any(not torch.equal(v, after["decoder"][k]) for k, v in before["decoder"].items())
 
 
 def test_the_embedded_preset_loads_shipped_weights_and_tiny_random_never_does(tmp_path):
