@@ -9,7 +9,7 @@ import time
 import httpx
 import pytest
 
-from .helpers import Daemon, stream_video
+from .helpers import Daemon, assert_draws_the_picture, stream_video
 from .test_daemon_stream import check_video
 
 
@@ -28,6 +28,10 @@ def test_twenty_blocks_at_k3_without_hanging(k3):
     data, _, _ = stream_video(k3.url, {"prompt": "a long walk", "num_frames": 237, "size": "128x64"}, timeout=240)
     frags, _ = check_video(data, 237, 128, 64, 16, blocks_expected=20)
     assert time.monotonic() - t0 < 240
+
+
+def test_three_shards_draw_the_picture_one_does(k3):
+    assert_draws_the_picture(k3.url)
 
 
 @pytest.mark.timeout(300)

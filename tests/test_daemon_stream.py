@@ -12,7 +12,7 @@ import time
 import httpx
 import pytest
 
-from .helpers import Daemon, assert_same_video, decode, ffprobe, fragments, stream_video
+from .helpers import Daemon, assert_draws_the_picture, assert_same_video, decode, ffprobe, fragments, stream_video
 
 STORYBOARD = {
     "scenes": [
@@ -116,6 +116,11 @@ def test_same_seed_same_video_across_requests(layout_daemon):
     b, _, _ = stream_video(layout_daemon.url, body)
     assert a == b
     check_video(a, 21, 128, 64, 16)
+
+
+def test_a_layout_draws_the_picture_one_dit_and_vae_do(layout_daemon):
+    """Two VAE shards (and the aggregated layouts) decode the trained default's picture as one."""
+    assert_draws_the_picture(layout_daemon.url)
 
 
 @pytest.fixture

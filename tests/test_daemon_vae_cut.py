@@ -80,9 +80,10 @@ def test_an_adapting_cut_moves_to_where_the_stages_balance_and_the_video_stays_t
     shot's start, and it can move again at the storyboard's `cut` scene (supervisor/cut.py). The
     video still equals one DiT and a whole VAE, and a second session starts at the moved cut.
     The tiny DiT is built at a quarter of the VAE's cost, so the move does not hang on a noisy
-    start-up timing: at the default 0.74 one CI run of a slow hour kept cut 1."""
+    start-up timing: at the default 0.74 one CI run of a slow hour kept cut 1. Another depth is
+    the seeded architecture's (tiny-random): the trained default's depth is its weights'."""
     cfg = tmp_path / "quarter.toml"
-    cfg.write_text("[model]\ndit_vae_ratio = 0.25\n")
+    cfg.write_text('[model]\npreset = "tiny-random"\ndit_vae_ratio = 0.25\n')
     d = Daemon("--config", str(cfg), "--dit-gpus", "1", "--vae-gpus", "1", "--vae-cut", "1", "--vae-cut-adapt")
     try:
         assert d.health()["pipeline"]["vae_cut"] == 1

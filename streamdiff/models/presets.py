@@ -1,16 +1,17 @@
 """Model presets and how to build or load each stage (used by the worker processes and tools).
 
 - `tiny`: the embedded default. The real Wan 2.1 architecture (same blocks, RoPE, causal VAE
-  with temporal upsampling and middle attention) at small widths, weights drawn from a fixed
-  seed, a byte-level text encoder. Its frames are not meaningful pictures; it exists so the
-  whole daemon streams on a laptop CPU with the real stage balance: the DiT's share of the
-  work per block is set by `dit_vae_ratio` (default 0.74, the ratio the reference
-  implementation measured for the real 1.3B model on one Intel B70: 0.957 s DiT vs 1.290 s
-  VAE per latent frame).
-  Trained weights shipped in the package (`weights/tiny-vae.safetensors`, written by
-  tools/train_default export) replace the seeded ones stage by stage where present.
-- `tiny-random`: the same architecture with the seeded weights always, for the benchmarks built
-  on them (issue 36).
+  with temporal upsampling and middle attention) at small widths, a byte-level text encoder,
+  trained on the synthetic grammar (synthetic.py; tools/train_default): the weights shipped in
+  the package (`weights/tiny-vae.safetensors`, `weights/tiny-dit.safetensors`, written by
+  tools/train_default export) replace the seeded ones stage by stage where present, and the DiT's
+  file names the depth, text length and sampler settings it was trained with (`trained_dit`).
+  The whole daemon streams on a laptop CPU with the real stage balance: the DiT's share of the
+  work per block is set by `dit_vae_ratio` (default 0.74, the ratio the reference implementation
+  measured for the real 1.3B model on one Intel B70: 0.957 s DiT vs 1.290 s VAE per latent
+  frame), which is the trained DiT's depth.
+- `tiny-random`: the same architecture with the seeded weights always (frames of coloured noise),
+  at any `dit_vae_ratio`, for the benchmarks built on them (issue 36).
 - `wan2.1-t2v-1.3b`: the real configuration; weights from a local directory (original Wan 2.1
   release, or the diffusers layout), optionally with a Causal Forcing / Self-Forcing generator
   checkpoint for the DiT.
@@ -18,6 +19,7 @@
 
 from __future__ import annotations
 
+import functools
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
@@ -106,6 +108,15 @@ def get_preset(spec: ModelSpec) -> Preset:
         )
         vae = VAEConfig(base_dim=8, num_res_blocks=0)
         sampler = SamplerConfig(frames_per_block=3, window_frames=12)
+        trained = trained_dit(arch)
+        if trained is not None:  # the shipped weights' own depth, text length and sampler
+            if trained.config.num_layers != dit.num_layers:
+                raise ValueError(
+                    f"dit_vae_ratio {spec.dit_vae_ratio} asks for a {dit.num_layers}-layer DiT; the trained "
+                    f"'{arch}' has {trained.config.num_layers} (dit_vae_ratio 0.74): other depths are "
+                    "preset 'tiny-random' (seeded weights)"
+                )
+            dit, sampler = trained.config, replace(sampler, **trained.sampler)
         p = Preset(arch, dit, vae, sampler, "tiny", (256, 144), embedded=True)
     elif arch in ("wan2.1-t2v-1.3b", "wan2.1-t2v-14b", "wan2.1"):
         dit = WAN_14B if arch == "wan2.1-t2v-14b" else DiTConfig()
@@ -141,10 +152,54 @@ WEIGHTS_DIR = Path(__file__).parent / "weights"
 
 
 def embedded_weights(preset: str, stage: str, root: Path = WEIGHTS_DIR) -> Path | None:
-    """The shipped trained weights of `stage` ("vae") of an embedded preset, None where there are
+    """The shipped trained weights of `stage` ("vae", "dit") of an embedded preset, None where there are
     none: the seeded weights then. Only `tiny` loads them; `tiny-random` is the seeded one always."""
     f = root / f"{preset}-{stage}.safetensors"
     return f if preset == "tiny" and f.is_file() else None
+
+
+@dataclass(frozen=True)
+class TrainedDiT:
+    """The shipped trained DiT and text encoder of an embedded preset (one file, `dit.*` and
+    `text.*` tensors) and, from its metadata, the configuration and sampler settings it was
+    trained with, which the preset then runs."""
+
+    path: Path
+    config: DiTConfig
+    sampler: dict
+
+
+def trained_dit(preset: str, root: Path = WEIGHTS_DIR) -> TrainedDiT | None:
+    f = embedded_weights(preset, "dit", root)
+    return None if f is None else _read_trained_dit(f, f.stat().st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=4)
+def _read_trained_dit(path: Path, mtime_ns: int) -> TrainedDiT:
+    """The file's header only (the tensors load in the workers); read once per file version."""
+    import json
+
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            meta = f.metadata() or {}
+        cfg = {k: tuple(v) if isinstance(v, list) else v for k, v in json.loads(meta["dit"]).items()}
+        return TrainedDiT(path, DiTConfig(**cfg), json.loads(meta.get("sampler", "{}")))
+    except Exception as exc:
+        raise CheckpointError(f"{path}: not the embedded default's trained DiT ({exc!r})") from exc
+
+
+def load_trained_part(model: torch.nn.Module, path: Path, part: str) -> None:
+    """The `part.*` tensors ("dit" or "text") of a trained DiT file into `model`, whole or refused."""
+    from safetensors.torch import load_file
+
+    try:
+        sd = load_file(str(path))
+    except Exception as exc:
+        raise CheckpointError(f"cannot read embedded DiT weights {path}: {exc}") from exc
+    prefix = f"{part}."
+    load_into(model, {k[len(prefix) :]: v for k, v in sd.items() if k.startswith(prefix)}, f"{path} ({part})")
 
 
 def load_embedded_vae(model: WanVAEDecoder, path: Path) -> None:
@@ -218,6 +273,9 @@ def build_dit(spec: ModelSpec, device: str = "cpu") -> tuple[WanDiT, Preset]:
             raise ValueError(f"a LoRA needs a loaded model; preset {preset.name!r} generates its weights")
         torch.manual_seed(spec.seed)
         model = WanDiT(preset.dit)
+        trained = trained_dit(preset.name)
+        if trained is not None:
+            load_trained_part(model, trained.path, "dit")
     else:
         with torch.device("meta"):
             model = WanDiT(preset.dit)
@@ -251,10 +309,17 @@ def describe_load(spec: ModelSpec, preset: Preset) -> dict:
         "weights": weight_set(spec, preset) if spec.dit_checkpoint else None,
         "lora": lora,
         "embedded": preset.embedded,
+        # The embedded default's shipped trained DiT (its file), None where its weights are seeded.
+        "trained": _trained_name(preset),
         "decoder": describe_decoder(spec, preset),
         "compile": spec.compile,
         "sampler": {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(preset.sampler).items()},
     }
+
+
+def _trained_name(preset: Preset) -> str | None:
+    trained = trained_dit(preset.name) if preset.embedded else None
+    return trained.path.name if trained else None
 
 
 def describe_decoder(spec: ModelSpec, preset: Preset) -> dict:
@@ -344,5 +409,9 @@ def build_vae_encoder(spec: ModelSpec, device: str = "cpu") -> WanVAEEncoder:
 def build_text_encoder(spec: ModelSpec, device: str = "cpu"):
     preset = get_preset(spec)
     if preset.text_encoder == "tiny":
-        return TinyTextEncoder(preset.dit.text_dim, preset.dit.text_len, seed=spec.seed + 2).to(device)
+        text = TinyTextEncoder(preset.dit.text_dim, preset.dit.text_len, seed=spec.seed + 2)
+        trained = trained_dit(preset.name)
+        if trained is not None:
+            load_trained_part(text, trained.path, "text")
+        return text.to(device)
     return UMT5TextEncoder(spec.path, preset.dit.text_len, device, resolve_dtype(spec, device))

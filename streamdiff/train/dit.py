@@ -16,6 +16,10 @@ levels are the sampler's own few steps (the daemon never asks the model about an
 the loss weights the latent pixels the object covers (`object_weight`; a few percent of a frame,
 and all of what its colour and direction are read from). The prompts of `synthetic.HELD_OUT`
 are never drawn, so what the model draws from them is judged on prompts it has not seen.
+
+A share of the clips (`switch`) is steered: at a block boundary the object takes another colour
+and the prompt says so from that block on, the blocks before staying in the KV cache as they
+were committed, as a live steer's `continue` (without re-cache) runs in the daemon.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ import json
 import math
 import random
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -47,6 +51,7 @@ class DiTRun:
     clips: int = 768  # clips encoded once
     lr: float = 5e-4
     object_weight: float = 8.0  # loss weight of the latent pixels the object covers
+    switch: float = 0.25  # share of clips whose object changes colour at a block boundary (a steer)
     seed: int = 0
     log_every: int = 25
     save_every: int = 200
@@ -67,6 +72,15 @@ def latent_mask(frames: np.ndarray, colour: tuple[int, int, int], spatial: int =
     return torch.nn.functional.max_pool2d(lat, 3, stride=1, padding=1)[:, 0]
 
 
+def recolour(frames: np.ndarray, start: int, colour: str, to: str) -> np.ndarray:
+    """The clip with its object drawn in `to` from frame `start` on (the background never has the
+    object's colour, so its pixels are exactly those of `colour`)."""
+    out = frames.copy()
+    tail = out[start:]
+    tail[(tail == np.array(COLOURS[colour], dtype=np.uint8)).all(-1)] = COLOURS[to]
+    return out
+
+
 @torch.no_grad()
 def encode_dataset(out: Path, vae_cfg: VAEConfig, sampler: SamplerConfig, run: DiTRun, log=print) -> Path:
     path = out / "latents.pt"
@@ -79,13 +93,20 @@ def encode_dataset(out: Path, vae_cfg: VAEConfig, sampler: SamplerConfig, run: D
     lat, masks, prompts, t0 = [], [], [], time.time()
     while len(lat) < run.clips:
         cap = Caption.random(rng)
-        if cap.prompt in held_out:
-            continue
         c = clip(cap, frames=n, rng=rng)
-        x = torch.from_numpy(c.frames).permute(3, 0, 1, 2)[None].float() / 127.5 - 1.0
-        lat.append(enc(x)[0][0])
-        masks.append(latent_mask(c.frames, COLOURS[cap.colour]).to(torch.uint8))
-        prompts.append(cap.prompt)
+        frames, caps, mask = c.frames, [cap] * run.blocks, latent_mask(c.frames, COLOURS[cap.colour])
+        if run.blocks > 1 and rng.random() < run.switch:
+            k = rng.randrange(1, run.blocks)
+            steered = replace(cap, colour=rng.choice([x for x in COLOURS if x not in (cap.colour, cap.background)]))
+            frames = recolour(frames, frame_range(k * sampler.frames_per_block, 1).start, cap.colour, steered.colour)
+            caps = [cap] * k + [steered] * (run.blocks - k)
+            mask = torch.maximum(latent_mask(frames, COLOURS[cap.colour]), latent_mask(frames, COLOURS[steered.colour]))
+        if any(x.prompt in held_out for x in caps):
+            continue
+        video = torch.from_numpy(frames).permute(3, 0, 1, 2)[None].float() / 127.5 - 1.0
+        lat.append(enc(video)[0][0])
+        masks.append(mask.to(torch.uint8))
+        prompts.append([x.prompt for x in caps])
         if len(lat) % 64 == 0:
             log(f"encoded {len(lat)} of {run.clips} clips ({time.time() - t0:.0f}s)")
     z = torch.stack(lat)  # (N, C, F, h, w)
@@ -121,10 +142,12 @@ def train_dit(out: Path, dit_cfg: DiTConfig, sampler: SamplerConfig, run: DiTRun
         x0, wt = z_all[idx], weights[idx]
         b = x0.shape[0]
         state = model.new_state(h, w, sampler.window_frames, sampler.sink_frames, batch=b)
-        ctx = model.text_embedding(text([prompts[i] for i in idx]))
-        state.cross = [blk.cross_attn.project_context(ctx) for blk in model.blocks]
-        losses = []
+        losses, said = [], None
         for k in range(run.blocks):
+            now = [prompts[i][k] for i in idx]
+            if now != said:  # the first block, or a steer: the prompt the block is generated under
+                ctx = model.text_embedding(text(now))
+                state.cross, said = [blk.cross_attn.project_context(ctx) for blk in model.blocks], now
             xb = x0[:, :, k * fpb : (k + 1) * fpb]
             sigma = sigmas[torch.randint(len(sigmas), (b,))].view(b, 1, 1, 1, 1)
             eps = torch.randn_like(xb)
@@ -154,3 +177,22 @@ def train_dit(out: Path, dit_cfg: DiTConfig, sampler: SamplerConfig, run: DiTRun
             save(ckpt, modules, opt, step)
             (out / "dit_run.json").write_text(json.dumps({**asdict(run), "config": asdict(dit_cfg)}, indent=1))
     curve.close()
+
+
+def export_dit(out: Path, dit_cfg: DiTConfig, sampler: dict, text_seed: int, dest: Path) -> Path:
+    """The run's DiT and text encoder as the embedded default's shipped weights
+    (presets.trained_dit): `dit.*` and `text.*` tensors, and in the metadata the configuration
+    they were trained at and the sampler settings (`sampler`, those that differ from the preset's)
+    they were trained to sample with."""
+    from safetensors.torch import save_file
+
+    state = torch.load(out / "dit.pt", weights_only=True)
+    model, text = WanDiT(dit_cfg), TinyTextEncoder(dit_cfg.text_dim, dit_cfg.text_len, seed=text_seed)
+    model.load_state_dict(state["dit"])  # the checkpoint fits the configuration it is exported with
+    text.load_state_dict(state["text"])
+    sd = {f"dit.{k}": v.contiguous() for k, v in model.state_dict().items()}
+    sd.update({f"text.{k}": v.contiguous() for k, v in text.state_dict().items()})
+    meta = {"dit": json.dumps(asdict(dit_cfg)), "sampler": json.dumps(sampler), "step": str(state["step"])}
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    save_file(sd, str(dest), metadata=meta)
+    return dest

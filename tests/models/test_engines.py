@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
 from streamdiff.models.engines import DiTEngine, VAEEngine
-from streamdiff.models.presets import ModelSpec, get_preset, tiny_layers
+from streamdiff.models.presets import ModelSpec, get_preset, tiny_layers, trained_dit
 from streamdiff.models.wan.text import TinyTextEncoder
 
 W, H = 64, 48
@@ -88,7 +90,12 @@ def test_tiny_text_encoder_is_deterministic_and_prompt_sensitive():
 
 
 def test_dit_vae_ratio_sets_depth_and_bad_values_are_rejected():
-    assert get_preset(ModelSpec(dit_vae_ratio=1.5)).dit.num_layers > get_preset(ModelSpec()).dit.num_layers
+    seeded = ModelSpec(preset="tiny-random")
+    assert get_preset(replace(seeded, dit_vae_ratio=1.5)).dit.num_layers > get_preset(seeded).dit.num_layers
+    assert get_preset(ModelSpec()).dit.num_layers == get_preset(seeded).dit.num_layers  # 0.74: trained or not
+    if trained_dit("tiny") is not None:  # the trained default's depth is its weights'
+        with pytest.raises(ValueError, match="tiny-random"):
+            get_preset(ModelSpec(dit_vae_ratio=1.5))
     assert tiny_layers(0.01) == 1
     with pytest.raises(ValueError, match="dit_vae_ratio"):
         get_preset(ModelSpec(dit_vae_ratio=0))

@@ -87,7 +87,10 @@ def test_the_dit_under_autograd_streams_the_same_blocks_as_inference():
 
 
 def test_a_training_run_logs_checkpoints_and_resumes(tmp_path):
+    from dataclasses import replace
+
     from streamdiff.models.wan.sampler import SamplerConfig
+    from streamdiff.synthetic import Caption
     from streamdiff.train.dit import DiTRun, encode_dataset, train_dit
     from streamdiff.train.vae import VAERun, train_vae
 
@@ -97,11 +100,14 @@ def test_a_training_run_logs_checkpoints_and_resumes(tmp_path):
     curve = [json.loads(line) for line in (tmp_path / "vae_curve.jsonl").read_text().splitlines()]
     assert [r["step"] for r in curve] == [1, 2, 3] and all(r["rec_l1"] > 0 for r in curve)
     sampler = SamplerConfig(frames_per_block=1, window_frames=4)
-    dit_run = DiTRun(steps=2, batch=2, blocks=2, clips=3, log_every=1, save_every=1)
+    dit_run = DiTRun(steps=2, batch=2, blocks=2, clips=3, log_every=1, save_every=1, switch=1.0)
     encode_dataset(tmp_path, VAE, sampler, dit_run, log=lambda s: None)
     data = torch.load(tmp_path / "latents.pt", weights_only=False)
     assert data["latents"].shape == (3, 16, 2, 18, 32) and len(data["prompts"]) == 3
     assert data["masks"].shape == (3, 2, 18, 32) and 0 < data["masks"].float().mean() < 0.25
+    # Each block's prompt: every clip steered here (switch 1.0), its object's colour only.
+    steers = [[Caption.parse(p) for p in ps] for ps in data["prompts"]]
+    assert all(len(c) == 2 and c[0].colour != c[1].colour and replace(c[1], colour=c[0].colour) == c[0] for c in steers)
     cfg = DiTConfig(dim=24, ffn_dim=48, freq_dim=16, num_heads=2, num_layers=1, text_dim=8, text_len=64)
     train_dit(tmp_path, cfg, sampler, dit_run, text_seed=1, log=lambda s: None)
     rows = [json.loads(line) for line in (tmp_path / "dit_curve.jsonl").read_text().splitlines()]
@@ -176,11 +182,11 @@ def test_a_killed_run_resumes_its_schedule_and_keeps_milestones(tmp_path):
     assert torch.load(tmp_path / "killed" / "vae.pt", weights_only=True)["meta"]["phase_start"] == 4
 
 
-def test_the_dit_never_trains_on_the_held_out_prompts_and_weights_the_object():
+def test_the_dit_never_trains_on_the_held_out_prompts_weights_the_object_and_learns_steers():
     import random
 
-    from streamdiff.synthetic import COLOURS, Caption, clip, held_out_prompts
-    from streamdiff.train.dit import latent_mask
+    from streamdiff.synthetic import COLOURS, Caption, check, clip, held_out_prompts
+    from streamdiff.train.dit import latent_mask, recolour
 
     held = held_out_prompts()
     assert len({c.prompt for c in held}) == len(held) == 48
@@ -191,6 +197,9 @@ def test_the_dit_never_trains_on_the_held_out_prompts_and_weights_the_object():
         x0, y0, x1, y1 = c.boxes[f]
         assert m[j, y0 // 8, x0 // 8] == 1 and m[j, (y1 - 1) // 8, (x1 - 1) // 8] == 1
     assert m.mean() < 0.2
+    steered = recolour(c.frames, 5, "red", "yellow")  # a steer at frame 5: the object is yellow from there
+    assert (check(steered[:5]).colour, check(steered[5:]).colour) == ("red", "yellow")
+    assert (steered[:5] == c.frames[:5]).all() and check(steered[5:]).background == "blue"
 
 
 def test_a_frozen_encoder_keeps_the_latents_the_dit_learns(tmp_path):
@@ -235,3 +244,41 @@ def test_the_embedded_preset_loads_shipped_weights_and_tiny_random_never_does(tm
     default, _ = build_vae(ModelSpec())
     same = all(torch.equal(a, b) for a, b in zip(seeded.state_dict().values(), default.state_dict().values()))
     assert same == (embedded_weights("tiny", "vae") is None)  # tiny differs once trained weights ship
+
+
+def test_the_trained_dit_ships_with_its_configuration_and_loads_whole(tmp_path):
+    """Exported, the DiT and text encoder load into the configuration the file's metadata names,
+    and compute what the training checkpoint computes; a file of another configuration, or one that
+    is not a trained DiT, is refused with the file named."""
+    import pytest
+
+    from streamdiff.models.presets import load_trained_part, trained_dit
+    from streamdiff.models.wan.loading import CheckpointError
+    from streamdiff.models.wan.text import TinyTextEncoder
+    from streamdiff.train import save
+    from streamdiff.train.dit import export_dit
+
+    cfg = DiTConfig(dim=24, ffn_dim=48, freq_dim=16, num_heads=2, num_layers=1, text_dim=8, text_len=64)
+    torch.manual_seed(0)
+    dit, text = WanDiT(cfg), TinyTextEncoder(8, 64, seed=3)
+    with torch.no_grad():
+        text.embed.add_(1.0)  # not the seeded weights
+    save(tmp_path / "dit.pt", {"dit": dit, "text": text}, torch.optim.SGD(dit.parameters(), lr=0.1), 7)
+    weights = tmp_path / "weights"
+    export_dit(tmp_path, cfg, {"shift": 1.0}, 3, weights / "tiny-dit.safetensors")
+    got = trained_dit("tiny", weights)
+    assert got.config == cfg and got.sampler == {"shift": 1.0}
+    assert trained_dit("tiny-random", weights) is None
+    dit2, text2 = WanDiT(cfg), TinyTextEncoder(8, 64, seed=99)
+    load_trained_part(dit2, got.path, "dit")
+    load_trained_part(text2, got.path, "text")
+    assert all(torch.equal(a, b) for a, b in zip(dit.state_dict().values(), dit2.state_dict().values(), strict=True))
+    prompt = ["a red ball moving left on a blue background"]
+    assert torch.equal(text.encode(prompt), text2.encode(prompt))
+    with pytest.raises(CheckpointError, match="tiny-dit.safetensors"):
+        load_trained_part(WanDiT(DiTConfig(**{**cfg.__dict__, "dim": 32})), got.path, "dit")
+    bad = tmp_path / "bad" / "tiny-dit.safetensors"
+    bad.parent.mkdir()
+    bad.write_bytes(b"not a safetensors file")
+    with pytest.raises(CheckpointError, match="not the embedded default's trained DiT"):
+        trained_dit("tiny", bad.parent)
