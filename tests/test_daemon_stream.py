@@ -12,7 +12,16 @@ import time
 import httpx
 import pytest
 
-from .helpers import Daemon, assert_draws_the_picture, assert_same_video, decode, ffprobe, fragments, stream_video
+from .helpers import (
+    PICTURE,
+    Daemon,
+    assert_draws_the_picture,
+    assert_same_video,
+    decode,
+    ffprobe,
+    fragments,
+    stream_video,
+)
 
 STORYBOARD = {
     "scenes": [
@@ -110,17 +119,14 @@ def test_storyboard_streams_progressively(layout_daemon):
     assert [s["start_frame"] for s in job["scenes"]] == [0, 32, 62]
 
 
-def test_same_seed_same_video_across_requests(layout_daemon):
-    body = {"prompt": "waves on a beach", "num_frames": 21, "size": "128x64", "seed": 7}
-    a, _, _ = stream_video(layout_daemon.url, body)
-    b, _, _ = stream_video(layout_daemon.url, body)
+def test_same_seed_same_video_across_requests_and_the_picture_one_dit_and_vae_draw(layout_daemon):
+    """The same request twice is the same video, and it is the trained default's picture as one
+    DiT and one whole VAE draw it: two VAE shards (and the aggregated layouts) show no seam."""
+    a, _, _ = stream_video(layout_daemon.url, PICTURE)
+    b, _, _ = stream_video(layout_daemon.url, PICTURE)
     assert a == b
-    check_video(a, 21, 128, 64, 16)
-
-
-def test_a_layout_draws_the_picture_one_dit_and_vae_do(layout_daemon):
-    """Two VAE shards (and the aggregated layouts) decode the trained default's picture as one."""
-    assert_draws_the_picture(layout_daemon.url)
+    check_video(a, 33, 256, 144, 16)
+    assert_draws_the_picture(a)
 
 
 @pytest.fixture

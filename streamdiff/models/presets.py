@@ -2,9 +2,10 @@
 
 - `tiny`: the embedded default. The real Wan 2.1 architecture (same blocks, RoPE, causal VAE
   with temporal upsampling and middle attention) at small widths, a byte-level text encoder,
-  trained on the synthetic grammar (synthetic.py; tools/train_default): the weights shipped in
-  the package (`weights/tiny-vae.safetensors`, `weights/tiny-dit.safetensors`, written by
-  tools/train_default export) replace the seeded ones stage by stage where present, and the DiT's
+  weights drawn from a fixed seed, or trained on the synthetic grammar (synthetic.py;
+  tools/train_default) where the package ships them (`weights/tiny-vae.safetensors`,
+  `weights/tiny-dit.safetensors`, written by tools/train_default export; none yet): they replace
+  the seeded ones stage by stage, and the DiT's
   file names the depth, text length and sampler settings it was trained with (`trained_dit`).
   The whole daemon streams on a laptop CPU with the real stage balance: the DiT's share of the
   work per block is set by `dit_vae_ratio` (default 0.74, the ratio the reference implementation

@@ -55,6 +55,7 @@ class DiTRun:
     seed: int = 0
     log_every: int = 25
     save_every: int = 200
+    save_seconds: float = 300.0  # a killed run loses at most this much wall time
 
 
 def clip_frames(blocks: int, frames_per_block: int, temporal: int = 4) -> int:
@@ -132,7 +133,7 @@ def train_dit(out: Path, dit_cfg: DiTConfig, sampler: SamplerConfig, run: DiTRun
     rng = np.random.default_rng(run.seed * 7919 + step)
     fpb, h, w = sampler.frames_per_block, z_all.shape[-2], z_all.shape[-1]
     curve = (out / "dit_curve.jsonl").open("a")
-    t0, acc = time.time(), []
+    t0, acc, last_save = time.time(), [], time.time()
     model.train()
     while step < run.steps:
         lr = run.lr * min(1.0, (step + 1) / 100) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * step / run.steps)))
@@ -173,8 +174,9 @@ def train_dit(out: Path, dit_cfg: DiTConfig, sampler: SamplerConfig, run: DiTRun
             blocks = ", ".join(f"{x:.3f}" for x in per_block)
             log(f"dit step {step}: loss {row['loss']:.4f} (blocks {blocks}), {row['elapsed_s'] / len(acc):.2f} s/step")
             acc, t0 = [], time.time()
-        if step % run.save_every == 0 or step == run.steps:
+        if step % run.save_every == 0 or step == run.steps or time.time() - last_save >= run.save_seconds:
             save(ckpt, modules, opt, step)
+            last_save = time.time()
             (out / "dit_run.json").write_text(json.dumps({**asdict(run), "config": asdict(dit_cfg)}, indent=1))
     curve.close()
 
