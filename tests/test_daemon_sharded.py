@@ -9,7 +9,7 @@ import time
 import httpx
 import pytest
 
-from .helpers import PICTURE, Daemon, assert_draws_the_picture, stream_video
+from .helpers import PICTURE, Daemon, assert_draws_the_picture, needs_trained, stream_video
 from .test_daemon_stream import check_video
 
 
@@ -30,6 +30,7 @@ def test_twenty_blocks_at_k3_without_hanging(k3):
     assert time.monotonic() - t0 < 240
 
 
+@needs_trained
 def test_three_shards_draw_the_picture_one_does(k3):
     got, _, _ = stream_video(k3.url, PICTURE)
     assert_draws_the_picture(got)

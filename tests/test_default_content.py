@@ -11,13 +11,12 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from streamdiff.models.presets import trained_dit
 from streamdiff.synthetic import Caption, check
 
-from .helpers import decode, fragments, stream_video, wait_until
+from .helpers import decode, fragments, needs_trained, stream_video, wait_until
 from .test_live import Reader
 
-pytestmark = pytest.mark.skipif(trained_dit("tiny") is None, reason="no trained weights in the package")
+pytestmark = needs_trained
 
 BLOCK = 12  # frames of a steady-state block (3 latent frames)
 

@@ -4,6 +4,7 @@ tools/check_video judges an MP4 against its prompt."""
 
 from __future__ import annotations
 
+import json
 import random
 import subprocess
 import sys
@@ -12,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from streamdiff.synthetic import COLOURS, DIRECTIONS, SHAPES, Caption, check, clip
+from streamdiff.synthetic import COLOURS, DIRECTIONS, SHAPES, Caption, check, clip, held_out_prompts
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -95,3 +96,27 @@ def test_noise_is_no_object():
     frames = np.random.default_rng(0).integers(0, 256, (24, 144, 256, 3), dtype=np.uint8)
     v = check(frames)
     assert (v.colour, v.direction) == (None, None) and v.object_pixels > 0.25
+
+
+def test_tools_check_video_asks_a_running_daemon_for_the_held_out_prompts(plain_daemon):
+    """`--url`: one streamed video per held-out prompt, each judged, then the shares right; the
+    exit status is whether they clear the bars (here none: the default may be seeded)."""
+    r = subprocess.run(
+        [sys.executable, str(ROOT / "tools/check_video"), "--url", plain_daemon.url, "--held-out", "2"]
+        + ["--seconds", "1", "--need-colour", "0", "--need-direction", "0"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode == 0, r.stderr
+    lines = [json.loads(line) for line in r.stdout.splitlines()]
+    held = held_out_prompts()
+    assert [row["prompt"] for row in lines[:2]] == [held[0].prompt, held[1].prompt]
+    assert all({"colour_ok", "direction_ok", "background"} <= set(row) for row in lines[:2])
+    assert lines[2]["prompts"] == 2 and 0 <= lines[2]["colour"] <= 1 and lines[2]["size"] == "256x144"
+    bad = subprocess.run(
+        [sys.executable, str(ROOT / "tools/check_video"), "--url", plain_daemon.url, "--held-out", "49"],
+        capture_output=True,
+        text=True,
+    )
+    assert bad.returncode == 2 and "--held-out must be 1-48" in bad.stderr
