@@ -93,21 +93,34 @@ def _mask(shape: str, size: int) -> np.ndarray:
 
 
 def clip(
-    caption: Caption, frames: int = 48, width: int = 256, height: int = 144, rng: random.Random | None = None
+    caption: Caption,
+    frames: int = 48,
+    width: int = 256,
+    height: int = 144,
+    rng: random.Random | None = None,
+    spread: float = 1.0,
 ) -> Clip:
     """Draw the caption: an object of 20-36 px crossing part of the frame at 1-3 px per frame,
-    from a start that keeps it inside the frame throughout."""
+    from a start that keeps it inside the frame throughout. `spread` scales how far size, speed
+    and start stray from the caption's own: at 0 the object is 28 px, moves 1.5 px a frame and
+    starts centred across its path, at the edge it moves away from, so the whole clip is a
+    function of its prompt (what a model that cannot yet sample a first frame from noise can still
+    learn to draw); at 1 (the default) they are drawn at random over their whole ranges."""
     rng = rng or random.Random(0)
-    size = rng.randint(20, 36)
-    speed = rng.uniform(1.0, 3.0)
+    size = round(28 + spread * (rng.randint(20, 36) - 28))
+    speed = 1.5 + spread * (rng.uniform(1.0, 3.0) - 1.5)
     dx, dy = DIRECTIONS[caption.direction]
     travel = speed * (frames - 1)
     span_x, span_y = width - size, height - size
     if abs(dx) * travel > span_x or abs(dy) * travel > span_y:
         speed = min(span_x if dx else span_y, travel) / max(1, frames - 1) * 0.95
         travel = speed * (frames - 1)
-    x0 = rng.uniform(travel if dx < 0 else 0, span_x - (travel if dx > 0 else 0))
-    y0 = rng.uniform(travel if dy < 0 else 0, span_y - (travel if dy > 0 else 0))
+    lo_x, hi_x = travel if dx < 0 else 0, span_x - (travel if dx > 0 else 0)
+    lo_y, hi_y = travel if dy < 0 else 0, span_y - (travel if dy > 0 else 0)
+    own_x = (lo_x + hi_x) / 2 if dx == 0 else (hi_x if dx < 0 else lo_x)  # the caption's own start
+    own_y = (lo_y + hi_y) / 2 if dy == 0 else (hi_y if dy < 0 else lo_y)
+    x0 = own_x + spread * (rng.uniform(lo_x, hi_x) - own_x)
+    y0 = own_y + spread * (rng.uniform(lo_y, hi_y) - own_y)
     mask = _mask(caption.shape, size)
     out = np.empty((frames, height, width, 3), dtype=np.uint8)
     out[...] = COLOURS[caption.background]
