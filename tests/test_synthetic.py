@@ -120,3 +120,18 @@ def test_tools_check_video_asks_a_running_daemon_for_the_held_out_prompts(plain_
         text=True,
     )
     assert bad.returncode == 2 and "--held-out must be 1-48" in bad.stderr
+
+
+def test_a_clip_at_spread_zero_is_a_function_of_its_prompt():
+    """At spread 0 every draw of a caption is the same clip: 28 px, 1.5 px a frame, from the middle
+    of the edge it moves away from; at the default spread 1 draws differ."""
+    cap = Caption("red", "ball", "down", "blue")
+    a, b = (clip(cap, frames=33, rng=random.Random(s), spread=0.0) for s in (1, 2))
+    assert (a.frames == b.frames).all()
+    x0, y0, x1, y1 = a.boxes[0]
+    assert (x1 - x0, y0) == (28, 0) and abs((x0 + x1) / 2 - 128) <= 1
+    assert abs(a.centroids[-1][1] - a.centroids[0][1] - 1.5 * 32) <= 1
+    left = clip(Caption("red", "ball", "left", "blue"), frames=33, rng=random.Random(1), spread=0.0)
+    assert left.boxes[0][2] == 256 and abs((left.boxes[0][1] + left.boxes[0][3]) / 2 - 72) <= 1
+    c, d = (clip(cap, frames=33, rng=random.Random(s)) for s in (1, 2))
+    assert not (c.frames == d.frames).all()
