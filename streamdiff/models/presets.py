@@ -114,8 +114,8 @@ def get_preset(spec: ModelSpec) -> Preset:
             if trained.config.num_layers != dit.num_layers:
                 raise ValueError(
                     f"dit_vae_ratio {spec.dit_vae_ratio} asks for a {dit.num_layers}-layer DiT; the trained "
-                    f"'{arch}' has {trained.config.num_layers} (dit_vae_ratio 0.74): other depths are "
-                    "preset 'tiny-random' (seeded weights)"
+                    f"'{arch}' has {trained.config.num_layers} (dit_vae_ratio {ModelSpec().dit_vae_ratio}): "
+                    "other depths are preset 'tiny-random' (seeded weights)"
                 )
             dit, sampler = trained.config, replace(sampler, **trained.sampler)
         p = Preset(arch, dit, vae, sampler, "tiny", (256, 144), embedded=True)

@@ -100,15 +100,15 @@ def encode_dataset(out: Path, vae_cfg: VAEConfig, sampler: SamplerConfig, run: D
     while len(lat) < run.clips:
         cap = Caption.random(rng)
         c = clip(cap, frames=n, rng=rng, spread=run.spread)
-        frames, caps, mask = c.frames, [cap] * run.blocks, latent_mask(c.frames, COLOURS[cap.colour])
+        frames, caps = c.frames, [cap] * run.blocks
         if run.blocks > 1 and rng.random() < run.switch:
             k = rng.randrange(1, run.blocks)
             steered = replace(cap, colour=rng.choice([x for x in COLOURS if x not in (cap.colour, cap.background)]))
             frames = recolour(frames, frame_range(k * sampler.frames_per_block, 1).start, cap.colour, steered.colour)
             caps = [cap] * k + [steered] * (run.blocks - k)
-            mask = torch.maximum(latent_mask(frames, COLOURS[cap.colour]), latent_mask(frames, COLOURS[steered.colour]))
         if any(x.prompt in held_out for x in caps):
             continue
+        mask = torch.stack([latent_mask(frames, COLOURS[x]) for x in {x.colour for x in caps}]).amax(0)
         video = torch.from_numpy(frames).permute(3, 0, 1, 2)[None].float() / 127.5 - 1.0
         lat.append(enc(video)[0][0])
         masks.append(mask.to(torch.uint8))

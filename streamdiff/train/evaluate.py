@@ -18,7 +18,7 @@ from ..models.wan.dit import DiTConfig, WanDiT
 from ..models.wan.sampler import SamplerConfig, denoise_block, warped_timesteps
 from ..models.wan.text import TinyTextEncoder
 from ..models.wan.vae import VAEConfig, to_uint8_frames
-from ..synthetic import check, held_out_prompts
+from ..synthetic import HELD_OUT, check, held_out_prompts
 from .vae import load_vae
 
 
@@ -96,8 +96,10 @@ def reconstruct(out: Path, vae_cfg: VAEConfig, n: int = 24, frames: int = 61, la
 
 
 def evaluate(
-    out: Path, dit_cfg, vae_cfg, sampler: SamplerConfig, text_seed: int, n: int = 50, blocks: int = 4, log=print
+    out: Path, dit_cfg, vae_cfg, sampler: SamplerConfig, text_seed: int, n: int = 24, blocks: int = 4, log=print
 ):
+    if not 1 <= n <= HELD_OUT:  # past them, prompts the DiT may have trained on
+        raise ValueError(f"judge 1-{HELD_OUT} held-out prompts, not {n}")
     dit, text, vae, step = load_trained(out, dit_cfg, vae_cfg, text_seed)
     rows, sheet = [], []
     for i, cap in enumerate(held_out_prompts(n)):
