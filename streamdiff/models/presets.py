@@ -168,6 +168,7 @@ class TrainedDiT:
     path: Path
     config: DiTConfig
     sampler: dict
+    text_layers: int = 1  # TinyTextEncoder's
 
 
 def trained_dit(preset: str, root: Path = WEIGHTS_DIR) -> TrainedDiT | None:
@@ -186,7 +187,8 @@ def _read_trained_dit(path: Path, mtime_ns: int) -> TrainedDiT:
         with safe_open(str(path), framework="pt") as f:
             meta = f.metadata() or {}
         cfg = {k: tuple(v) if isinstance(v, list) else v for k, v in json.loads(meta["dit"]).items()}
-        return TrainedDiT(path, DiTConfig(**cfg), json.loads(meta.get("sampler", "{}")))
+        text = json.loads(meta.get("text", "{}"))
+        return TrainedDiT(path, DiTConfig(**cfg), json.loads(meta.get("sampler", "{}")), int(text.get("layers", 1)))
     except Exception as exc:
         raise CheckpointError(f"{path}: not the embedded default's trained DiT ({exc!r})") from exc
 
@@ -410,8 +412,9 @@ def build_vae_encoder(spec: ModelSpec, device: str = "cpu") -> WanVAEEncoder:
 def build_text_encoder(spec: ModelSpec, device: str = "cpu"):
     preset = get_preset(spec)
     if preset.text_encoder == "tiny":
-        text = TinyTextEncoder(preset.dit.text_dim, preset.dit.text_len, seed=spec.seed + 2)
         trained = trained_dit(preset.name)
+        layers = trained.text_layers if trained is not None else 1
+        text = TinyTextEncoder(preset.dit.text_dim, preset.dit.text_len, seed=spec.seed + 2, layers=layers)
         if trained is not None:
             load_trained_part(text, trained.path, "text")
         return text.to(device)

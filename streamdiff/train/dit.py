@@ -17,6 +17,12 @@ the loss weights the latent pixels the object covers (`object_weight`; a few per
 and all of what its colour and direction are read from). The prompts of `synthetic.HELD_OUT`
 are never drawn, so what the model draws from them is judged on prompts it has not seen.
 
+The first block is the hard one (session 4 found the DiT continues its context well and draws no
+first block): it alone is drawn from pure noise with nothing before it, and a Wan DiT is blind to
+absolute position. Its noise is coupled to its clip (`place`, DiTRun.couple), half of the first
+blocks are drawn at sigma 1 (`from_noise`), and the shot's first latent frame, which the
+decoder turns into a picture on its own, weighs more (`first_frame_weight`).
+
 A share of the clips (`switch`) is steered: at a block boundary the object takes another colour
 and the prompt says so from that block on, the blocks before staying in the KV cache as they
 were committed, as a live steer's `continue` (without re-cache) runs in the daemon.
@@ -42,6 +48,12 @@ from ..synthetic import COLOURS, Caption, clip, held_out_prompts
 from . import resume, save
 from .vae import frame_range, load_vae
 
+TEXT_LAYERS = 3  # the trained default's text encoder (TinyTextEncoder; the seeded one has 1)
+
+
+def text_encoder(dit_cfg: DiTConfig, seed: int, layers: int = TEXT_LAYERS) -> TinyTextEncoder:
+    return TinyTextEncoder(dit_cfg.text_dim, dit_cfg.text_len, seed=seed, layers=layers)
+
 
 @dataclass
 class DiTRun:
@@ -57,6 +69,20 @@ class DiTRun:
     # drawn no first block after 1400 steps (issue 36, session 4): from noise, its x0 estimates
     # are the average of every place the object could be, and four steps do not make one of them.
     spread: float = 0.1
+    # The first block at sigma 1 is drawn from pure noise, and a Wan DiT has no absolute position
+    # (RoPE is relative, the patch embedding a strided convolution): from noise alone it cannot
+    # know where "the middle of the left edge" is, so a layout tied to the prompt is unlearnable
+    # and at spread 1 its best guess is a haze the same everywhere. Coupling the noise to the
+    # clip (`couple`: the object moved to where the noise's smoothed sum peaks, `place`) gives
+    # it a rule it can follow locally, so its first step already commits to one place, and the
+    # later steps, which see the object in their input, refine it. Unweighted there: weighting
+    # the object's pixels while its place is uncertain paints its colour everywhere.
+    couple: bool = True
+    # The share of first blocks drawn from pure noise (the rest at the sampler's other levels):
+    # only there does the prompt alone say what to draw (later blocks have their context, lower
+    # levels their input), so at a fair 1 in 4 the text path learnt slowly (issue 36, session 5).
+    from_noise: float = 0.5
+    first_frame_weight: float = 4.0  # the shot's first latent frame is quiet (std ~0.5), its decode fragile
     seed: int = 0
     log_every: int = 25
     save_every: int = 200
@@ -85,6 +111,52 @@ def recolour(frames: np.ndarray, start: int, colour: str, to: str) -> np.ndarray
     tail = out[start:]
     tail[(tail == np.array(COLOURS[colour], dtype=np.uint8)).all(-1)] = COLOURS[to]
     return out
+
+
+def noise_peak_map(eps: torch.Tensor) -> torch.Tensor:
+    """(B, C, f, h, w) noise -> (B, h, w): its first frame's channel sum, averaged over 5 x 5
+    latent pixels, scaled to unit variance (the coupling's score, `place`)."""
+    x = eps[:, :, 0].sum(1, keepdim=True) / math.sqrt(eps.shape[1])
+    return torch.nn.functional.avg_pool2d(x, 5, stride=1, padding=2, count_include_pad=False)[:, 0] * 5
+
+
+@torch.no_grad()
+def place(x0: torch.Tensor, mask: torch.Tensor, score: torch.Tensor, inside: int, margin: int = 2):
+    """One clip's latents (C, F, h, w) and object mask (F, h, w) with the object moved, every frame
+    by the same offset, so that its first frame's centre lands where `score` (h, w) is highest
+    among the offsets that keep it `margin` latent pixels inside the frame (the encoder's
+    outermost rows are not background-like) for the first `inside` frames; later it may leave
+    the frame, as objects do. The object's pixels, grown by one, move as they are; where it was
+    becomes the clip's background (the mean of its inner background pixels, per channel and
+    frame). Unchanged when no offset fits."""
+    f, h, w = mask.shape
+    patch = torch.nn.functional.max_pool2d(mask[:, None].float(), 3, stride=1, padding=1)[:, 0] > 0
+    ys, xs = torch.nonzero(patch[:inside].any(0), as_tuple=True)
+    c0 = torch.nonzero(mask[0] > 0).float()
+    if len(ys) == 0 or len(c0) == 0:
+        return x0, mask
+    ya, yb = margin - int(ys.min()), h - margin - int(ys.max())  # the offsets that keep it inside
+    xa, xb = margin - int(xs.min()), w - margin - int(xs.max())
+    if yb <= ya or xb <= xa:
+        return x0, mask
+    dys, dxs = torch.arange(ya, yb), torch.arange(xa, xb)
+    cy, cx = c0.mean(0).round().long().tolist()
+    cand = score[(cy + dys).clamp(0, h - 1)[:, None], (cx + dxs).clamp(0, w - 1)[None, :]]
+    k = int(cand.flatten().argmax())
+    dy, dx = int(dys[k // len(dxs)]), int(dxs[k % len(dxs)])
+    inner = torch.zeros(h, w, dtype=torch.bool)
+    inner[margin:-margin, margin:-margin] = True
+    bg = (~patch) & inner  # (F, h, w)
+    fill = (x0 * bg).sum((-1, -2)) / bg.sum((-1, -2)).clamp_min(1)  # (C, F)
+    out = x0.clone()
+    out[:, patch] = fill[:, :, None, None].expand_as(x0)[:, patch]
+    fi, yi, xi = torch.nonzero(patch, as_tuple=True)
+    keep = (yi + dy >= 0) & (yi + dy < h) & (xi + dx >= 0) & (xi + dx < w)  # what leaves the frame is gone
+    fi, yi, xi = fi[keep], yi[keep], xi[keep]
+    out[:, fi, yi + dy, xi + dx] = x0[:, fi, yi, xi]
+    moved = torch.zeros_like(mask)
+    moved[fi, yi + dy, xi + dx] = mask[fi, yi, xi]
+    return out, moved
 
 
 @torch.no_grad()
@@ -127,10 +199,10 @@ def train_dit(out: Path, dit_cfg: DiTConfig, sampler: SamplerConfig, run: DiTRun
     mean, std = data["mean"].view(1, -1, 1, 1, 1), data["std"].view(1, -1, 1, 1, 1)
     z_all = (data["latents"] - mean) / std
     prompts = data["prompts"]
-    weights = 1.0 + (run.object_weight - 1.0) * data["masks"].float()[:, None]  # (N, 1, F, h, w)
+    masks = data["masks"].float()  # (N, F, h, w)
     sigmas = torch.tensor(warped_timesteps(sampler.steps, sampler.shift)) / 1000.0
     torch.manual_seed(run.seed)
-    model, text = WanDiT(dit_cfg), TinyTextEncoder(dit_cfg.text_dim, dit_cfg.text_len, seed=text_seed)
+    model, text = WanDiT(dit_cfg), text_encoder(dit_cfg, text_seed)
     params = [*model.parameters(), *text.parameters()]
     opt = torch.optim.AdamW(params, lr=run.lr, weight_decay=0.01)
     ckpt, modules = out / "dit.pt", {"dit": model, "text": text}
@@ -145,8 +217,19 @@ def train_dit(out: Path, dit_cfg: DiTConfig, sampler: SamplerConfig, run: DiTRun
         for g in opt.param_groups:
             g["lr"] = lr
         idx = rng.choice(len(prompts), size=run.batch, replace=False)
-        x0, wt = z_all[idx], weights[idx]
+        x0, mask = z_all[idx], masks[idx]
         b = x0.shape[0]
+        pick = torch.where(torch.rand(b) < run.from_noise, 0, torch.randint(1, len(sigmas), (b,)))
+        sigma0 = sigmas[pick].view(b, 1, 1, 1, 1)  # the first block's (sigmas[0] is 1)
+        eps0 = torch.randn_like(x0[:, :, :fpb])
+        pure = sigma0.view(b) == 1.0
+        if run.couple:
+            peaks = noise_peak_map(eps0)
+            moved = [place(x0[i], mask[i], peaks[i], inside=2 * fpb) if pure[i] else (x0[i], mask[i]) for i in range(b)]
+            x0, mask = torch.stack([m[0] for m in moved]), torch.stack([m[1] for m in moved])
+        wt = 1.0 + (run.object_weight - 1.0) * mask[:, None]  # (b, 1, F, h, w)
+        wt[pure, :, :fpb] = 1.0  # its place not yet decided: unweighted (DiTRun.couple)
+        wt[:, :, 0] *= run.first_frame_weight
         state = model.new_state(h, w, sampler.window_frames, sampler.sink_frames, batch=b)
         losses, said = [], None
         for k in range(run.blocks):
@@ -155,14 +238,15 @@ def train_dit(out: Path, dit_cfg: DiTConfig, sampler: SamplerConfig, run: DiTRun
                 ctx = model.text_embedding(text(now))
                 state.cross, said = [blk.cross_attn.project_context(ctx) for blk in model.blocks], now
             xb = x0[:, :, k * fpb : (k + 1) * fpb]
-            sigma = sigmas[torch.randint(len(sigmas), (b,))].view(b, 1, 1, 1, 1)
-            eps = torch.randn_like(xb)
+            sigma = sigma0 if k == 0 else sigmas[torch.randint(len(sigmas), (b,))].view(b, 1, 1, 1, 1)
+            eps = eps0 if k == 0 else torch.randn_like(xb)
             xt = (1 - sigma) * xb + sigma * eps
             t = (1000 * sigma).view(b, 1).expand(b, fpb)
             v = model._forward(xt, t, [state], commit=False)
             wk = wt[:, :, k * fpb : (k + 1) * fpb]
             losses.append(((v - (eps - xb)).square() * wk).mean() / wk.mean())
-            model._forward(xb, torch.full((b, fpb), sampler.context_t), [state], commit=True)
+            if k + 1 < run.blocks:  # the last block's keys feed nothing
+                model._forward(xb, torch.full((b, fpb), sampler.context_t), [state], commit=True)
         loss = torch.stack(losses).mean()
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -190,16 +274,17 @@ def export_dit(out: Path, dit_cfg: DiTConfig, sampler: dict, text_seed: int, des
     """The run's DiT and text encoder as the embedded default's shipped weights
     (presets.trained_dit): `dit.*` and `text.*` tensors, and in the metadata the configuration
     they were trained at and the sampler settings (`sampler`, those that differ from the preset's)
-    they were trained to sample with."""
+    they were trained to sample with, and the text encoder's depth."""
     from safetensors.torch import save_file
 
     state = torch.load(out / "dit.pt", weights_only=True)
-    model, text = WanDiT(dit_cfg), TinyTextEncoder(dit_cfg.text_dim, dit_cfg.text_len, seed=text_seed)
+    model, text = WanDiT(dit_cfg), text_encoder(dit_cfg, text_seed)
     model.load_state_dict(state["dit"])  # the checkpoint fits the configuration it is exported with
     text.load_state_dict(state["text"])
     sd = {f"dit.{k}": v.contiguous() for k, v in model.state_dict().items()}
     sd.update({f"text.{k}": v.contiguous() for k, v in text.state_dict().items()})
     meta = {"dit": json.dumps(asdict(dit_cfg)), "sampler": json.dumps(sampler), "step": str(state["step"])}
+    meta["text"] = json.dumps({"layers": len(text.layers) + 1})
     dest.parent.mkdir(parents=True, exist_ok=True)
     save_file(sd, str(dest), metadata=meta)
     return dest

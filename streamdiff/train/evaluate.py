@@ -16,15 +16,15 @@ import torch
 
 from ..models.wan.dit import DiTConfig, WanDiT
 from ..models.wan.sampler import SamplerConfig, denoise_block, warped_timesteps
-from ..models.wan.text import TinyTextEncoder
 from ..models.wan.vae import VAEConfig, to_uint8_frames
 from ..synthetic import HELD_OUT, check, held_out_prompts
+from .dit import text_encoder
 from .vae import load_vae
 
 
 def load_trained(out: Path, dit_cfg: DiTConfig, vae_cfg: VAEConfig, text_seed: int):
     data = torch.load(out / "latents.pt", weights_only=False)
-    dit, text = WanDiT(dit_cfg), TinyTextEncoder(dit_cfg.text_dim, dit_cfg.text_len, seed=text_seed)
+    dit, text = WanDiT(dit_cfg), text_encoder(dit_cfg, text_seed)
     state = torch.load(out / "dit.pt", weights_only=True)
     dit.load_state_dict(state["dit"])
     text.load_state_dict(state["text"])

@@ -256,20 +256,22 @@ def test_the_trained_dit_ships_with_its_configuration_and_loads_whole(tmp_path):
     from streamdiff.models.wan.loading import CheckpointError
     from streamdiff.models.wan.text import TinyTextEncoder
     from streamdiff.train import save
-    from streamdiff.train.dit import export_dit
+    from streamdiff.train.dit import TEXT_LAYERS, export_dit, text_encoder
 
     cfg = DiTConfig(dim=24, ffn_dim=48, freq_dim=16, num_heads=2, num_layers=1, text_dim=8, text_len=64)
     torch.manual_seed(0)
-    dit, text = WanDiT(cfg), TinyTextEncoder(8, 64, seed=3)
+    dit, text = WanDiT(cfg), text_encoder(cfg, 3)
     with torch.no_grad():
         text.embed.add_(1.0)  # not the seeded weights
+        for layer in text.layers:
+            layer.fc2.normal_()  # nor the identity the added layers start as
     save(tmp_path / "dit.pt", {"dit": dit, "text": text}, torch.optim.SGD(dit.parameters(), lr=0.1), 7)
     weights = tmp_path / "weights"
     export_dit(tmp_path, cfg, {"shift": 1.0}, 3, weights / "tiny-dit.safetensors")
     got = trained_dit("tiny", weights)
-    assert got.config == cfg and got.sampler == {"shift": 1.0}
+    assert got.config == cfg and got.sampler == {"shift": 1.0} and got.text_layers == TEXT_LAYERS > 1
     assert trained_dit("tiny-random", weights) is None
-    dit2, text2 = WanDiT(cfg), TinyTextEncoder(8, 64, seed=99)
+    dit2, text2 = WanDiT(cfg), TinyTextEncoder(8, 64, seed=99, layers=got.text_layers)
     load_trained_part(dit2, got.path, "dit")
     load_trained_part(text2, got.path, "text")
     assert all(torch.equal(a, b) for a, b in zip(dit.state_dict().values(), dit2.state_dict().values(), strict=True))
@@ -282,3 +284,44 @@ def test_the_trained_dit_ships_with_its_configuration_and_loads_whole(tmp_path):
     bad.write_bytes(b"not a safetensors file")
     with pytest.raises(CheckpointError, match="not the embedded default's trained DiT"):
         trained_dit("tiny", bad.parent)
+
+
+def test_added_text_layers_start_as_the_identity():
+    """The trained default's deeper text encoder starts as the seeded one-layer encoder (its added
+    layers' output projections are zero): its keys, and its embeddings to the layer norm's eps."""
+    from streamdiff.models.wan.text import TinyTextEncoder
+
+    one, three = TinyTextEncoder(16, 32, seed=5), TinyTextEncoder(16, 32, seed=5, layers=3)
+    prompts = ["a red ball moving left on a blue background", "anything else"]
+    assert (one.encode(prompts) - three.encode(prompts)).abs().max() < 1e-4
+    assert list(one.state_dict()) == ["embed", "qkv", "out"] and len(three.state_dict()) == 3 + 2 * 4
+
+
+def test_the_object_moves_to_where_the_noise_peaks():
+    """`place` (the first block's noise coupling): the whole clip's object moves by one offset so
+    that its first frame's centre is at the score's peak among the places that keep it inside for
+    the first `inside` frames; its latents move as they are, where it was becomes the clip's
+    background, and what leaves the frame later is cut, not wrapped round."""
+    from streamdiff.train.dit import noise_peak_map, place
+
+    f, h, w = 4, 18, 32
+    x0 = torch.zeros(2, f, h, w)
+    x0[0], x0[1] = 0.5, -0.25  # a background of two channels
+    mask = torch.zeros(f, h, w)
+    for j in range(f):  # a 3x3 object moving right by 3 latent pixels a frame from (8, 4)
+        mask[j, 7:10, 3 + 3 * j : 6 + 3 * j] = 1
+        x0[:, j, 7:10, 3 + 3 * j : 6 + 3 * j] = torch.tensor([3.0, 4.0])[:, None, None]
+    score = torch.zeros(h, w)
+    score[12, 24] = 1.0
+    out, moved = place(x0, mask, score, inside=2)
+    assert torch.equal(moved[0], torch.roll(mask[0], (4, 20), dims=(0, 1)))  # centre (8, 4) -> (12, 24)
+    assert out[0, 0, 12, 24] == 3.0 and out[1, 0, 12, 24] == 4.0 and out[0, 0, 8, 4] == 0.5
+    assert torch.equal(out[:, :, :, :2], x0[:, :, :, :2])  # the frame's edge stays as encoded
+    assert moved[3].sum() < mask[3].sum() and moved[3, :, :4].sum() == 0  # left the frame, not wrapped
+    score = torch.zeros(h, w)
+    score[8, 27] = 1.0  # its second frame would be past the margin: the best place inside wins
+    score[8, 22] = 0.5
+    _, moved = place(x0, mask, score, inside=2)
+    assert moved[0, 8, 22] == 1 and moved[0].sum() == mask[0].sum()
+    peaks = noise_peak_map(torch.randn(3, 16, 2, h, w, generator=torch.Generator().manual_seed(0)))
+    assert peaks.shape == (3, h, w) and 0.5 < peaks[:, 4:-4, 4:-4].std() < 2.0

@@ -4,7 +4,8 @@
   diffusers layout (`text_encoder/` + `tokenizer/`) or the original Wan 2.1 release
   (`models_t5_umt5-xxl-enc-bf16.pth` + a tokenizer folder such as `google/umt5-xxl/`).
 - `TinyTextEncoder`: the embedded preset's encoder, a seeded byte-level embedding with one
-  attention layer; no download, deterministic, different prompts give different embeddings.
+  attention layer (the trained default: more, `layers`); no download, deterministic, different
+  prompts give different embeddings.
 
 Both return (B, text_len, text_dim) with every position after the prompt's tokens zero, as
 Wan's pipelines do (the DiT attends over all text_len positions without a mask).
@@ -36,18 +37,42 @@ def clean_prompt(text: str) -> str:
     return regex.sub(r"\s+", " ", text).strip()
 
 
+class TextLayer(nn.Module):
+    """A post-norm transformer layer (self-attention, then a 4x MLP) whose output projections
+    start at zero, so that a layer added to a trained encoder starts as the identity."""
+
+    def __init__(self, dim: int, g: torch.Generator) -> None:
+        super().__init__()
+        self.qkv = nn.Parameter(torch.randn(dim, 3 * dim, generator=g) / math.sqrt(dim))
+        self.out = nn.Parameter(torch.zeros(dim, dim))
+        self.fc1 = nn.Parameter(torch.randn(dim, 4 * dim, generator=g) / math.sqrt(dim))
+        self.fc2 = nn.Parameter(torch.zeros(4 * dim, dim))
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        q, k, v = (x @ self.qkv).chunk(3, dim=-1)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None, :])
+        x = F.layer_norm(x + y @ self.out, x.shape[-1:])
+        return F.layer_norm(x + F.gelu(x @ self.fc1) @ self.fc2, x.shape[-1:])
+
+
 class TinyTextEncoder(nn.Module):
-    """UTF-8 bytes -> seeded embeddings + sinusoidal positions -> one self-attention layer."""
+    """UTF-8 bytes -> seeded embeddings + sinusoidal positions -> one self-attention layer, and
+    `layers - 1` more (`TextLayer`). One layer is the seeded default's; the trained default has
+    three (`train.dit.TEXT_LAYERS`): in one, a byte cannot tell the object's colour word from the
+    background's, whose place in the prompt moves with the words before it (issue 36)."""
 
     VOCAB = 258  # 256 bytes, end-of-text, padding
 
-    def __init__(self, dim: int, text_len: int, seed: int = 20251) -> None:
+    def __init__(self, dim: int, text_len: int, seed: int = 20251, layers: int = 1) -> None:
         super().__init__()
+        if layers < 1:
+            raise ValueError(f"a text encoder needs at least one layer, got {layers}")
         self.dim, self.text_len = dim, text_len
         g = torch.Generator().manual_seed(seed)
         self.embed = nn.Parameter(torch.randn(self.VOCAB, dim, generator=g))
         self.qkv = nn.Parameter(torch.randn(dim, 3 * dim, generator=g) / math.sqrt(dim))
         self.out = nn.Parameter(torch.randn(dim, dim, generator=g) / math.sqrt(dim))
+        self.layers = nn.ModuleList([TextLayer(dim, g) for _ in range(layers - 1)])
         pos = torch.arange(text_len, dtype=torch.float64)[:, None]
         freq = torch.pow(10000.0, -torch.arange(0, dim, 2, dtype=torch.float64) / dim)
         pe = torch.zeros(text_len, dim, dtype=torch.float64)
@@ -75,6 +100,8 @@ class TinyTextEncoder(nn.Module):
         q, k, v = (x @ self.qkv).chunk(3, dim=-1)
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None, :])
         x = F.layer_norm(x + y @ self.out, (self.dim,))
+        for layer in self.layers:
+            x = layer(x, mask)
         return x * mask[..., None]
 
 
