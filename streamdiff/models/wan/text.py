@@ -38,8 +38,11 @@ def clean_prompt(text: str) -> str:
 
 
 class TextLayer(nn.Module):
-    """A post-norm transformer layer (self-attention, then a 4x MLP) whose output projections
-    start at zero, so that a layer added to a trained encoder starts as the identity."""
+    """A pre-norm transformer layer (self-attention, then a 4x MLP, each added to the stream)
+    whose output projections start at zero, so that a layer added to a trained encoder starts as
+    the identity. Pre-norm: stacked post-norm layers (norm after the sum, as the first layer)
+    collapsed the prompt's bytes onto one direction in training (token-to-token cosine 0.23 ->
+    0.73 in 600 steps), and the DiT stopped reading them."""
 
     def __init__(self, dim: int, g: torch.Generator) -> None:
         super().__init__()
@@ -49,10 +52,9 @@ class TextLayer(nn.Module):
         self.fc2 = nn.Parameter(torch.zeros(4 * dim, dim))
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        q, k, v = (x @ self.qkv).chunk(3, dim=-1)
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None, :])
-        x = F.layer_norm(x + y @ self.out, x.shape[-1:])
-        return F.layer_norm(x + F.gelu(x @ self.fc1) @ self.fc2, x.shape[-1:])
+        q, k, v = (F.layer_norm(x, x.shape[-1:]) @ self.qkv).chunk(3, dim=-1)
+        x = x + F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None, :]) @ self.out
+        return x + F.gelu(F.layer_norm(x, x.shape[-1:]) @ self.fc1) @ self.fc2
 
 
 class TinyTextEncoder(nn.Module):
@@ -100,8 +102,10 @@ class TinyTextEncoder(nn.Module):
         q, k, v = (x @ self.qkv).chunk(3, dim=-1)
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None, :])
         x = F.layer_norm(x + y @ self.out, (self.dim,))
-        for layer in self.layers:
-            x = layer(x, mask)
+        if len(self.layers):
+            for layer in self.layers:
+                x = layer(x, mask)
+            x = F.layer_norm(x, (self.dim,))
         return x * mask[..., None]
 
 
