@@ -73,10 +73,12 @@ class DiTRun:
     # (RoPE is relative, the patch embedding a strided convolution): from noise alone it cannot
     # know where "the middle of the left edge" is, so a layout tied to the prompt is unlearnable
     # and at spread 1 its best guess is a haze the same everywhere. Coupling the noise to the
-    # clip (`couple`: the object moved to where the noise's smoothed sum peaks, `place`) gives
-    # it a rule it can follow locally, so its first step already commits to one place, and the
-    # later steps, which see the object in their input, refine it. Unweighted there: weighting
-    # the object's pixels while its place is uncertain paints its colour everywhere.
+    # clip (`couple`: the object moved to where the noise's smoothed sum peaks, `place`) was
+    # meant to give its first step a rule to commit to one place, which the later steps, seeing
+    # the object in their input, refine. Measured (session 5, docs/benchmarks.md): this DiT did
+    # not learn it (1800 first-block steps alone: its object error the same with another clip's
+    # noise); kept until a many-step first block is measured against it. Unweighted at sigma 1
+    # either way: weighting the object's pixels while its place is uncertain paints it everywhere.
     couple: bool = True
     # The share of first blocks drawn from pure noise (the rest at the sampler's other levels):
     # only there does the prompt alone say what to draw (later blocks have their context, lower
@@ -228,7 +230,7 @@ def train_dit(out: Path, dit_cfg: DiTConfig, sampler: SamplerConfig, run: DiTRun
             moved = [place(x0[i], mask[i], peaks[i], inside=2 * fpb) if pure[i] else (x0[i], mask[i]) for i in range(b)]
             x0, mask = torch.stack([m[0] for m in moved]), torch.stack([m[1] for m in moved])
         wt = 1.0 + (run.object_weight - 1.0) * mask[:, None]  # (b, 1, F, h, w)
-        wt[pure, :, :fpb] = 1.0  # its place not yet decided: unweighted (DiTRun.couple)
+        wt[pure, :, :fpb] = 1.0  # its place not yet decided: unweighted (see DiTRun.couple)
         wt[:, :, 0] *= run.first_frame_weight
         state = model.new_state(h, w, sampler.window_frames, sampler.sink_frames, batch=b)
         losses, said = [], None
