@@ -218,10 +218,6 @@ class DiTEngine:
         """The step list of the session's next block (a shot's first block has its own)."""
         return self.first_timesteps if sess.shot_blocks == 0 else self.timesteps
 
-    def follows_ode(self, sess: DiTSession) -> bool:
-        """Whether the session's next block is a shot's first under SamplerConfig.first_block_ode."""
-        return self.preset.sampler.first_block_ode and sess.shot_blocks == 0
-
     def _randn(self, shape: tuple[int, ...], generator: torch.Generator) -> torch.Tensor:
         """A draw as the authors make it: in the model's dtype, on its device."""
         return torch.randn(shape, generator=generator, dtype=self.noise_dtype, device=generator.device)
@@ -264,12 +260,11 @@ class DiTEngine:
             left = shots_left or [0] * len(sessions)
             return [self._rolling_block(s, frames, n) for s, n in zip(sessions, left, strict=True)]
         steps = [self.steps_of(s) for s in sessions]
-        odes = [self.follows_ode(s) for s in sessions]
         noise, renoise = [], [[] for _ in steps[0][1:]]
-        for sess, ts, ode in zip(sessions, steps, odes, strict=True):
-            n, r = self.draw_noise(sess, frames, 0 if ode else len(ts) - 1)
+        for sess, ts in zip(sessions, steps, strict=True):
+            n, r = self.draw_noise(sess, frames, len(ts) - 1)
             noise.append(n)
-            for i, x in enumerate(r or [torch.zeros_like(n)] * (len(ts) - 1)):  # the ODE draws none
+            for i, x in enumerate(r):
                 renoise[i].append(x)
         ctx_t, shift = self.preset.sampler.context_t, self.preset.sampler.shift
         recompute = self.preset.sampler.kv_recompute  # Krea: the recompute takes the clean pass's place
@@ -284,14 +279,11 @@ class DiTEngine:
                 ctx_t,
                 sigmas[0],
                 commit=not recompute,
-                ode=odes[0],
             )
         else:
             states = [s.state for s in sessions]
             noise_b, renoise_b = torch.cat(noise), [torch.cat(r) for r in renoise]
-            x0 = denoise_sessions(
-                self.model, states, noise_b, steps, renoise_b, ctx_t, sigmas, commit=not recompute, ode=odes
-            )
+            x0 = denoise_sessions(self.model, states, noise_b, steps, renoise_b, ctx_t, sigmas, commit=not recompute)
         for i, sess in enumerate(sessions):
             if recompute:
                 self.model.commit_and_recompute(sess.state, x0[i : i + 1], frames, ctx_t)

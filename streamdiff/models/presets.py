@@ -188,8 +188,7 @@ def _read_trained_dit(path: Path, mtime_ns: int) -> TrainedDiT:
             meta = f.metadata() or {}
         cfg = {k: tuple(v) if isinstance(v, list) else v for k, v in json.loads(meta["dit"]).items()}
         text = json.loads(meta.get("text", "{}"))
-        sampler = {k: tuple(v) if isinstance(v, list) else v for k, v in json.loads(meta.get("sampler", "{}")).items()}
-        return TrainedDiT(path, DiTConfig(**cfg), sampler, int(text.get("layers", 1)))
+        return TrainedDiT(path, DiTConfig(**cfg), json.loads(meta.get("sampler", "{}")), int(text.get("layers", 1)))
     except Exception as exc:
         raise CheckpointError(f"{path}: not the embedded default's trained DiT ({exc!r})") from exc
 

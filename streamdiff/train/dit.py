@@ -84,11 +84,6 @@ class DiTRun:
     # only there does the prompt alone say what to draw (later blocks have their context, lower
     # levels their input), so at a fair 1 in 4 the text path learnt slowly (issue 36, session 5).
     from_noise: float = 0.5
-    # The first block's noise levels: "sampler" (the sampler's own few) or "uniform" (continuous,
-    # for a first block sampled by the flow ODE, SamplerConfig.first_block_ode).
-    first_sigma: str = "sampler"
-    placed: float = 0.99  # the first block's object is weighted only at noise levels up to this
-    first_only: float = 0.0  # the share of steps that train the first block alone (at twice the batch)
     first_frame_weight: float = 4.0  # the shot's first latent frame is quiet (std ~0.5), its decode fragile
     seed: int = 0
     log_every: int = 25
@@ -217,22 +212,17 @@ def train_dit(out: Path, dit_cfg: DiTConfig, sampler: SamplerConfig, run: DiTRun
     rng = np.random.default_rng(run.seed * 7919 + step)
     fpb, h, w = sampler.frames_per_block, z_all.shape[-2], z_all.shape[-1]
     curve = (out / "dit_curve.jsonl").open("a")
-    t0, acc, acc1, last_save = time.time(), [], [], time.time()
+    t0, acc, last_save = time.time(), [], time.time()
     model.train()
     while step < run.steps:
         lr = run.lr * min(1.0, (step + 1) / 100) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * step / run.steps)))
         for g in opt.param_groups:
             g["lr"] = lr
-        alone = rng.random() < run.first_only  # the first block alone, at twice the batch
-        nblocks, batch = (1, 2 * run.batch) if alone else (run.blocks, run.batch)
-        idx = rng.choice(len(prompts), size=batch, replace=False)
+        idx = rng.choice(len(prompts), size=run.batch, replace=False)
         x0, mask = z_all[idx], masks[idx]
         b = x0.shape[0]
-        if run.first_sigma == "uniform":  # the first block's ODE visits every level (first_block_ode)
-            sigma0 = torch.where(torch.rand(b) < run.from_noise, 1.0, torch.rand(b).clamp_min(0.02))
-        else:  # the sampler's own levels (sigmas[0] is 1)
-            sigma0 = sigmas[torch.where(torch.rand(b) < run.from_noise, 0, torch.randint(1, len(sigmas), (b,)))]
-        sigma0 = sigma0.view(b, 1, 1, 1, 1)
+        pick = torch.where(torch.rand(b) < run.from_noise, 0, torch.randint(1, len(sigmas), (b,)))
+        sigma0 = sigmas[pick].view(b, 1, 1, 1, 1)  # the first block's (sigmas[0] is 1)
         eps0 = torch.randn_like(x0[:, :, :fpb])
         pure = sigma0.view(b) == 1.0
         if run.couple:
@@ -240,13 +230,11 @@ def train_dit(out: Path, dit_cfg: DiTConfig, sampler: SamplerConfig, run: DiTRun
             moved = [place(x0[i], mask[i], peaks[i], inside=2 * fpb) if pure[i] else (x0[i], mask[i]) for i in range(b)]
             x0, mask = torch.stack([m[0] for m in moved]), torch.stack([m[1] for m in moved])
         wt = 1.0 + (run.object_weight - 1.0) * mask[:, None]  # (b, 1, F, h, w)
-        # Where the object's place is not yet decided by the input, weighting its pixels biases the
-        # estimate toward its colour everywhere (see DiTRun.couple): unweighted above `placed`.
-        wt[sigma0.view(b) > run.placed, :, :fpb] = 1.0
+        wt[pure, :, :fpb] = 1.0  # its place not yet decided: unweighted (see DiTRun.couple)
         wt[:, :, 0] *= run.first_frame_weight
         state = model.new_state(h, w, sampler.window_frames, sampler.sink_frames, batch=b)
         losses, said = [], None
-        for k in range(nblocks):
+        for k in range(run.blocks):
             now = [prompts[i][k] for i in idx]
             if now != said:  # the first block, or a steer: the prompt the block is generated under
                 ctx = model.text_embedding(text(now))
@@ -259,7 +247,7 @@ def train_dit(out: Path, dit_cfg: DiTConfig, sampler: SamplerConfig, run: DiTRun
             v = model._forward(xt, t, [state], commit=False)
             wk = wt[:, :, k * fpb : (k + 1) * fpb]
             losses.append(((v - (eps - xb)).square() * wk).mean() / wk.mean())
-            if k + 1 < nblocks:  # the last block's keys feed nothing
+            if k + 1 < run.blocks:  # the last block's keys feed nothing
                 model._forward(xb, torch.full((b, fpb), sampler.context_t), [state], commit=True)
         loss = torch.stack(losses).mean()
         opt.zero_grad(set_to_none=True)
@@ -267,20 +255,16 @@ def train_dit(out: Path, dit_cfg: DiTConfig, sampler: SamplerConfig, run: DiTRun
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
         step += 1
-        (acc1 if alone else acc).append([x.item() for x in losses])
-        if (step % run.log_every == 0 or step == run.steps) and acc:
+        acc.append([x.item() for x in losses])
+        if step % run.log_every == 0 or step == run.steps:
             per_block = np.mean(acc, axis=0).tolist()
             row = {"step": step, "loss": float(np.mean(per_block)), "per_block": per_block, "lr": lr}
-            if acc1:  # the first-block-alone steps' loss
-                row["first_alone"] = float(np.mean(acc1))
             row["elapsed_s"] = time.time() - t0
             curve.write(json.dumps(row) + "\n")
             curve.flush()
             blocks = ", ".join(f"{x:.3f}" for x in per_block)
-            alone_s = f", first alone {row['first_alone']:.3f}" if acc1 else ""
-            per_step = row["elapsed_s"] / (len(acc) + len(acc1))
-            log(f"dit step {step}: loss {row['loss']:.4f} (blocks {blocks}{alone_s}), {per_step:.2f} s/step")
-            acc, acc1, t0 = [], [], time.time()
+            log(f"dit step {step}: loss {row['loss']:.4f} (blocks {blocks}), {row['elapsed_s'] / len(acc):.2f} s/step")
+            acc, t0 = [], time.time()
         if step % run.save_every == 0 or step == run.steps or time.time() - last_save >= run.save_seconds:
             save(ckpt, modules, opt, step)
             last_save = time.time()

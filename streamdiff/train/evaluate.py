@@ -43,17 +43,15 @@ def generate(dit, text, vae, sampler: SamplerConfig, prompt: str, seed: int, blo
     lh, lw = h // 8, w // 8
     st = dit.new_state(lh, lw, sampler.window_frames, sampler.sink_frames)
     dit.set_prompt(st, text.encode([prompt]))
-    later = warped_timesteps(sampler.steps, sampler.shift)
-    first = warped_timesteps(sampler.first_block_steps or sampler.steps, sampler.shift)
+    steps = warped_timesteps(sampler.steps, sampler.shift)
     g = torch.Generator().manual_seed(seed)
     vs = vae.new_state()
     out = []
-    for k in range(blocks):
-        steps, ode = (first, sampler.first_block_ode) if k == 0 else (later, False)
+    for _ in range(blocks):
         shape = (1, dit.cfg.in_channels, sampler.frames_per_block, lh, lw)
         noise = torch.randn(shape, generator=g)
-        renoise = [torch.zeros(shape) if ode else torch.randn(shape, generator=g) for _ in steps[1:]]
-        x0 = denoise_block(dit, st, noise, steps, renoise, sampler.context_t, ode=ode)
+        renoise = [torch.randn(shape, generator=g) for _ in steps[1:]]
+        x0 = denoise_block(dit, st, noise, steps, renoise, sampler.context_t)
         out.append(to_uint8_frames(vae.decode(x0, vs)).numpy())
     return np.concatenate(out)
 

@@ -21,13 +21,6 @@ class SamplerConfig:
     frames_per_block: int = 3  # latent frames per block: 3 chunk-wise, 1 frame-wise
     steps: tuple[int, ...] = (1000, 750, 500, 250)  # raw step list, warped by `shift`
     first_block_steps: tuple[int, ...] | None = None  # e.g. 4 steps for 1-step models' first block
-    # The shot's first block follows the flow ODE (Euler: each step re-noised with the noise the
-    # model predicts, none drawn) instead of fresh noise. A distilled generator (every published
-    # one) makes a sample in a few fresh-noise steps; a DiT trained by flow matching alone (the
-    # trained tiny default) estimates the mean of what its input leaves open, and from pure noise
-    # with nothing before it only the ODE carries the noise's own layout to the end: fresh noise
-    # at every step averages every place the object could be into a haze (issue 36).
-    first_block_ode: bool = False
     shift: float = 5.0  # flow-matching timestep shift
     window_frames: int = 21  # local attention window incl. the current block (KV cache size)
     sink_frames: int = 0  # frames at the start of a shot never evicted from the window
@@ -51,8 +44,6 @@ class SamplerConfig:
                 raise ValueError(
                     f"{name} must be a non-empty list of integers in 1..1000 (a last 0 allowed), got {steps}"
                 )
-        if self.first_block_ode and self.kind != "block":
-            raise ValueError("first_block_ode needs the block sampler (kind 'block')")
         if self.window_frames - self.sink_frames < self.frames_per_block:
             raise ValueError(
                 f"window_frames ({self.window_frames}) - sink_frames ({self.sink_frames}) "
@@ -103,29 +94,19 @@ def denoise_block(
     context_t: float = 0.0,
     sigmas: Sequence[float] | None = None,
     commit: bool = True,
-    ode: bool = False,
 ) -> torch.Tensor:
     """Denoise one block and commit it to the session's KV cache (`commit=False`: leave the
     commit to the caller, as Krea's per-block recompute does, `WanDiT.commit_and_recompute`).
 
-    noise: (B, C, f, H, W) initial noise; renoise: one noise tensor per step after the first
-    (ignored with `ode`: the flow ODE, SamplerConfig.first_block_ode, re-noises with the noise
-    the model predicts); sigmas: each step's noise level (`sigma_of`; default timestep / 1000,
-    exact for warped steps). Returns the clean latent x0 (float32, on the model's device).
+    noise: (B, C, f, H, W) initial noise; renoise: one noise tensor per step after the first;
+    sigmas: each step's noise level (`sigma_of`; default timestep / 1000, exact for warped steps).
+    Returns the clean latent x0 (float32, on the model's device).
     """
     b, dev = noise.shape[0], model.patch_embedding.weight.device
     steps = _on_device([[t] * b for t in timesteps], dev)
     sig = _on_device([[s] * b for s in sigmas], dev) if sigmas is not None else steps / 1000.0
     return _denoise(
-        lambda x, t, c: model.forward_block(x, t, state, c),
-        model,
-        noise,
-        steps,
-        sig,
-        renoise,
-        context_t,
-        commit,
-        [ode] * b,
+        lambda x, t, c: model.forward_block(x, t, state, c), model, noise, steps, sig, renoise, context_t, commit
     )
 
 
@@ -139,26 +120,16 @@ def denoise_sessions(
     context_t: float = 0.0,
     sigmas: Sequence[Sequence[float]] | None = None,
     commit: bool = True,
-    ode: Sequence[bool] | None = None,
 ) -> torch.Tensor:
     """`denoise_block` for several sessions at once: row i of noise/renoise is session i's, and
-    `timesteps[i]` (`sigmas[i]`) its step list (all of one length: the sessions take their steps
-    together), `ode[i]` whether it follows the flow ODE."""
+    `timesteps[i]` (`sigmas[i]`) its step list (all of one length: the sessions take their steps together)."""
     if len({len(ts) for ts in timesteps}) != 1:
         raise ValueError("sessions denoised together must have step lists of one length")
     dev = model.patch_embedding.weight.device
     steps = _on_device([list(col) for col in zip(*timesteps, strict=True)], dev)  # (steps, S)
     sig = _on_device([list(col) for col in zip(*sigmas, strict=True)], dev) if sigmas is not None else steps / 1000.0
     return _denoise(
-        lambda x, t, c: model.forward_sessions(x, t, states, c),
-        model,
-        noise,
-        steps,
-        sig,
-        renoise,
-        context_t,
-        commit,
-        ode or [False] * len(states),
+        lambda x, t, c: model.forward_sessions(x, t, states, c), model, noise, steps, sig, renoise, context_t, commit
     )
 
 
@@ -169,26 +140,15 @@ def _on_device(rows: list[list[float]], dev: torch.device) -> torch.Tensor:
 
 
 def _denoise(
-    forward,
-    model: WanDiT,
-    noise,
-    steps: torch.Tensor,
-    sigmas: torch.Tensor,
-    renoise,
-    context_t: float,
-    commit: bool,
-    ode: Sequence[bool],
+    forward, model: WanDiT, noise, steps: torch.Tensor, sigmas: torch.Tensor, renoise, context_t: float, commit: bool
 ) -> torch.Tensor:
     """The few-step flow sampler; steps, sigmas: (n_steps, B), one column per row of the batch.
-    For each step: x0 = x - sigma * v; then re-noise to the next step's sigma, with the step's
-    fresh noise or, in the rows of `ode`, the noise the model predicts (eps = x + (1 - sigma) v,
-    which makes the step the flow ODE's Euler step); finally one pass at t = context_t commits
-    the clean block's keys/values to the cache."""
+    For each step: x0 = x - sigma * v; then re-noise to the next step's sigma; finally one pass at
+    t = context_t commits the clean block's keys/values to the cache."""
     b, _, f = noise.shape[:3]
     dev = model.patch_embedding.weight.device
     x = noise.to(dev, torch.float32)
     x0 = x
-    follow = _on_device([[float(o) for o in ode]], dev).view(b, 1, 1, 1, 1) > 0.5 if any(ode) else None
     for i in range(steps.shape[0]):
         t = steps[i]  # (B,)
         v = forward(x, t[:, None].expand(b, f), False)
@@ -196,10 +156,7 @@ def _denoise(
         x0 = x - sigma * v
         if i + 1 < steps.shape[0]:
             s_next = sigmas[i + 1].view(b, 1, 1, 1, 1)
-            eps = renoise[i].to(dev, torch.float32)
-            if follow is not None:
-                eps = torch.where(follow, x + (1.0 - sigma) * v, eps)
-            x = (1.0 - s_next) * x0 + s_next * eps
+            x = (1.0 - s_next) * x0 + s_next * renoise[i].to(dev, torch.float32)
     if commit:
         forward(x0, torch.full((b, f), context_t, device=dev), True)
     return x0
