@@ -24,6 +24,7 @@ from .presets import (
     image_to_video,
 )
 from .wan import rolling
+from .wan.canvas import position_canvas
 from .wan.dit import DiTState
 from .wan.kernels import CPU_DECODE_WORKING_SET_BYTES, DecodePlan, plan_block
 from .wan.sampler import denoise_block, denoise_sessions, sigma_of, step_timesteps
@@ -109,7 +110,9 @@ class DiTEngine:
     @property
     def least_cache_frames(self) -> int:
         s = self.preset.sampler
-        return s.window_frames if self.rolling_schedule is not None else s.sink_frames + s.frames_per_block
+        if self.rolling_schedule is not None or s.canvas:  # its window; the canvas is no planned block
+            return s.window_frames
+        return s.sink_frames + s.frames_per_block
 
     def _new_shot(self, h: int, w: int, window: int) -> tuple[DiTState, rolling.RollingState | None]:
         """A session's caches, for `window` frames; with the rolling sampler, its window (whose
@@ -189,6 +192,10 @@ class DiTEngine:
         elif cut or prompt != sess.prompt:
             self.model.set_prompt(sess.state, self.encode_prompt(prompt))
             sess.prompt = prompt
+        if cut and s.canvas:  # the shot's sink frame, under its first prompt (SamplerConfig.canvas)
+            (h, w), dev = sess.latent_hw, self.model.patch_embedding.weight.device
+            start = position_canvas(self.model.cfg.in_channels, h, w, dev)
+            self.model.forward_block(start, torch.full((1, 1), s.context_t, device=dev), sess.state, True)
 
     @torch.no_grad()
     def start_from_image(self, sess: DiTSession, image: torch.Tensor) -> torch.Tensor:

@@ -17,11 +17,12 @@ the loss weights the latent pixels the object covers (`object_weight`; a few per
 and all of what its colour and direction are read from). The prompts of `synthetic.HELD_OUT`
 are never drawn, so what the model draws from them is judged on prompts it has not seen.
 
-The first block is the hard one (session 4 found the DiT continues its context well and draws no
-first block): it alone is drawn from pure noise with nothing before it, and a Wan DiT is blind to
-absolute position. Its noise is coupled to its clip (`place`, DiTRun.couple), half of the first
-blocks are drawn at sigma 1 (`from_noise`), and the shot's first latent frame, which the
-decoder turns into a picture on its own, weighs more (`first_frame_weight`).
+The first block is the hard one (sessions 4-6 found the DiT continues its context well and draws
+no first block): it alone is drawn from pure noise with nothing before it, and a Wan DiT is blind
+to absolute position. Every clip starts with the position canvas (`canvas`, models/wan/canvas.py)
+committed before its first block, as the daemon commits it at every cut; half of the first
+blocks are drawn at sigma 1 (`from_noise`), and the shot's first latent frame, which the decoder
+turns into a picture on its own, weighs more (`first_frame_weight`).
 
 A share of the clips (`switch`) is steered: at a block boundary the object takes another colour
 and the prompt says so from that block on, the blocks before staying in the KV cache as they
@@ -40,6 +41,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ..models.wan.canvas import position_canvas
 from ..models.wan.dit import DiTConfig, WanDiT
 from ..models.wan.sampler import SamplerConfig, warped_timesteps
 from ..models.wan.text import TinyTextEncoder
@@ -71,19 +73,20 @@ class DiTRun:
     spread: float = 0.1
     # The first block at sigma 1 is drawn from pure noise, and a Wan DiT has no absolute position
     # (RoPE is relative, the patch embedding a strided convolution): from noise alone it cannot
-    # know where "the middle of the left edge" is, so a layout tied to the prompt is unlearnable
-    # and at spread 1 its best guess is a haze the same everywhere. Coupling the noise to the
-    # clip (`couple`: the object moved to where the noise's smoothed sum peaks, `place`) was
-    # meant to give its first step a rule to commit to one place, which the later steps, seeing
-    # the object in their input, refine. Measured (session 5, docs/benchmarks.md): this DiT did
-    # not learn it (1800 first-block steps alone: its object error the same with another clip's
-    # noise); kept until a many-step first block is measured against it. Unweighted at sigma 1
-    # either way: weighting the object's pixels while its place is uncertain paints it everywhere.
-    couple: bool = True
+    # know where "the middle of the left edge" is. Measured (issue 36, docs/benchmarks.md): neither
+    # coupling the noise to the clip (session 5) nor a flow-ODE first block (session 6) made it
+    # commit to an object. With the position canvas before the first block (SamplerConfig.canvas)
+    # the place is readable, and a probe learnt it within 1500 first blocks, but only with the
+    # object weighted at sigma 1 too: unweighted it is 2% of the loss there. Without the canvas
+    # the object stays unweighted at sigma 1, where weighting an undecided place paints it everywhere.
+    canvas: bool = True
     # The share of first blocks drawn from pure noise (the rest at the sampler's other levels):
     # only there does the prompt alone say what to draw (later blocks have their context, lower
     # levels their input), so at a fair 1 in 4 the text path learnt slowly (issue 36, session 5).
     from_noise: float = 0.5
+    # The share of steps that train the first block alone, at twice the batch: the block that
+    # has to be drawn from noise, at a third of a four-block step's cost per clip.
+    first_only: float = 0.5
     first_frame_weight: float = 4.0  # the shot's first latent frame is quiet (std ~0.5), its decode fragile
     seed: int = 0
     log_every: int = 25
@@ -113,52 +116,6 @@ def recolour(frames: np.ndarray, start: int, colour: str, to: str) -> np.ndarray
     tail = out[start:]
     tail[(tail == np.array(COLOURS[colour], dtype=np.uint8)).all(-1)] = COLOURS[to]
     return out
-
-
-def noise_peak_map(eps: torch.Tensor) -> torch.Tensor:
-    """(B, C, f, h, w) noise -> (B, h, w): its first frame's channel sum, averaged over 5 x 5
-    latent pixels, scaled to unit variance (the coupling's score, `place`)."""
-    x = eps[:, :, 0].sum(1, keepdim=True) / math.sqrt(eps.shape[1])
-    return torch.nn.functional.avg_pool2d(x, 5, stride=1, padding=2, count_include_pad=False)[:, 0] * 5
-
-
-@torch.no_grad()
-def place(x0: torch.Tensor, mask: torch.Tensor, score: torch.Tensor, inside: int, margin: int = 2):
-    """One clip's latents (C, F, h, w) and object mask (F, h, w) with the object moved, every frame
-    by the same offset, so that its first frame's centre lands where `score` (h, w) is highest
-    among the offsets that keep it `margin` latent pixels inside the frame (the encoder's
-    outermost rows are not background-like) for the first `inside` frames; later it may leave
-    the frame, as objects do. The object's pixels, grown by one, move as they are; where it was
-    becomes the clip's background (the mean of its inner background pixels, per channel and
-    frame). Unchanged when no offset fits."""
-    f, h, w = mask.shape
-    patch = torch.nn.functional.max_pool2d(mask[:, None].float(), 3, stride=1, padding=1)[:, 0] > 0
-    ys, xs = torch.nonzero(patch[:inside].any(0), as_tuple=True)
-    c0 = torch.nonzero(mask[0] > 0).float()
-    if len(ys) == 0 or len(c0) == 0:
-        return x0, mask
-    ya, yb = margin - int(ys.min()), h - margin - int(ys.max())  # the offsets that keep it inside
-    xa, xb = margin - int(xs.min()), w - margin - int(xs.max())
-    if yb <= ya or xb <= xa:
-        return x0, mask
-    dys, dxs = torch.arange(ya, yb), torch.arange(xa, xb)
-    cy, cx = c0.mean(0).round().long().tolist()
-    cand = score[(cy + dys).clamp(0, h - 1)[:, None], (cx + dxs).clamp(0, w - 1)[None, :]]
-    k = int(cand.flatten().argmax())
-    dy, dx = int(dys[k // len(dxs)]), int(dxs[k % len(dxs)])
-    inner = torch.zeros(h, w, dtype=torch.bool)
-    inner[margin:-margin, margin:-margin] = True
-    bg = (~patch) & inner  # (F, h, w)
-    fill = (x0 * bg).sum((-1, -2)) / bg.sum((-1, -2)).clamp_min(1)  # (C, F)
-    out = x0.clone()
-    out[:, patch] = fill[:, :, None, None].expand_as(x0)[:, patch]
-    fi, yi, xi = torch.nonzero(patch, as_tuple=True)
-    keep = (yi + dy >= 0) & (yi + dy < h) & (xi + dx >= 0) & (xi + dx < w)  # what leaves the frame is gone
-    fi, yi, xi = fi[keep], yi[keep], xi[keep]
-    out[:, fi, yi + dy, xi + dx] = x0[:, fi, yi, xi]
-    moved = torch.zeros_like(mask)
-    moved[fi, yi + dy, xi + dx] = mask[fi, yi, xi]
-    return out, moved
 
 
 @torch.no_grad()
@@ -211,34 +168,36 @@ def train_dit(out: Path, dit_cfg: DiTConfig, sampler: SamplerConfig, run: DiTRun
     step = resume(ckpt, modules, opt, log)
     rng = np.random.default_rng(run.seed * 7919 + step)
     fpb, h, w = sampler.frames_per_block, z_all.shape[-2], z_all.shape[-1]
+    canvas = position_canvas(z_all.shape[1], h, w)
     curve = (out / "dit_curve.jsonl").open("a")
-    t0, acc, last_save = time.time(), [], time.time()
+    t0, acc, acc1, last_save = time.time(), [], [], time.time()
     model.train()
     while step < run.steps:
         lr = run.lr * min(1.0, (step + 1) / 100) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * step / run.steps)))
         for g in opt.param_groups:
             g["lr"] = lr
-        idx = rng.choice(len(prompts), size=run.batch, replace=False)
+        alone = rng.random() < run.first_only  # the first block alone, at twice the batch
+        nblocks, batch = (1, 2 * run.batch) if alone else (run.blocks, run.batch)
+        idx = rng.choice(len(prompts), size=batch, replace=False)
         x0, mask = z_all[idx], masks[idx]
         b = x0.shape[0]
         pick = torch.where(torch.rand(b) < run.from_noise, 0, torch.randint(1, len(sigmas), (b,)))
         sigma0 = sigmas[pick].view(b, 1, 1, 1, 1)  # the first block's (sigmas[0] is 1)
         eps0 = torch.randn_like(x0[:, :, :fpb])
-        pure = sigma0.view(b) == 1.0
-        if run.couple:
-            peaks = noise_peak_map(eps0)
-            moved = [place(x0[i], mask[i], peaks[i], inside=2 * fpb) if pure[i] else (x0[i], mask[i]) for i in range(b)]
-            x0, mask = torch.stack([m[0] for m in moved]), torch.stack([m[1] for m in moved])
         wt = 1.0 + (run.object_weight - 1.0) * mask[:, None]  # (b, 1, F, h, w)
-        wt[pure, :, :fpb] = 1.0  # its place not yet decided: unweighted (see DiTRun.couple)
+        if not run.canvas:  # its place not decided by anything it sees: unweighted (DiTRun.canvas)
+            wt[sigma0.view(b) == 1.0, :, :fpb] = 1.0
         wt[:, :, 0] *= run.first_frame_weight
         state = model.new_state(h, w, sampler.window_frames, sampler.sink_frames, batch=b)
+        start = canvas.expand(b, -1, -1, -1, -1)
         losses, said = [], None
-        for k in range(run.blocks):
+        for k in range(nblocks):
             now = [prompts[i][k] for i in idx]
             if now != said:  # the first block, or a steer: the prompt the block is generated under
                 ctx = model.text_embedding(text(now))
                 state.cross, said = [blk.cross_attn.project_context(ctx) for blk in model.blocks], now
+                if k == 0 and run.canvas:  # committed under the prompt, as the daemon does at a cut
+                    model._forward(start, torch.full((b, 1), sampler.context_t), [state], commit=True)
             xb = x0[:, :, k * fpb : (k + 1) * fpb]
             sigma = sigma0 if k == 0 else sigmas[torch.randint(len(sigmas), (b,))].view(b, 1, 1, 1, 1)
             eps = eps0 if k == 0 else torch.randn_like(xb)
@@ -247,7 +206,7 @@ def train_dit(out: Path, dit_cfg: DiTConfig, sampler: SamplerConfig, run: DiTRun
             v = model._forward(xt, t, [state], commit=False)
             wk = wt[:, :, k * fpb : (k + 1) * fpb]
             losses.append(((v - (eps - xb)).square() * wk).mean() / wk.mean())
-            if k + 1 < run.blocks:  # the last block's keys feed nothing
+            if k + 1 < nblocks:  # the last block's keys feed nothing
                 model._forward(xb, torch.full((b, fpb), sampler.context_t), [state], commit=True)
         loss = torch.stack(losses).mean()
         opt.zero_grad(set_to_none=True)
@@ -255,16 +214,21 @@ def train_dit(out: Path, dit_cfg: DiTConfig, sampler: SamplerConfig, run: DiTRun
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
         step += 1
-        acc.append([x.item() for x in losses])
-        if step % run.log_every == 0 or step == run.steps:
-            per_block = np.mean(acc, axis=0).tolist()
-            row = {"step": step, "loss": float(np.mean(per_block)), "per_block": per_block, "lr": lr}
+        (acc1 if alone else acc).append([x.item() for x in losses])
+        if (step % run.log_every == 0 or step == run.steps) and (acc or acc1):
+            row, said = {"step": step, "lr": lr}, []
+            if acc:  # the four-block steps' loss, per block
+                row["per_block"] = np.mean(acc, axis=0).tolist()
+                row["loss"] = float(np.mean(row["per_block"]))
+                said.append(f"loss {row['loss']:.4f} (blocks {', '.join(f'{x:.3f}' for x in row['per_block'])})")
+            if acc1:  # the first-block-alone steps' loss
+                row["first_alone"] = float(np.mean(acc1))
+                said.append(f"first block alone {row['first_alone']:.4f}")
             row["elapsed_s"] = time.time() - t0
             curve.write(json.dumps(row) + "\n")
             curve.flush()
-            blocks = ", ".join(f"{x:.3f}" for x in per_block)
-            log(f"dit step {step}: loss {row['loss']:.4f} (blocks {blocks}), {row['elapsed_s'] / len(acc):.2f} s/step")
-            acc, t0 = [], time.time()
+            log(f"dit step {step}: {', '.join(said)}, {row['elapsed_s'] / (len(acc) + len(acc1)):.2f} s/step")
+            acc, acc1, t0 = [], [], time.time()
         if step % run.save_every == 0 or step == run.steps or time.time() - last_save >= run.save_seconds:
             save(ckpt, modules, opt, step)
             last_save = time.time()

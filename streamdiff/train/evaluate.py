@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ..models.wan.canvas import position_canvas
 from ..models.wan.dit import DiTConfig, WanDiT
 from ..models.wan.sampler import SamplerConfig, denoise_block, warped_timesteps
 from ..models.wan.vae import VAEConfig, to_uint8_frames
@@ -43,6 +44,8 @@ def generate(dit, text, vae, sampler: SamplerConfig, prompt: str, seed: int, blo
     lh, lw = h // 8, w // 8
     st = dit.new_state(lh, lw, sampler.window_frames, sampler.sink_frames)
     dit.set_prompt(st, text.encode([prompt]))
+    if sampler.canvas:
+        dit.forward_block(position_canvas(dit.cfg.in_channels, lh, lw), torch.zeros(1, 1), st, True)
     steps = warped_timesteps(sampler.steps, sampler.shift)
     g = torch.Generator().manual_seed(seed)
     vs = vae.new_state()
@@ -137,8 +140,11 @@ def trained_dit_config(base: DiTConfig) -> DiTConfig:
     return replace(base, text_len=64)  # the grammar's prompts run to 55 bytes
 
 
-def trained_sampler(base: SamplerConfig) -> SamplerConfig:
+def trained_sampler(base: SamplerConfig, canvas: bool = True) -> SamplerConfig:
     """The preset's 4 steps without the shift: the trained DiT is not distilled, so its last x0
     estimate is the mean of what the noise left open; at shift 5 the last step is at sigma 0.63
-    (a blur of every place the object could be), unshifted at 0.25."""
-    return replace(base, shift=1.0)
+    (a blur of every place the object could be), unshifted at 0.25. With the position canvas
+    (DiTRun.canvas), the window holds it as its one sink beside the preset's frames."""
+    if not canvas:
+        return replace(base, shift=1.0)
+    return replace(base, shift=1.0, canvas=True, sink_frames=1, window_frames=base.window_frames + 1)

@@ -99,8 +99,8 @@ def test_a_training_run_logs_checkpoints_and_resumes(tmp_path):
     train_vae(tmp_path, VAE, VAERun(**{**run.__dict__, "steps": 3}), log=lambda s: None)  # resumes at 2
     curve = [json.loads(line) for line in (tmp_path / "vae_curve.jsonl").read_text().splitlines()]
     assert [r["step"] for r in curve] == [1, 2, 3] and all(r["rec_l1"] > 0 for r in curve)
-    sampler = SamplerConfig(frames_per_block=1, window_frames=4)
-    dit_run = DiTRun(steps=2, batch=2, blocks=2, clips=3, log_every=1, save_every=1, switch=1.0)
+    sampler = SamplerConfig(frames_per_block=1, window_frames=5, sink_frames=1, canvas=True)  # trained_sampler's
+    dit_run = DiTRun(steps=2, batch=2, blocks=2, clips=3, log_every=1, save_every=1, switch=1.0, first_only=0.0)
     encode_dataset(tmp_path, VAE, sampler, dit_run, log=lambda s: None)
     data = torch.load(tmp_path / "latents.pt", weights_only=False)
     assert data["latents"].shape == (3, 16, 2, 18, 32) and len(data["prompts"]) == 3
@@ -113,14 +113,17 @@ def test_a_training_run_logs_checkpoints_and_resumes(tmp_path):
     rows = [json.loads(line) for line in (tmp_path / "dit_curve.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2] and len(rows[0]["per_block"]) == 2
     assert torch.load(tmp_path / "dit.pt", weights_only=True)["step"] == 2
+    train_dit(tmp_path, cfg, sampler, replace(dit_run, steps=3, batch=1, first_only=1.0), 1, log=lambda s: None)
+    rows = [json.loads(line) for line in (tmp_path / "dit_curve.jsonl").read_text().splitlines()]
+    assert rows[-1]["step"] == 3 and "first_alone" in rows[-1] and "loss" not in rows[-1]  # the first block alone
     from streamdiff.train.evaluate import evaluate, reconstruct
 
     rec = reconstruct(tmp_path, VAE, n=2, frames=9, latents_per_block=1, log=lambda s: None)
     assert rec["step"] == 3 and (tmp_path / "recon_3.json").exists() and (tmp_path / "recon_3.png").exists()
     assert 0.0 <= rec["colour"] <= 1.0 and rec["psnr_db"] > 0
     got = evaluate(tmp_path, cfg, VAE, sampler, text_seed=1, n=2, blocks=2, log=lambda s: None)
-    report = json.loads((tmp_path / "eval_2.json").read_text())
-    assert got["prompts"] == 2 and len(report["videos"]) == 2 and (tmp_path / "sheet_2.png").exists()
+    report = json.loads((tmp_path / "eval_3.json").read_text())
+    assert got["prompts"] == 2 and len(report["videos"]) == 2 and (tmp_path / "sheet_3.png").exists()
 
 
 def test_the_loss_weights_the_drawn_object_and_a_band_around_its_outline():
@@ -267,9 +270,10 @@ def test_the_trained_dit_ships_with_its_configuration_and_loads_whole(tmp_path):
             layer.fc2.normal_()  # nor the identity the added layers start as
     save(tmp_path / "dit.pt", {"dit": dit, "text": text}, torch.optim.SGD(dit.parameters(), lr=0.1), 7)
     weights = tmp_path / "weights"
-    export_dit(tmp_path, cfg, {"shift": 1.0}, 3, weights / "tiny-dit.safetensors")
+    sampler = {"shift": 1.0, "canvas": True, "sink_frames": 1, "window_frames": 13}  # trained_sampler's
+    export_dit(tmp_path, cfg, sampler, 3, weights / "tiny-dit.safetensors")
     got = trained_dit("tiny", weights)
-    assert got.config == cfg and got.sampler == {"shift": 1.0} and got.text_layers == TEXT_LAYERS > 1
+    assert got.config == cfg and got.sampler == sampler and got.text_layers == TEXT_LAYERS > 1
     assert trained_dit("tiny-random", weights) is None
     dit2, text2 = WanDiT(cfg), TinyTextEncoder(8, 64, seed=99, layers=got.text_layers)
     load_trained_part(dit2, got.path, "dit")
@@ -295,33 +299,3 @@ def test_added_text_layers_start_as_the_identity():
     prompts = ["a red ball moving left on a blue background", "anything else"]
     assert (one.encode(prompts) - three.encode(prompts)).abs().max() < 1e-4
     assert list(one.state_dict()) == ["embed", "qkv", "out"] and len(three.state_dict()) == 3 + 2 * 4
-
-
-def test_the_object_moves_to_where_the_noise_peaks():
-    """`place` (the first block's noise coupling): the whole clip's object moves by one offset so
-    that its first frame's centre is at the score's peak among the places that keep it inside for
-    the first `inside` frames; its latents move as they are, where it was becomes the clip's
-    background, and what leaves the frame later is cut, not wrapped round."""
-    from streamdiff.train.dit import noise_peak_map, place
-
-    f, h, w = 4, 18, 32
-    x0 = torch.zeros(2, f, h, w)
-    x0[0], x0[1] = 0.5, -0.25  # a background of two channels
-    mask = torch.zeros(f, h, w)
-    for j in range(f):  # a 3x3 object moving right by 3 latent pixels a frame from (8, 4)
-        mask[j, 7:10, 3 + 3 * j : 6 + 3 * j] = 1
-        x0[:, j, 7:10, 3 + 3 * j : 6 + 3 * j] = torch.tensor([3.0, 4.0])[:, None, None]
-    score = torch.zeros(h, w)
-    score[12, 24] = 1.0
-    out, moved = place(x0, mask, score, inside=2)
-    assert torch.equal(moved[0], torch.roll(mask[0], (4, 20), dims=(0, 1)))  # centre (8, 4) -> (12, 24)
-    assert out[0, 0, 12, 24] == 3.0 and out[1, 0, 12, 24] == 4.0 and out[0, 0, 8, 4] == 0.5
-    assert torch.equal(out[:, :, :, :2], x0[:, :, :, :2])  # the frame's edge stays as encoded
-    assert moved[3].sum() < mask[3].sum() and moved[3, :, :4].sum() == 0  # left the frame, not wrapped
-    score = torch.zeros(h, w)
-    score[8, 27] = 1.0  # its second frame would be past the margin: the best place inside wins
-    score[8, 22] = 0.5
-    _, moved = place(x0, mask, score, inside=2)
-    assert moved[0, 8, 22] == 1 and moved[0].sum() == mask[0].sum()
-    peaks = noise_peak_map(torch.randn(3, 16, 2, h, w, generator=torch.Generator().manual_seed(0)))
-    assert peaks.shape == (3, h, w) and 0.5 < peaks[:, 4:-4, 4:-4].std() < 2.0

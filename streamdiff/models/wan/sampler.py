@@ -30,6 +30,9 @@ class SamplerConfig:
     recache: str = "on_request"  # never | on_request | every_switch: prompt switches that recompute the cache
     kind: str = "block"  # block | rolling (Rolling Forcing: blocks in flight at staggered noise levels)
     kv_recompute: bool = False  # Krea: each block first recomputes its context's keys/values
+    # A shot starts with the position canvas (canvas.py) committed at t = 0 as its sink frame: the
+    # trained tiny default's absolute position (a Wan DiT has none). Never decoded.
+    canvas: bool = False
 
     def validate(self) -> None:
         if self.recache not in ("never", "on_request", "every_switch"):
@@ -44,6 +47,8 @@ class SamplerConfig:
                 raise ValueError(
                     f"{name} must be a non-empty list of integers in 1..1000 (a last 0 allowed), got {steps}"
                 )
+        if self.canvas and (self.kind != "block" or self.sink_frames < 1 or self.kv_recompute):
+            raise ValueError("canvas needs the block sampler, a sink frame to hold it and no kv_recompute")
         if self.window_frames - self.sink_frames < self.frames_per_block:
             raise ValueError(
                 f"window_frames ({self.window_frames}) - sink_frames ({self.sink_frames}) "
