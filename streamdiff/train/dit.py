@@ -216,18 +216,18 @@ def train_dit(out: Path, dit_cfg: DiTConfig, sampler: SamplerConfig, run: DiTRun
         step += 1
         (acc1 if alone else acc).append([x.item() for x in losses])
         if (step % run.log_every == 0 or step == run.steps) and (acc or acc1):
-            row, said = {"step": step, "lr": lr}, []
+            row, parts = {"step": step, "lr": lr}, []
             if acc:  # the four-block steps' loss, per block
                 row["per_block"] = np.mean(acc, axis=0).tolist()
                 row["loss"] = float(np.mean(row["per_block"]))
-                said.append(f"loss {row['loss']:.4f} (blocks {', '.join(f'{x:.3f}' for x in row['per_block'])})")
+                parts.append(f"loss {row['loss']:.4f} (blocks {', '.join(f'{x:.3f}' for x in row['per_block'])})")
             if acc1:  # the first-block-alone steps' loss
                 row["first_alone"] = float(np.mean(acc1))
-                said.append(f"first block alone {row['first_alone']:.4f}")
+                parts.append(f"first block alone {row['first_alone']:.4f}")
             row["elapsed_s"] = time.time() - t0
             curve.write(json.dumps(row) + "\n")
             curve.flush()
-            log(f"dit step {step}: {', '.join(said)}, {row['elapsed_s'] / (len(acc) + len(acc1)):.2f} s/step")
+            log(f"dit step {step}: {', '.join(parts)}, {row['elapsed_s'] / (len(acc) + len(acc1)):.2f} s/step")
             acc, acc1, t0 = [], [], time.time()
         if step % run.save_every == 0 or step == run.steps or time.time() - last_save >= run.save_seconds:
             save(ckpt, modules, opt, step)
