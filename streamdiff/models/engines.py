@@ -24,7 +24,7 @@ from .presets import (
     image_to_video,
 )
 from .wan import rolling
-from .wan.canvas import position_canvas
+from .wan.canvas import commit_canvas
 from .wan.dit import DiTState
 from .wan.kernels import CPU_DECODE_WORKING_SET_BYTES, DecodePlan, plan_block
 from .wan.sampler import denoise_block, denoise_sessions, sigma_of, step_timesteps
@@ -193,9 +193,7 @@ class DiTEngine:
             self.model.set_prompt(sess.state, self.encode_prompt(prompt))
             sess.prompt = prompt
         if cut and s.canvas:  # the shot's sink frame, under its first prompt (SamplerConfig.canvas)
-            (h, w), dev = sess.latent_hw, self.model.patch_embedding.weight.device
-            start = position_canvas(self.model.cfg.in_channels, h, w, dev)
-            self.model.forward_block(start, torch.full((1, 1), s.context_t, device=dev), sess.state, True)
+            commit_canvas(self.model, sess.state, *sess.latent_hw, s.context_t)
 
     @torch.no_grad()
     def start_from_image(self, sess: DiTSession, image: torch.Tensor) -> torch.Tensor:

@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..models.wan.canvas import position_canvas
+from ..models.wan.canvas import commit_canvas
 from ..models.wan.dit import DiTConfig, WanDiT
 from ..models.wan.sampler import SamplerConfig, denoise_block, warped_timesteps
 from ..models.wan.vae import VAEConfig, to_uint8_frames
@@ -45,7 +45,7 @@ def generate(dit, text, vae, sampler: SamplerConfig, prompt: str, seed: int, blo
     st = dit.new_state(lh, lw, sampler.window_frames, sampler.sink_frames)
     dit.set_prompt(st, text.encode([prompt]))
     if sampler.canvas:
-        dit.forward_block(position_canvas(dit.cfg.in_channels, lh, lw), torch.zeros(1, 1), st, True)
+        commit_canvas(dit, st, lh, lw, sampler.context_t)
     steps = warped_timesteps(sampler.steps, sampler.shift)
     g = torch.Generator().manual_seed(seed)
     vs = vae.new_state()

@@ -33,3 +33,11 @@ def position_canvas(channels: int, height: int, width: int, device=None) -> torc
             a = math.pi * f * (x[None, :] if along_x else y[:, None])
             planes += [torch.sin(a).expand(height, width), torch.cos(a).expand(height, width)]
     return torch.stack(planes)[None, :, None]
+
+
+def commit_canvas(model, state, height: int, width: int, context_t: float = 0.0) -> None:
+    """Commit the canvas to a fresh shot's KV cache at t = `context_t` under its prompt (set
+    first), as its frame 0: what the daemon does at every cut and the evaluation does per video."""
+    dev = model.patch_embedding.weight.device
+    start = position_canvas(model.cfg.in_channels, height, width, dev)
+    model.forward_block(start, torch.full((1, 1), float(context_t), device=dev), state, True)
