@@ -153,7 +153,7 @@ def check(frames: np.ndarray, min_move_px: float = 4.0, max_object_share: float 
     No object (None, None) when nothing differs from the background, or when more than
     `max_object_share` of the frame does (noise, or no background at all: the grammar's objects
     cover a few percent)."""
-    f = frames.astype(np.float32)
+    f = np.asarray(frames, dtype=np.float32)  # an array or a list of (h, w, 3) frames
     border = np.concatenate([f[:, 0], f[:, -1], f[:, :, 0], f[:, :, -1]], axis=1).reshape(-1, 3)
     background = np.median(border, axis=0)  # the object rarely touches the border; the median ignores it
     far = np.sqrt(((f - background) ** 2).sum(-1)) > 60.0  # (n, h, w): the object
