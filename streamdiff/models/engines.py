@@ -199,7 +199,7 @@ class DiTEngine:
     def start_from_image(self, sess: DiTSession, image: torch.Tensor) -> torch.Tensor:
         """Image-to-video, as the authors' `initial_latent`: encode the picture ((H, W, 3) uint8
         at the video's size) into the shot's first latent frame, commit it to the KV cache with one
-        forward at t = 0 at position 0, and return it, (1, C, 1, h, w) float32 on the CPU: the
+        forward at t = 0 at position 0 (1 after a position canvas, which holds 0), and return it, (1, C, 1, h, w) float32 on the CPU: the
         shot's first block, which the VAE decodes as the video's first frame. Call after the cut's
         `set_scene` (with the noise of the blocks after this one: the authors draw F - 1 frames).
         The next block is the shot's first denoised one (its own step list, at position 1)."""
@@ -209,7 +209,7 @@ class DiTEngine:
         f = self.preset.vae.spatial_factor
         if tuple(image.shape) != (h * f, w * f, 3) or image.dtype != torch.uint8:
             raise ValueError(f"the image is {tuple(image.shape)} {image.dtype}, not ({h * f}, {w * f}, 3) uint8")
-        if sess.shot_blocks or sess.state.next_frame:
+        if sess.shot_blocks or sess.state.next_frame != int(self.preset.sampler.canvas):
             raise ValueError("an image starts a shot: it must be the shot's first block")
         x = image.permute(2, 0, 1)[None, :, None].float() / 127.5 - 1.0  # (1, 3, 1, H, W) in [-1, 1]
         z = self.encoder.encode_image(x)

@@ -55,6 +55,25 @@ def test_the_engine_commits_the_canvas_at_every_cut_and_keeps_it_as_the_sink():
     assert sess.state.next_frame == 1  # a cut starts from the canvas again
 
 
+@torch.no_grad()
+def test_an_image_starts_the_shot_after_the_canvas():
+    """Image-to-video on a canvas model: the canvas keeps position 0, the picture's latent is
+    committed at 1 as the shot's first frame, and the first denoised block follows at 2."""
+    eng = DiTEngine(ModelSpec(preset="tiny-random", sampler=CANVAS))
+    sess = eng.open_session(64, 48, seed=7)
+    eng.set_scene(sess, "a red ball moving left on a white background", cut=True)
+    image = torch.randint(0, 256, (48, 64, 3), dtype=torch.uint8, generator=torch.Generator().manual_seed(1))
+    z = eng.start_from_image(sess, image)
+    assert sess.state.next_frame == 2
+    c, (h, w) = eng.model.cfg.in_channels, sess.latent_hw
+    held = sess.state.kv.latents_at(range(0, 2))
+    assert torch.equal(held[:, :, :1], position_canvas(c, h, w))
+    torch.testing.assert_close(held[:, :, 1:2], z.to(held.dtype))
+    with pytest.raises(ValueError, match="first block"):
+        eng.start_from_image(sess, image)
+    assert eng.generate_block(sess, 3).shape == (1, c, 3, h, w)
+
+
 def test_the_canvas_needs_a_sink_and_the_block_sampler():
     for bad in ({"sink_frames": 0}, {"kind": "rolling"}, {"kv_recompute": True}):
         with pytest.raises(ValueError, match="canvas"):
