@@ -677,6 +677,27 @@ def test_a_profile_is_cached_only_for_its_machine_model_and_size(tmp_path):
     assert load_cached(path, cfg, (256, 144), 2) is None
 
 
+def test_a_cached_profile_of_other_shipped_weights_is_stale(tmp_path, monkeypatch):
+    """The embedded default's trained weights set its sampler (a canvas, a longer window), so a
+    profile measured under other weights (the seeded ones, an older training) is not reused."""
+    from streamdiff.config import Config
+    from streamdiff.models import shipped
+    from streamdiff.placement.profile import schema
+
+    weights = tmp_path / "weights"
+    weights.mkdir()
+    monkeypatch.setattr(schema, "fingerprint", lambda preset: shipped.fingerprint(preset, weights))
+    cfg, path = Config(), tmp_path / "profile.json"
+    assert "shipped" not in schema.model_key(cfg)  # seeded: no files
+    (weights / "tiny-dit.safetensors").write_bytes(b"dit one")
+    (weights / "tiny-vae.safetensors").write_bytes(b"vae")
+    path.write_text(synthetic(100.0, 200.0).to_json())  # measured (synthetic() keys it) under these
+    assert schema.load_cached(path, cfg, (256, 144), 2) is not None
+    (weights / "tiny-dit.safetensors").write_bytes(b"dit two")
+    assert schema.load_cached(path, cfg, (256, 144), 2) is None
+    assert shipped.fingerprint("tiny-random", weights) is None  # the seeded preset never loads them
+
+
 def run_cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "streamdiff.cli", *args], capture_output=True, text=True, timeout=timeout, cwd=ROOT

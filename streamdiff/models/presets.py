@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 
 from .catalog import CheckpointPreset, checkpoint_preset
+from .shipped import WEIGHTS_DIR, embedded_weights
 from .spec import DECODERS, ModelSpec, known_presets
 from .wan.dit import DiTConfig, WanDiT
 from .wan.loading import (
@@ -146,17 +147,6 @@ def get_preset(spec: ModelSpec) -> Preset:
         p = replace(p, sampler=replace(p.sampler, **vals))
     p.sampler.validate()
     return p
-
-
-# Trained weights of the embedded default, one file per stage (tools/train_default export).
-WEIGHTS_DIR = Path(__file__).parent / "weights"
-
-
-def embedded_weights(preset: str, stage: str, root: Path = WEIGHTS_DIR) -> Path | None:
-    """The shipped trained weights of `stage` ("vae", "dit") of an embedded preset, None where there are
-    none: the seeded weights then. Only `tiny` loads them; `tiny-random` is the seeded one always."""
-    f = root / f"{preset}-{stage}.safetensors"
-    return f if preset == "tiny" and f.is_file() else None
 
 
 @dataclass(frozen=True)
@@ -329,7 +319,9 @@ def describe_decoder(spec: ModelSpec, preset: Preset) -> dict:
     """Which latent decoder serves, and from what (/health, /v1/models, the log)."""
     if spec.decoder == "taehv":
         return {"name": "taehv", "weights": spec.decoder_weights, "embedded": spec.decoder_weights is None}
-    return {"name": "wan", "weights": spec.path, "embedded": preset.embedded}
+    vae = embedded_weights(preset.name, "vae") if preset.embedded else None
+    # the embedded default's shipped trained decoder (its file), None where its weights are seeded
+    return {"name": "wan", "weights": spec.path, "embedded": preset.embedded, "trained": vae.name if vae else None}
 
 
 def build_taehv(spec: ModelSpec, preset: Preset, device: str = "cpu") -> TAEHVDecoder:

@@ -406,7 +406,7 @@ def describe_loaded(d: dict) -> str:
     s = d["sampler"]
     parts = [f"preset {d['preset']} (DiT {d['dit']}{', ' + d['source'] if d.get('source') else ''})"]
     if d.get("embedded"):
-        parts.append("embedded seeded weights")
+        parts.append(f"embedded trained weights ({d['trained']})" if d.get("trained") else "embedded seeded weights")
     if d.get("checkpoint"):
         parts.append(f"checkpoint {d['checkpoint']} (weight set {d['weights']})")
     if d.get("lora"):
@@ -414,7 +414,7 @@ def describe_loaded(d: dict) -> str:
         parts.append(f"LoRA {lo['file']} (rank {lo['rank'] or 'as in the file'}, alpha {lo['alpha']})")
     if d.get("decoder"):
         dec = d["decoder"]
-        parts.append(f"decoder {dec['name']} ({dec['weights'] or 'seeded weights'})")
+        parts.append(f"decoder {dec['name']} ({dec['weights'] or dec.get('trained') or 'seeded weights'})")
     first = f", first block {s['first_block_steps']}" if s.get("first_block_steps") else ""
     parts.append(
         f"{s['kind']} sampler: steps {s['steps']}{first}, shift {s['shift']:g}, warp {s['warp']}, "

@@ -7,6 +7,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ...models.shipped import fingerprint
 from ...platform.devices import device_name
 
 VERSION = 1
@@ -57,6 +58,9 @@ def model_key(cfg) -> dict:
         key["lora"] = m.lora
     if m.preset in ("tiny", "tiny-random"):
         key["dit_vae_ratio"] = m.dit_vae_ratio
+    shipped = fingerprint(m.preset)
+    if shipped:  # the embedded default's trained weights (and sampler): a profile of others is stale
+        key["shipped"] = shipped
     if m.decoder != "wan":  # the decoder measured (profiles of the Wan VAE keep their old key)
         key["decoder"], key["decoder_weights"] = m.decoder, m.decoder_weights
     return key
