@@ -12,7 +12,7 @@ import torch
 from streamdiff.models.engines import DiTEngine, VAEEngine
 from streamdiff.models.spec import ModelSpec
 
-SPEC = ModelSpec(preset="tiny", dtype="float32")
+SPEC = ModelSpec(preset="tiny-random", dtype="float32")
 
 
 def clone(sess):

@@ -138,7 +138,7 @@ def test_a_storyboard_with_three_cuts_holds_one_cache():
     cut three times keeps its cache's buffers (no op makes a tensor of a layer's keys' size, and
     the buffers are the ones allocated at open), and each shot equals a fresh session's."""
     torch.manual_seed(0)
-    eng = DiTEngine(ModelSpec(preset="tiny", dtype="float32", compile="off"))
+    eng = DiTEngine(ModelSpec(preset="tiny-random", dtype="float32", compile="off"))
     eng.model = WanDiT(BIG).eval()
     sess = eng.open_session(128, 64, seed=0)
     kv = sess.state.kv
@@ -230,7 +230,7 @@ def test_a_block_never_reads_back_from_the_device():
 def test_the_engine_block_builds_nothing_from_host_data():
     """On the CPU every tensor is a host tensor, but a read (`.item()`, `.tolist()` of a tensor)
     or a tensor made from a Python list still shows as an op: none in the engine's block."""
-    eng = DiTEngine(ModelSpec(preset="tiny", dtype="float32", compile="off"))
+    eng = DiTEngine(ModelSpec(preset="tiny-random", dtype="float32", compile="off"))
     sess = eng.open_session(256, 144, seed=0)
     eng.set_scene(sess, "a shot", cut=True)
     eng.generate_block(sess, 3)
@@ -252,7 +252,7 @@ def test_an_eager_worker_never_imports_dynamo():
         "from streamdiff.models.compiled import compile_stats\n"
         "from streamdiff.models.engines import DiTEngine, VAEEngine\n"
         "from streamdiff.models.spec import ModelSpec\n"
-        "spec = ModelSpec(preset='tiny', compile='auto')\n"
+        "spec = ModelSpec(preset='tiny-random', compile='auto')\n"
         "dit, vae = DiTEngine(spec), VAEEngine(spec)\n"
         "s = dit.open_session(128, 64, seed=1)\n"
         "dit.set_scene(s, 'a red ball', cut=True)\n"
@@ -270,9 +270,9 @@ def test_compiled_blocks_equal_eager_and_do_not_recompile_through_cuts():
     compiled: every block equals eager within 1e-5 (float32), and after the first block no
     graph is compiled again (dynamo's counters)."""
     torch.manual_seed(0)
-    eager = DiTEngine(ModelSpec(preset="tiny", dtype="float32", compile="off"))
+    eager = DiTEngine(ModelSpec(preset="tiny-random", dtype="float32", compile="off"))
     torch.manual_seed(0)
-    comp = DiTEngine(ModelSpec(preset="tiny", dtype="float32", compile="on"))
+    comp = DiTEngine(ModelSpec(preset="tiny-random", dtype="float32", compile="on"))
     assert comp.compiled and not eager.compiled
     sessions = [e.open_session(256, 144, seed=5) for e in (eager, comp)]
     graphs = None
@@ -296,8 +296,8 @@ def test_compiled_vae_equals_eager_and_does_not_recompile_through_cuts():
     compiled again. Sessions batched in one call compile once more for the batch (dynamo
     specialises a size of 1), then no more."""
     torch.manual_seed(0)
-    eager = VAEEngine(ModelSpec(preset="tiny", dtype="float32", compile="off"))
-    comp = VAEEngine(ModelSpec(preset="tiny", dtype="float32", compile="on"))
+    eager = VAEEngine(ModelSpec(preset="tiny-random", dtype="float32", compile="off"))
+    comp = VAEEngine(ModelSpec(preset="tiny-random", dtype="float32", compile="on"))
     comp.model.load_state_dict(eager.model.state_dict())
     assert comp.compiled and not eager.compiled
     g = torch.Generator().manual_seed(1)
@@ -351,7 +351,7 @@ def test_a_cache_sized_to_the_longest_shot_equals_a_full_window(kind):
     engines = []
     for _ in range(2):
         torch.manual_seed(0)
-        engines.append(DiTEngine(ModelSpec(preset="tiny", dtype="float32", compile="off", sampler=settings)))
+        engines.append(DiTEngine(ModelSpec(preset="tiny-random", dtype="float32", compile="off", sampler=settings)))
     fpb, s = engines[0].frames_per_block, engines[0].preset.sampler
     shots, n = [], 0
     for _, cut, blocks in scenes:

@@ -340,7 +340,7 @@ def engine():
     from streamdiff.models.presets import ModelSpec
 
     rolling_settings = {"kind": "rolling", "steps": list(STEPS), "window_frames": 21, "sink_frames": 3}
-    return DiTEngine(ModelSpec(sampler=rolling_settings))
+    return DiTEngine(ModelSpec(preset="tiny-random", sampler=rolling_settings))
 
 
 def shot(engine, sess, prompt, blocks, seed=None, cut=True, live=False):

@@ -19,7 +19,7 @@ SEED = 11
 
 @pytest.fixture(scope="module")
 def dit():
-    return DiTEngine(ModelSpec())
+    return DiTEngine(ModelSpec(preset="tiny-random"))
 
 
 def authors_draws(seed, blocks, fpb, c, h, w, steps, dtype=torch.float32):
