@@ -199,10 +199,11 @@ class DiTEngine:
     def start_from_image(self, sess: DiTSession, image: torch.Tensor) -> torch.Tensor:
         """Image-to-video, as the authors' `initial_latent`: encode the picture ((H, W, 3) uint8
         at the video's size) into the shot's first latent frame, commit it to the KV cache with one
-        forward at t = 0 at position 0 (1 after a position canvas, which holds 0), and return it, (1, C, 1, h, w) float32 on the CPU: the
-        shot's first block, which the VAE decodes as the video's first frame. Call after the cut's
-        `set_scene` (with the noise of the blocks after this one: the authors draw F - 1 frames).
-        The next block is the shot's first denoised one (its own step list, at position 1)."""
+        forward at t = 0 at position 0 (1 after a position canvas, which holds 0), and return it,
+        (1, C, 1, h, w) float32 on the CPU: the shot's first block, which the VAE decodes as the
+        video's first frame. Call after the cut's `set_scene` (with the noise of the blocks after
+        this one: the authors draw F - 1 frames). The next block is the shot's first denoised one
+        (its own step list, at the position after the picture's)."""
         if self.encoder is None:
             raise ValueError(f"model {self.preset.name!r} does not condition on an image")
         h, w = sess.latent_hw
