@@ -59,7 +59,7 @@ PRESET_FACTS = {
 
 
 # The seeded default's architecture under its own name: `tiny` loads trained weights shipped in the
-# package where they exist (presets.embedded_weights); `tiny-random` never does, for the
+# package where they exist (shipped.embedded_weights); `tiny-random` never does, for the
 # benchmarks built on the seeded weights (issue 36).
 PRESET_FACTS["tiny-random"] = dict(PRESET_FACTS["tiny"])
 EMBEDDED_PRESETS = ("tiny", "tiny-random")  # weights built in the worker, no model.path
