@@ -12,8 +12,7 @@ import httpx
 import pytest
 import torch
 
-from .helpers import Daemon, decode, ffprobe, stream_video, wait_until, write_tokenizer
-from .test_daemon_stream import check_video
+from .helpers import Daemon, check_video, decode, ffprobe, stream_video, wait_until, write_tokenizer
 from .test_live import Reader
 
 diffusers = pytest.importorskip("diffusers")

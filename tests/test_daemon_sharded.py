@@ -9,8 +9,7 @@ import time
 import httpx
 import pytest
 
-from .helpers import PICTURE, Daemon, assert_draws_the_picture, needs_trained, stream_video
-from .test_daemon_stream import check_video
+from .helpers import PICTURE, Daemon, assert_draws_the_picture, check_video, needs_trained, stream_video
 
 
 @pytest.fixture(scope="module")

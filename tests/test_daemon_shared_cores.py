@@ -13,8 +13,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from .helpers import SHORT_STORY, Daemon, assert_same_as_one_dit_and_vae, stream_video
-from .test_daemon_stream import check_video
+from .helpers import SHORT_STORY, Daemon, assert_same_as_one_dit_and_vae, check_video, stream_video
 
 
 @pytest.mark.timeout(300)

@@ -17,8 +17,7 @@ from .helpers import (
     Daemon,
     assert_draws_the_picture,
     assert_same_video,
-    decode,
-    ffprobe,
+    check_video,
     fragments,
     needs_trained,
     stream_video,
@@ -50,31 +49,6 @@ def layout_daemon(request):
     yield d
     assert d.stop() == 0, d.logs()
     assert d.segments() == []
-
-
-def check_video(data: bytes, frames: int, width: int, height: int, fps: int, blocks_expected: int | None = None):
-    frags = fragments(data)
-    assert data[4:8] == b"ftyp"
-    assert all(f["first_sync"] for f in frags), "every fragment must start with a keyframe"
-    assert [f["sequence"] for f in frags] == list(range(1, len(frags) + 1))
-    counts = [f["samples"] for f in frags]
-    per_frame = frags[1]["decode_time"] // counts[0] if len(frags) > 1 else 0
-    assert [f["decode_time"] for f in frags] == [per_frame * sum(counts[:i]) for i in range(len(frags))]
-    if blocks_expected is not None:
-        assert len(frags) == blocks_expected
-    dec = decode(data)
-    assert (dec["frames"], dec["width"], dec["height"]) == (frames, width, height)
-    assert abs(dec["fps"] - fps) < 1e-6
-    steps = {b - a for a, b in zip(dec["pts"], dec["pts"][1:])}
-    assert len(steps) <= 1, f"presentation times are not evenly spaced: {sorted(steps)}"
-    starts = [sum(counts[:i]) for i in range(len(counts))]
-    assert dec["keyframes"] == starts  # keyframes exactly at fragment starts
-    probe = ffprobe(data)
-    if probe is not None:
-        assert (probe["frames"], probe["width"], probe["height"]) == (frames, width, height)
-        assert probe["fps"] == f"{fps}/1" and probe["codec"] == "h264"
-        assert probe["decode_errors"] == ""
-    return frags, dec
 
 
 def test_storyboard_streams_progressively(layout_daemon):

@@ -9,8 +9,8 @@ import threading
 import httpx
 import pytest
 
-from .helpers import Daemon, ffprobe, refused, stream_video
-from .test_daemon_stream import STORY_FRAMES, STORYBOARD, check_video
+from .helpers import Daemon, check_video, ffprobe, refused, stream_video
+from .test_daemon_stream import STORY_FRAMES, STORYBOARD
 
 
 @pytest.fixture(scope="module")

@@ -14,11 +14,12 @@ from .helpers import (
     Daemon,
     assert_same_as_one_dit_and_vae,
     assert_same_video,
+    check_video,
     leave_mid_stream,
     refused,
     stream_video,
 )
-from .test_daemon_stream import check_video, dit_batch_counts
+from .test_daemon_stream import dit_batch_counts
 
 
 @pytest.fixture(scope="module")

@@ -47,7 +47,7 @@ LAYERS = [
     {"supervisor"},
     {"placement"},
     {"server"},
-    {"train", "cli"},
+    {"train", "cli", "testing"},
 ]
 
 

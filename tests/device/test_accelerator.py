@@ -51,7 +51,7 @@ def test_daemon_streams_on_the_accelerator():
     d = Daemon("--device", dev, "--dit-gpus", "1", "--vae-gpus", "1", *one)
     try:
         data, _, _ = stream_video(d.url, {"prompt": "on the accelerator", "num_frames": 33})
-        from ..test_daemon_stream import check_video
+        from ..helpers import check_video
 
         check_video(data, 33, 256, 144, 16)
     finally:

@@ -17,8 +17,7 @@ import time
 import httpx
 import pytest
 
-from ..helpers import ROOT, decode, stream_video
-from ..test_daemon_stream import check_video
+from ..helpers import ROOT, check_video, decode, stream_video
 from .test_faults import start_stream
 
 pytestmark = pytest.mark.skipif(shutil.which("haproxy") is None, reason="needs Debian's haproxy")

@@ -14,8 +14,7 @@ import time
 import httpx
 import pytest
 
-from ..helpers import Daemon, assert_same_video, stream_video, wait_until
-from ..test_daemon_stream import check_video
+from ..helpers import Daemon, assert_same_video, check_video, stream_video, wait_until
 
 
 def fd_count(pid: int) -> int:

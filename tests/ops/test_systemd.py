@@ -13,8 +13,7 @@ import time
 import httpx
 import pytest
 
-from ..helpers import ROOT, Daemon, wait_until
-from ..test_daemon_stream import check_video
+from ..helpers import ROOT, Daemon, check_video, wait_until
 from .test_faults import start_stream
 
 
