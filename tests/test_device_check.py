@@ -1,4 +1,4 @@
-"""tools/device_check, trimmed, on the CPU: the script a GPU session runs must not rot between
+"""tools/device/check.py, trimmed, on the CPU: the script a GPU session runs must not rot between
 the rare sessions that have a device. Every check it makes there runs here on small configs."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from .helpers import ROOT
 def test_device_check_runs_on_the_cpu(tmp_path):
     out = tmp_path / "dc.json"
     r = subprocess.run(
-        [sys.executable, str(ROOT / "tools" / "device_check"), "--device", "cpu", "--quick", "--json", str(out)],
+        [sys.executable, str(ROOT / "tools" / "device" / "check.py"), "--device", "cpu", "--quick", "--json", str(out)],
         capture_output=True,
         text=True,
         timeout=380,

@@ -67,7 +67,7 @@ def test_every_raw_result_is_cited_by_a_page():
 
 def test_links_from_the_code_to_the_pages_name_existing_sections():
     bad = []
-    for base in ("streamdiff", "tools", "etc", "tests"):
+    for base in ("streamdiff", "tools", "examples", "etc", "tests"):
         for f in (ROOT / base).rglob("*"):
             if not f.is_file() or f == Path(__file__) or "__pycache__" in f.parts:
                 continue

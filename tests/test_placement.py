@@ -636,7 +636,7 @@ def test_two_devices_run_the_dit_and_the_vae_each_over_both_where_the_group_pays
 
 
 def test_the_planner_ranks_eight_b70s_from_the_published_figures():
-    """docs/results/profile-b70.json (tools/published_profile): DiT 2.9 s and VAE 3.9 s a block. One
+    """docs/results/profile-b70.json (tools/dev/published_profile.py): DiT 2.9 s and VAE 3.9 s a block. One
     stream is DiT-bound once the VAE is sharded 3 ways or more, so the best layout for it gives
     the DiT one card and the VAE a wide group; no hybrid on accelerators."""
     from streamdiff.config import Config

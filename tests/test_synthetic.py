@@ -1,6 +1,6 @@
 """The synthetic grammar and its checker (streamdiff/synthetic.py): the checker reads back what
 the generator drew — raw, and through H.264 (libx264 via PyAV, then decoded by FFmpeg) — and
-tools/check_video judges an MP4 against its prompt."""
+tools/dev/check_video.py judges an MP4 against its prompt."""
 
 from __future__ import annotations
 
@@ -76,7 +76,9 @@ def test_the_checker_reads_clips_through_h264_and_tools_check_video_judges_an_mp
             for pkt in s.encode():
                 out.mux(pkt)
         ok = subprocess.run(
-            [sys.executable, str(ROOT / "tools/check_video"), str(path), cap.prompt], capture_output=True, text=True
+            [sys.executable, str(ROOT / "tools/dev/check_video.py"), str(path), cap.prompt],
+            capture_output=True,
+            text=True,
         )
         assert ok.returncode == 0, (cap, ok.stdout, ok.stderr)
         wrong = Caption(
@@ -84,7 +86,7 @@ def test_the_checker_reads_clips_through_h264_and_tools_check_video_judges_an_mp
         )
         assert (
             subprocess.run(
-                [sys.executable, str(ROOT / "tools/check_video"), str(path), wrong.prompt], capture_output=True
+                [sys.executable, str(ROOT / "tools/dev/check_video.py"), str(path), wrong.prompt], capture_output=True
             ).returncode
             == 1
         )
@@ -102,7 +104,7 @@ def test_tools_check_video_asks_a_running_daemon_for_the_held_out_prompts(plain_
     """`--url`: one streamed video per held-out prompt, each judged, then the shares right; the
     exit status is whether they clear the bars (here none: the default may be seeded)."""
     r = subprocess.run(
-        [sys.executable, str(ROOT / "tools/check_video"), "--url", plain_daemon.url, "--held-out", "2"]
+        [sys.executable, str(ROOT / "tools/dev/check_video.py"), "--url", plain_daemon.url, "--held-out", "2"]
         + ["--seconds", "1", "--need-colour", "0", "--need-direction", "0"],
         capture_output=True,
         text=True,
@@ -115,7 +117,7 @@ def test_tools_check_video_asks_a_running_daemon_for_the_held_out_prompts(plain_
     assert all({"colour_ok", "direction_ok", "background"} <= set(row) for row in lines[:2])
     assert lines[2]["prompts"] == 2 and 0 <= lines[2]["colour"] <= 1 and lines[2]["size"] == "256x144"
     bad = subprocess.run(
-        [sys.executable, str(ROOT / "tools/check_video"), "--url", plain_daemon.url, "--held-out", "49"],
+        [sys.executable, str(ROOT / "tools/dev/check_video.py"), "--url", plain_daemon.url, "--held-out", "49"],
         capture_output=True,
         text=True,
     )

@@ -3,8 +3,8 @@
 - `tiny`: the embedded default. The real Wan 2.1 architecture (same blocks, RoPE, causal VAE
   with temporal upsampling and middle attention) at small widths, a byte-level text encoder,
   weights drawn from a fixed seed, or trained on the synthetic grammar (synthetic.py;
-  tools/train_default) where the package ships them (`weights/tiny-vae.safetensors`,
-  `weights/tiny-dit.safetensors`, written by tools/train_default export; none yet): they replace
+  tools/train/default.py) where the package ships them (`weights/tiny-vae.safetensors`,
+  `weights/tiny-dit.safetensors`, written by tools/train/default.py export; none yet): they replace
   the seeded ones stage by stage, and the DiT's
   file names the depth, text length and sampler settings it was trained with (`trained_dit`).
   The whole daemon streams on a laptop CPU with the real stage balance: the DiT's share of the
@@ -62,7 +62,7 @@ DTYPES = {
 # Calibration of the tiny preset's DiT depth, as fractions of one VAE decode per steady-state
 # block at the default 256x144 (full attention window, 4 steps + the cache refresh): each DiT
 # layer costs TINY_LAYER_FRACTION, the rest of the DiT (embeddings, head, sampler)
-# TINY_DIT_OVERHEAD_FRACTION. Measured with tools/bench_models.py --calibrate on this project's
+# TINY_DIT_OVERHEAD_FRACTION. Measured with tools/bench/models.py --calibrate on this project's
 # 2-core CI machine (fp32, one thread per stage): docs/benchmarks.md#model-stages-toolsbench_modelspy.
 # Both stages are compute-bound fp32 on the same core, so the fractions carry across CPUs far
 # better than either time does.

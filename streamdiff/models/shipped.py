@@ -7,7 +7,7 @@ from __future__ import annotations
 import hashlib
 from pathlib import Path
 
-# Trained weights of the embedded default, one file per stage (tools/train_default export).
+# Trained weights of the embedded default, one file per stage (tools/train/default.py export).
 WEIGHTS_DIR = Path(__file__).parent / "weights"
 STAGES = ("dit", "vae")
 

@@ -14,7 +14,7 @@ The middle attention is global over each frame. By default the low-resolution fr
 middle, first up stage) is replicated on every shard and the rows are cut before the first
 upsampler: no gather, 11 fewer exchanges, about 4% of the FLOPs computed k times. With
 `shard_front` the latent rows are split from the start and the attention all-gathers whole
-frames. tools/bench_vae_shard.py measures both.
+frames. tools/bench/vae_shard.py measures both.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The planner: every layout the devices allow, each run through the simulator (sim.py) on the
 profile, ranked for an objective.
 
-- throughput: frames/s of one stream (tools/bench's W1), then time to first fragment;
+- throughput: frames/s of one stream (tools/bench/layouts.py's W1), then time to first fragment;
 - latency: time to first fragment of that stream, then frames/s;
 - streams: concurrent streams that all play without a stall (W2's goodput), then frames/s.
 

@@ -21,7 +21,7 @@ processes whose service times come from the profile (profile/):
   beside the host probe): an aggregated worker's two threads both stall while one shares its
   core;
 
-`simulate` returns the figures `tools/bench` measures: W1 frames/s (from the request to the last
+`simulate` returns the figures `tools/bench/layouts.py` measures: W1 frames/s (from the request to the last
 fragment), steady frames/s, time to first fragment, and W2 goodput (concurrent streams that
 all play without a stall).
 """
@@ -101,7 +101,7 @@ class Sim:
         self.heap: list = []
         self.seq = itertools.count()
         self.pending: list = []  # events for the next step
-        self.vae_busy_s = 0.0  # summed VAE batch time per block decoded (the speed check of tools/bench_placement)
+        self.vae_busy_s = 0.0  # summed VAE batch time per block decoded (the speed check of tools/bench/placement.py)
         self.vae_blocks = 0
         self.shot_weights: dict[tuple[int, str], tuple] = {}  # (group, session) -> its shot's weights
         self.encoding: dict[str, bool] = {}
@@ -369,13 +369,13 @@ class Sim:
 
 
 def storyboard(scene_seconds: float = 4.0, fps: int = 16) -> list[Scene]:
-    """tools/bench's W1: three scenes, continue then cut."""
+    """tools/bench/layouts.py's W1: three scenes, continue then cut."""
     n = int(scene_seconds * fps)
     return [Scene("a red fox", n), Scene("the fox stops", n, "continue"), Scene("a city street", n, "cut")]
 
 
 def playback_stalls(frags: list[tuple[float, int]], fps: int, startup_s: float = 0.0) -> int:
-    """tools/bench's player: starts `startup_s` after the first fragment, rebuffers when late."""
+    """tools/bench/layouts.py's player: starts `startup_s` after the first fragment, rebuffers when late."""
     if not frags:
         return 0
     start, shown, stall_s, stalls = frags[0][0] + startup_s, 0, 0.0, 0
@@ -415,7 +415,7 @@ def simulate(
     image: bool = False,
 ) -> Prediction:
     """W1 (one storyboard; `image`: its first scene starts from an image) and, with w2_size, W2's
-    goodput, as tools/bench runs them."""
+    goodput, as tools/bench/layouts.py runs them."""
     sim = Sim(cfg, profile, layout, size, facts)
     scenes = storyboard(scene_seconds, fps)
     if image:

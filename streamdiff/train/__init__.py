@@ -1,4 +1,4 @@
-"""Training the embedded default on the synthetic grammar (tools/train_default; issues 13, 36)."""
+"""Training the embedded default on the synthetic grammar (tools/train/default.py; issues 13, 36)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """Training the embedded default's DiT and text encoder on the synthetic grammar
-(tools/train_default dit).
+(tools/train/default.py dit).
 
 Clips are encoded once by the trained VAE's encoder (`encode_dataset`): the encoder's means,
 normalised per channel (those statistics become the preset's `latents_mean`/`latents_std`, which

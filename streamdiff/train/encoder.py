@@ -1,4 +1,4 @@
-"""The Wan 2.1 VAE encoder, for training the embedded default's decoder (tools/train_default).
+"""The Wan 2.1 VAE encoder, for training the embedded default's decoder (tools/train/default.py).
 
 Only the decoder ships (models/wan/vae.py); the encoder exists to give it latents to learn from,
 so it is written for training, in standard torch ops: a whole clip from the start of a shot, or a

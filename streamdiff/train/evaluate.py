@@ -1,7 +1,7 @@
-"""What a training run draws (tools/train_default eval): videos generated from its checkpoints by
+"""What a training run draws (tools/train/default.py eval): videos generated from its checkpoints by
 the sampler and decoder the daemon runs, judged by the checker (synthetic.check) against prompts
-no training clip was drawn from, and a contact sheet of sample frames. `reconstruct` (tools/
-train_default recon) judges the VAE alone the same way: clips through encoder and decoder, the
+no training clip was drawn from, and a contact sheet of sample frames. `reconstruct`
+(tools/train/default.py recon) judges the VAE alone the same way: clips through encoder and decoder, the
 decoder streaming block by block as the daemon's VAE workers do."""
 
 from __future__ import annotations

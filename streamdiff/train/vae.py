@@ -1,4 +1,4 @@
-"""Training the embedded default's VAE on the synthetic grammar (tools/train_default vae).
+"""Training the embedded default's VAE on the synthetic grammar (tools/train/default.py vae).
 
 The decoder is the shipped `WanVAEDecoder` at the tiny preset's widths, trained through the same
 modules and kernels it decodes with (`decode_clip`); the encoder (`encoder.py`) is thrown away

@@ -1,4 +1,4 @@
-"""Training the embedded default (streamdiff/train, tools/train_default): the paths training
+"""Training the embedded default (streamdiff/train, tools/train/default.py): the paths training
 backpropagates through compute what inference computes, the encoder is causal and shaped for the
 decoder, and a run writes its curve, checkpoints and resumes where it stopped."""
 

@@ -1,4 +1,4 @@
-"""Three nodes behind HAProxy (tools/cluster, Debian's haproxy), loopback only: ids route to
+"""Three nodes behind HAProxy (tools/dev/cluster.py, Debian's haproxy), loopback only: ids route to
 their node, new sessions spread by load, a drained node finishes its stream while new ones go
 elsewhere, and a killed node is marked down, its finished videos served from the shared store
 and its running ones answered with a clear error."""
@@ -28,7 +28,7 @@ BODY = {"prompt": "through the balancer", "num_frames": 25, "size": "128x64"}
 def cluster(tmp_path_factory):
     store = tmp_path_factory.mktemp("store")
     proc = subprocess.Popen(
-        [sys.executable, str(ROOT / "tools" / "cluster"), "--nodes", "3", "--port", "0"]
+        [sys.executable, str(ROOT / "tools" / "dev" / "cluster.py"), "--nodes", "3", "--port", "0"]
         + ["--store-dir", str(store), "--check-interval-ms", "500"],
         stdout=subprocess.PIPE,
         text=True,
@@ -40,12 +40,12 @@ def cluster(tmp_path_factory):
             lb = f"http://127.0.0.1:{info['lb_port']}"
             break
         nodes[info["node"]] = info
-    assert lb is not None, "tools/cluster did not start"
+    assert lb is not None, "tools/dev/cluster.py did not start"
     threading.Thread(target=lambda: [None for _ in proc.stdout], daemon=True).start()  # keep the pipe drained
     yield {"lb": lb, "nodes": nodes, "store": store, "proc": proc}
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=120) == 0
-    # Every node's rings are gone, the killed node's too (tools/cluster sweeps what it left).
+    # Every node's rings are gone, the killed node's too (tools/dev/cluster.py sweeps what it left).
     assert [n for n in os.listdir("/dev/shm") if n.startswith(f"sd-cl{proc.pid}node")] == []
 
 

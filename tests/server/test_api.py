@@ -280,7 +280,7 @@ def test_client_example(d, tmp_path):
     r = subprocess.run(
         [
             sys.executable,
-            str(ROOT / "tools" / "client.py"),
+            str(ROOT / "examples" / "client.py"),
             "--url",
             d.url,
             "--size",

@@ -630,7 +630,7 @@ class WanDiT(nn.Module):
         every layer and every position in a shot: a block's token count and the batch size are
         its only shapes; a new one (a frame size, a re-cache's frame count) compiles once more,
         and dynamo marks the dimension dynamic after a second size. `backend`: inductor, or a
-        quicker one where only the path is checked (tools/device_check --quick)."""
+        quicker one where only the path is checked (tools/device/check.py --quick)."""
         if on:
             self.block_fns = (torch.compile(block_qkv, backend=backend), torch.compile(block_rest, backend=backend))
         else:

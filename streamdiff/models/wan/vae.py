@@ -473,7 +473,7 @@ def decoder_stages(vae: WanVAEDecoder) -> list:
     """The decoder as a sequence of stages a decode can be cut between: the prologue with conv1
     and the middle (stage 0), each upsampler module, the head (last). Each stage touches only
     its own cache slots, so two processes can each run a range of stages of the same sessions
-    with their own `VAEState`s (a stage-cut layout; tools/bench_vae_cut)."""
+    with their own `VAEState`s (a stage-cut layout; tools/bench/vae_cut.py)."""
     d = vae.decoder
 
     def first(x, ctx):
@@ -522,7 +522,7 @@ def decode_stages_sessions(
 def decode_clip(vae: WanVAEDecoder, z: torch.Tensor, state: VAEState | None = None) -> torch.Tensor:
     """A clip from the start of a shot (or, given `state`, its next chunk), with autograd and no
     clamp: what training the embedded default's decoder backpropagates through
-    (tools/train_default). The same modules and kernels as `decode_rows`, so the trained weights
+    (tools/train/default.py). The same modules and kernels as `decode_rows`, so the trained weights
     mean the same at inference."""
     ctx = Ctx(state or vae.new_state())
     out = vae.decoder.back(vae.decoder.front(vae._prologue(z), ctx), ctx)

@@ -1,12 +1,12 @@
 #!/usr/bin/env python3
-"""Scale-out figures with tools/cluster on this machine's cores (all of them in every layout).
+"""Scale-out figures with tools/dev/cluster.py on this machine's cores (all of them in every layout).
 
 - Time to first fragment through HAProxy against straight to a node (interleaved, one stream at
   a time, so the balancer's own cost is what differs).
 - Total frames/s of N nodes (each an equal share of the cores) against 1 node (all of them):
   `--streams` concurrent streams, repeated `--rounds` times, layouts interleaved.
 
-    tools/bench_cluster --nodes 2 --streams 4 --rounds 3 --json docs/results/bench_cluster.json
+    tools/bench/scale_out.py --nodes 2 --streams 4 --rounds 3 --json docs/results/bench_cluster.json
 """
 
 from __future__ import annotations
@@ -23,13 +23,13 @@ from pathlib import Path
 
 import httpx
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 class Cluster:
     def __init__(self, nodes: int) -> None:
         self.proc = subprocess.Popen(
-            [sys.executable, str(ROOT / "tools" / "cluster"), "--nodes", str(nodes), "--port", "0"],
+            [sys.executable, str(ROOT / "tools" / "dev" / "cluster.py"), "--nodes", str(nodes), "--port", "0"],
             stdout=subprocess.PIPE,
             text=True,
         )

@@ -9,8 +9,8 @@ of the sampler (4 steps and the commit pass). `--stage vae`: the tiny preset's W
 frames decoded as the VAE worker decodes them (its chunked plan). `--base DIR` is another
 checkout (e.g. a `git worktree` of 92242eb), run with its own code through PYTHONPATH.
 
-  tools/bench_hotpath --base /work/wt/base92 --rounds 5 --threads 2
-  tools/bench_hotpath --stage vae --rounds 5 --threads 1
+  tools/bench/hotpath.py --base /work/wt/base92 --rounds 5 --threads 2
+  tools/bench/hotpath.py --stage vae --rounds 5 --threads 1
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def vae_child(args: argparse.Namespace) -> None:
@@ -123,7 +123,7 @@ def child(args: argparse.Namespace) -> None:
 
 def run_child(tree: Path, mode: str, args: argparse.Namespace) -> dict:
     env = {**os.environ, "PYTHONPATH": str(tree), "OMP_NUM_THREADS": str(args.threads)}
-    cmd = [sys.executable, str(ROOT / "tools" / "bench_hotpath"), "--child", "--mode", mode]
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--child", "--mode", mode]
     cmd += ["--threads", str(args.threads), "--blocks", str(args.blocks), "--stage", args.stage]
     res = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=str(tree))
     if res.returncode:

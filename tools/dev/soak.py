@@ -7,10 +7,10 @@ malformed requests (which must get a 4xx). Every well-formed request's video is 
 count and a keyframe at every fragment start, from the boxes). At the end the daemon must be idle
 and hold no more file descriptors, child processes or shared-memory segments than at the start.
 
-  tools/soak --clients 3 --minutes 10            # starts its own daemon on the embedded model
-  tools/soak --url http://127.0.0.1:8000 --minutes 1
-  tools/soak --sizes random -- --vae-gpus 3      # every request at a random size the limits allow
-  tools/soak --live --minutes 10                 # one live video, steered every 20 s, then stopped
+  tools/dev/soak.py --clients 3 --minutes 10            # starts its own daemon on the embedded model
+  tools/dev/soak.py --url http://127.0.0.1:8000 --minutes 1
+  tools/dev/soak.py --sizes random -- --vae-gpus 3      # every request at a random size the limits allow
+  tools/dev/soak.py --live --minutes 10                 # one live video, steered every 20 s, then stopped
 
 A soak passes with no failure, no leak and no worker restart. A live soak also samples the memory
 of the supervisor and of every worker each 10 s (it must stay flat: the KV window and sinks bound
@@ -36,7 +36,7 @@ from pathlib import Path
 
 import aiohttp
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def check_mp4(data: bytes, frames: int) -> str | None:

@@ -3,8 +3,8 @@
 at once (B = 1, 2, 4), against B = 1, interleaved over rounds, steady state (sessions past the
 first block, the DiT window filling as it would in a stream).
 
-    tools/bench_batching --size 256x144 --rounds 5 --json docs/results/bench_batching.json
-    tools/bench_batching --preset wan2.1-t2v-1.3b --random-weights --device cuda --size 832x480
+    tools/bench/batching.py --size 256x144 --rounds 5 --json docs/results/bench_batching.json
+    tools/bench/batching.py --preset wan2.1-t2v-1.3b --random-weights --device cuda --size 832x480
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402

@@ -15,7 +15,7 @@ Cuts run in interleaved rounds (each round in a rotated order), so a machine who
 drifts slows them alike. Printed: each stage's own time on one core (where a cut can go), then
 per cut the steady time per block in every round, the median, and the speedup over cut 0.
 
-  python tools/bench_vae_cut.py --cuts 0,3,4,5 --rounds 3 --json docs/results/bench_vae_cut.json
+  python tools/bench/vae_cut.py --cuts 0,3,4,5 --rounds 3 --json docs/results/bench_vae_cut.json
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 WARM_BLOCKS = 4  # DiT blocks before timing: its attention window fills
 
@@ -178,11 +178,11 @@ def main() -> None:
     cuts = [int(c) for c in a.cuts.split(",")]
     cores = sorted(os.sched_getaffinity(0))
     if len(cores) < 2:
-        sys.exit("bench_vae_cut: needs 2 cores")
+        sys.exit("tools/bench/vae_cut.py: needs 2 cores")
     costs, shapes = stage_costs(cores[1], size)
     os.sched_setaffinity(0, set(cores))  # the children pin themselves
     if max(cuts) > len(costs) or min(cuts) < 0:
-        sys.exit(f"bench_vae_cut: cuts go from 0 to {len(costs)}")
+        sys.exit(f"tools/bench/vae_cut.py: cuts go from 0 to {len(costs)}")
     total = sum(costs)
     print(f"VAE stages at {a.size}, one core, steady block ({total:.0f} ms):")
     run_sum = 0.0

@@ -8,7 +8,7 @@ on a shared machine hits them alike. Prints the median (min-max) per block over 
 speedup of the medians over k = 1, and the halo bytes each shard sent per block; --front also
 compares the replicated front (default) with the sharded front (all-gather for the attention).
 
-  python tools/bench_vae_shard.py --sizes 256x144,416x240 --ks 1,2
+  python tools/bench/vae_shard.py --sizes 256x144,416x240 --ks 1,2
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 
 def shard(rank, world, addr, args, out):

@@ -17,11 +17,11 @@ The default comparison, at 2 workers (2 cores, one thread each):
 Also: hybrid-1+2 (a VAE shard beside the DiT on its core), agg-sp2 (the DiT sequence-parallel
 over both workers, then the VAE sharded over both), auto (the daemon's own plan).
 
-  tools/bench                           # the default comparison, writes docs/results/bench.json, docs/results/bench.png
-  tools/bench --layouts disagg-1+1 --w1-only
-  tools/bench --url http://127.0.0.1:8000 --w1-only     # an already running daemon
-  tools/bench --layouts disagg-1+1,agg-1x2t,hybrid-1+2 --repeats 8   # W1 interleaved, 8 rounds
-  tools/bench --layouts "base=@/work/wt/base92 --dit-gpus 1 --vae-gpus 1,this=--dit-gpus 1 --vae-gpus 1" --repeats 5
+  tools/bench/layouts.py                           # the default comparison, writes docs/results/bench.json, docs/results/bench.png
+  tools/bench/layouts.py --layouts disagg-1+1 --w1-only
+  tools/bench/layouts.py --url http://127.0.0.1:8000 --w1-only     # an already running daemon
+  tools/bench/layouts.py --layouts disagg-1+1,agg-1x2t,hybrid-1+2 --repeats 8   # W1 interleaved, 8 rounds
+  tools/bench/layouts.py --layouts "base=@/work/wt/base92 --dit-gpus 1 --vae-gpus 1,this=--dit-gpus 1 --vae-gpus 1" --repeats 5
       # two builds interleaved (@DIR: the checkout at DIR)
 """
 
@@ -45,7 +45,7 @@ import aiohttp
 
 from streamdiff.placement.profile.probes import cpu_seconds
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 LAYOUTS = {
     "disagg-1+1": ["--dit-gpus", "1", "--vae-gpus", "1"],

@@ -3,8 +3,8 @@
 for hardware this project cannot run: `streamdiffd plan --devices N --profile OUT` then ranks
 the layouts of N such devices.
 
-    tools/published_profile --out docs/results/profile-b70.json      # the Arc Pro B70 figures in the notes
-    tools/published_profile --decoder taehv --decoder-ratio 0.1 --out docs/results/profile-b70-taehv.json
+    tools/dev/published_profile.py --out docs/results/profile-b70.json      # the Arc Pro B70 figures in the notes
+    tools/dev/published_profile.py --decoder taehv --decoder-ratio 0.1 --out docs/results/profile-b70-taehv.json
 
 The defaults are the figures measured on one Intel Arc Pro B70 at 832x480 by the implementation
 behind the seed article (../shared/notes/wan-reference.md): DiT 0.957 s and VAE 1.290 s per
@@ -19,7 +19,7 @@ filled as follows, and the profile says so in its `assumptions`:
 - no batching gain (no figure): batch factors 1;
 - the encoder: libx264 at that size, measured on this machine's CPU when the tool runs;
 - with --decoder taehv: TAEHV's block is the VAE's times --decoder-ratio (TAEHV over the Wan VAE per
-  block, measured on one device with tools/bench_decoders.py: no published B70 figure exists), it
+  block, measured on one device with tools/bench/decoders.py: no published B70 figure exists), it
   is never sharded (no VAE groups) and its first block is 9/12 of a steady one, as the VAE's.
 """
 
@@ -30,7 +30,7 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from streamdiff.placement.profile.probes import encode_ms  # noqa: E402

@@ -2,8 +2,8 @@
 """A small streamdiff client (standard library only): stream a prompt or a storyboard to an
 MP4 file while it is generated, printing each fragment and scene as it arrives.
 
-  python tools/client.py "a red fox running through snow" --seconds 4 -o fox.mp4
-  python tools/client.py --scene "a fox in snow|3" --scene "the fox at a lake|3|continue" \\
+  python examples/client.py "a red fox running through snow" --seconds 4 -o fox.mp4
+  python examples/client.py --scene "a fox in snow|3" --scene "the fox at a lake|3|continue" \\
       --scene "a city at night|3|cut" -o story.mp4
 """
 

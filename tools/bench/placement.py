@@ -2,12 +2,12 @@
 """The simulator against the pipeline, and the planner's pick against the fixed layouts.
 
 Each round measures a fresh profile of this machine (streamdiffd profile), predicts every
-layout's W1 from it with the simulator, then measures every layout with tools/bench, the
+layout's W1 from it with the simulator, then measures every layout with tools/bench/layouts.py, the
 planner's own pick ("auto": streamdiffd with no layout flags, planning from that round's
 profile) included. Rounds interleave, so a machine whose speed drifts is sampled across the
 drift; the prediction of a round is compared with the measurement of the same round.
 
-    tools/bench_placement --rounds 3 --json docs/results/bench_placement.json
+    tools/bench/placement.py --rounds 3 --json docs/results/bench_placement.json
 """
 
 from __future__ import annotations
@@ -22,21 +22,20 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 LAYOUTS = "disagg-1+1,agg-1x2t,agg-seq-k2,agg-2rep,hybrid-1+2,agg-sp2,shared-1+1,auto"
 
 
 def bench_module():
-    """tools/bench as a module (its file has no .py suffix): its layout table is the one measured."""
-    import importlib.machinery
+    """tools/bench/layouts.py, loaded from beside this script: its layout table is the one measured."""
     import importlib.util
 
-    loader = importlib.machinery.SourceFileLoader("bench", str(ROOT / "tools" / "bench"))
-    module = importlib.util.module_from_spec(importlib.util.spec_from_loader("bench", loader))
-    sys.modules["bench"] = module  # its dataclasses look their module up while it loads
-    loader.exec_module(module)
+    spec = importlib.util.spec_from_file_location("layouts", Path(__file__).resolve().with_name("layouts.py"))
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["layouts"] = module  # its dataclasses look their module up while it loads
+    spec.loader.exec_module(module)
     return module
 
 
@@ -103,7 +102,7 @@ def main() -> None:
             subprocess.run(
                 [
                     sys.executable,
-                    str(ROOT / "tools" / "bench"),
+                    str(Path(__file__).resolve().with_name("layouts.py")),
                     "--layouts",
                     name,
                     "--w1-only",

@@ -4,14 +4,14 @@ on a blue background"): the object's colour and direction of motion read from th
 frames (streamdiff/synthetic.py) against the prompt. Prints one JSON line per video; exit 1 if
 any is wrong.
 
-  tools/check_video out.mp4 "a red ball moving left on a blue background"
-  tools/check_video --frames 0:48 story.mp4 "a red ball moving left on a blue background"
+  tools/dev/check_video.py out.mp4 "a red ball moving left on a blue background"
+  tools/dev/check_video.py --frames 0:48 story.mp4 "a red ball moving left on a blue background"
 
 Or asks a running daemon for the grammar's held-out prompts (the embedded default never trained
 on them, synthetic.HELD_OUT), one video each, and prints each verdict and the share right; exit 1
 if a share is under its bar:
 
-  tools/check_video --url http://127.0.0.1:8000 --held-out 24 --size 256x144
+  tools/dev/check_video.py --url http://127.0.0.1:8000 --held-out 24 --size 256x144
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from pathlib import Path
 import av
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from streamdiff.synthetic import HELD_OUT, Caption, check, held_out_prompts  # noqa: E402
 
 

@@ -3,7 +3,7 @@
 built, calibrated and READY), for several flag sets started in turn, round by round (interleaved,
 so a machine's drift falls on all alike). Prints each start and the median per flag set.
 
-  tools/bench_start --runs "trained=--model tiny" --runs "seeded=--model tiny-random" --rounds 5
+  tools/bench/start.py --runs "trained=--model tiny" --runs "seeded=--model tiny-random" --rounds 5
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def free_port() -> int:

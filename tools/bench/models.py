@@ -5,9 +5,9 @@ Steady state: blocks are generated until the DiT's attention window is full (the
 stops growing), then `--blocks` more are timed; the VAE decodes the same latents. Prints one
 line per preset and, with --json, writes the figures.
 
-  python tools/bench_models.py                          # tiny preset, CPU, one thread
-  python tools/bench_models.py --preset wan2.1-t2v-1.3b --random-weights --size 832x480 --device cuda
-  python tools/bench_models.py --calibrate              # the tiny preset's DiT layer fraction
+  python tools/bench/models.py                          # tiny preset, CPU, one thread
+  python tools/bench/models.py --preset wan2.1-t2v-1.3b --random-weights --size 832x480 --device cuda
+  python tools/bench/models.py --calibrate              # the tiny preset's DiT layer fraction
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import torch  # noqa: E402
 

@@ -5,8 +5,8 @@ One steady block each (after the shot's first block, untimed), fp32, as the VAE 
 (`VAEEngine.decode_blocks`, in the CPU working set's chunks). Prints one line per decoder and,
 with --json, writes the figures.
 
-  python tools/bench_decoders.py                         # the embedded default at 256x144
-  python tools/bench_decoders.py --real --size 832x480   # the real Wan VAE config vs published-width TAEHV
+  python tools/bench/decoders.py                         # the embedded default at 256x144
+  python tools/bench/decoders.py --real --size 832x480   # the real Wan VAE config vs published-width TAEHV
 
 Without --real: the tiny preset's Wan VAE and its TAEHV (TINY_TAEHV, random seeded weights), and
 TAEHV at the published widths, all on the embedded default's latent shape. With --real: the real
@@ -24,7 +24,7 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import torch  # noqa: E402
 

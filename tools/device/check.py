@@ -1,12 +1,12 @@
 #!/usr/bin/env python3
 """One short run on an accelerator that shows what the CPU cannot (about 5 minutes on one H200).
 
-    python tools/device_check                  # cuda or xpu, whichever is present
-    python tools/device_check --device cpu --quick   # the same checks, trimmed, on the CPU (CI)
+    python tools/device/check.py                  # cuda or xpu, whichever is present
+    python tools/device/check.py --device cpu --quick   # the same checks, trimmed, on the CPU (CI)
 
 1. stages: the real Wan 2.1 1.3B DiT and VAE configs (random weights) at 832x480 in bf16,
    chunk-wise (3 latent frames per block) and frame-wise (1): per-block times, peak memory
-   (tools/bench_models.py in a child process, one per sampler setting).
+   (tools/bench/models.py in a child process, one per sampler setting).
 2. numerics: our DiT and VAE in bf16 against diffusers' `WanTransformer3DModel` and
    `AutoencoderKLWan` in bf16, both against diffusers in fp32 on the same device. Tolerance:
    ours may be at most 1.5x as far from the fp32 reference as diffusers' own bf16 is, plus
@@ -53,7 +53,7 @@ import time
 import traceback
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
@@ -89,7 +89,7 @@ def check_stages(dev: str, a) -> dict:
         path.unlink(missing_ok=True)
         cmd = [
             sys.executable,
-            str(ROOT / "tools" / "bench_models.py"),
+            str(ROOT / "tools" / "bench" / "models.py"),
             "--preset",
             "wan2.1-t2v-1.3b",
             "--random-weights",
@@ -110,7 +110,7 @@ def check_stages(dev: str, a) -> dict:
             cmd += ["--warm-blocks", "0", "--layers", "2"]
         r = subprocess.run(cmd, capture_output=True, text=True, timeout=a.stage_timeout_s)
         if r.returncode != 0:
-            raise RuntimeError(f"bench_models failed:\n{r.stderr[-3000:]}")
+            raise RuntimeError(f"tools/bench/models.py failed:\n{r.stderr[-3000:]}")
         print(r.stdout.strip(), flush=True)
         out[f"{'chunk' if fpb == 3 else 'frame'}wise"] = json.loads(path.read_text())[0]
     return out
@@ -118,15 +118,15 @@ def check_stages(dev: str, a) -> dict:
 
 def check_taehv(dev: str, a) -> dict:
     """TAEHV (published widths) against the real Wan VAE config, one steady block of 3 latent
-    frames at 832x480 each, fp32 (tools/bench_decoders.py); --quick: TAEHV alone at 128x64."""
+    frames at 832x480 each, fp32 (tools/bench/decoders.py); --quick: TAEHV alone at 128x64."""
     path = Path(a.workdir) / "decoders.json"
-    cmd = [sys.executable, str(ROOT / "tools" / "bench_decoders.py"), "--real", "--device", dev]
+    cmd = [sys.executable, str(ROOT / "tools" / "bench" / "decoders.py"), "--real", "--device", dev]
     cmd += ["--size", a.size, "--blocks", str(a.blocks), "--json", str(path)]
     if a.quick:
         cmd += ["--only", "taehv"]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=a.stage_timeout_s)
     if r.returncode != 0:
-        raise RuntimeError(f"bench_decoders failed:\n{r.stderr[-3000:]}")
+        raise RuntimeError(f"tools/bench/decoders.py failed:\n{r.stderr[-3000:]}")
     print(r.stdout.strip(), flush=True)
     res = json.loads(path.read_text())
     return {**res, "ok": res["taehv-published"]["block_ms"] > 0 and res["taehv-published"]["frames"] == 12}

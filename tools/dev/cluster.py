@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """N streamdiffd nodes behind HAProxy on one machine, for development, demos and the tests.
 
-    tools/cluster --nodes 3 --port 8000 -- --vae-gpus 1
-    tools/cluster --nodes 2 --port 0 --store-dir /tmp/videos      # --port 0: a free port
+    tools/dev/cluster.py --nodes 3 --port 8000 -- --vae-gpus 1
+    tools/dev/cluster.py --nodes 2 --port 0 --store-dir /tmp/videos      # --port 0: a free port
 
 Each node gets its node id (node1, node2, ...), its own ports (HTTP and HAProxy agent), its own
 shared-memory instance and its share of the machine: on the CPU an equal share of the cores
@@ -25,7 +25,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from streamdiff.cluster import Node, render_haproxy  # noqa: E402

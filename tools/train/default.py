@@ -1,14 +1,14 @@
 #!/usr/bin/env python3
 """Train the embedded default on the synthetic grammar (issue 13), on this CPU.
 
-  tools/train_default vae --out train/ --steps 3000      # the VAE: encoder + the decoder that ships
-  tools/train_default vae --frames 61 --chunk 4 --crop 128x96 --batch 2 --lr 1e-3 --steps 12000 --keep-every 2000
+  tools/train/default.py vae --out train/ --steps 3000      # the VAE: encoder + the decoder that ships
+  tools/train/default.py vae --frames 61 --chunk 4 --crop 128x96 --batch 2 --lr 1e-3 --steps 12000 --keep-every 2000
                                                          # long clips chunk by chunk from the start (issue 36)
-  tools/train_default dit --out train/ --steps 4000      # then the DiT and the text encoder
-  tools/train_default recon --out train/ --clips 24      # the checker on clips through the VAE alone
-  tools/train_default eval --out train/ --prompts 50     # the checker on held-out prompts, a contact sheet
-  tools/train_default plot --out train/ --png curves.png # the training curves
-  tools/train_default export --out train/                # the decoder, DiT and text encoder into
+  tools/train/default.py dit --out train/ --steps 4000      # then the DiT and the text encoder
+  tools/train/default.py recon --out train/ --clips 24      # the checker on clips through the VAE alone
+  tools/train/default.py eval --out train/ --prompts 50     # the checker on held-out prompts, a contact sheet
+  tools/train/default.py plot --out train/ --png curves.png # the training curves
+  tools/train/default.py export --out train/                # the decoder, DiT and text encoder into
                                                          # streamdiff/models/weights/ (the default)
 
 Every stage resumes from its checkpoint in --out and appends its curve to <stage>_curve.jsonl.
@@ -20,7 +20,7 @@ import argparse
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 
 def plot(out: Path, png: Path) -> int:
