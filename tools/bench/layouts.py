@@ -17,11 +17,12 @@ The default comparison, at 2 workers (2 cores, one thread each):
 Also: hybrid-1+2 (a VAE shard beside the DiT on its core), agg-sp2 (the DiT sequence-parallel
 over both workers, then the VAE sharded over both), auto (the daemon's own plan).
 
-  tools/bench/layouts.py                           # the default comparison, writes docs/results/bench.json, docs/results/bench.png
+  tools/bench/layouts.py          # the default comparison, writes docs/results/bench.json, docs/results/bench.png
   tools/bench/layouts.py --layouts disagg-1+1 --w1-only
   tools/bench/layouts.py --url http://127.0.0.1:8000 --w1-only     # an already running daemon
   tools/bench/layouts.py --layouts disagg-1+1,agg-1x2t,hybrid-1+2 --repeats 8   # W1 interleaved, 8 rounds
-  tools/bench/layouts.py --layouts "base=@/work/wt/base92 --dit-gpus 1 --vae-gpus 1,this=--dit-gpus 1 --vae-gpus 1" --repeats 5
+  tools/bench/layouts.py --repeats 5 \\
+      --layouts "base=@/work/wt/base92 --dit-gpus 1 --vae-gpus 1,this=--dit-gpus 1 --vae-gpus 1"
       # two builds interleaved (@DIR: the checkout at DIR)
 """
 
