@@ -3,13 +3,13 @@
 
   tools/train/default.py vae --out train/ --steps 3000      # the VAE: encoder + the decoder that ships
   tools/train/default.py vae --frames 61 --chunk 4 --crop 128x96 --batch 2 --lr 1e-3 --steps 12000 --keep-every 2000
-                                                         # long clips chunk by chunk from the start (issue 36)
+                                                            # long clips chunk by chunk from the start (issue 36)
   tools/train/default.py dit --out train/ --steps 4000      # then the DiT and the text encoder
   tools/train/default.py recon --out train/ --clips 24      # the checker on clips through the VAE alone
   tools/train/default.py eval --out train/ --prompts 50     # the checker on held-out prompts, a contact sheet
   tools/train/default.py plot --out train/ --png curves.png # the training curves
   tools/train/default.py export --out train/                # the decoder, DiT and text encoder into
-                                                         # streamdiff/models/weights/ (the default)
+                                                            # streamdiff/models/weights/ (the default)
 
 Every stage resumes from its checkpoint in --out and appends its curve to <stage>_curve.jsonl.
 """
