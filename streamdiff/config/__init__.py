@@ -110,8 +110,7 @@ class TopologyConfig:
 class PipelineConfig:
     # per session: blocks generated but not yet delivered. A block passes the DiT, the VAE and
     # the encoder: 3 lets each hold one and leaves no slack, so where two stages are balanced
-    # (a VAE cut) one long block stalls the other:
-    # docs/benchmarks.md#the-cut-follows-the-blocks-placementcutpy-the-same-evening
+    # (a VAE cut) one long block stalls the other (docs/design.md#data-plane-and-control-plane)
     max_blocks_in_flight: int = 5
     startup_buffer_s: float = 0.5  # a player starts this long after its first fragment: deadlines count from there
     live_lead_s: float = 1.0  # a live session is generated at most this far ahead of its player's clock

@@ -10,8 +10,7 @@ import torch
 
 def use_compile(mode: str, device: str | torch.device) -> bool:
     """Whether `--compile mode` compiles on this device. `auto`: on accelerators; not on the CPU,
-    where compiled blocks measured no faster than eager:
-    docs/benchmarks.md#the-device-resident-hot-path-issue-33-amd-epyc-2-vcpus-shared."""
+    where compiled blocks measured little faster than eager (docs/design.md#model-core-models)."""
     if mode not in ("auto", "on", "off"):
         raise ValueError(f"compile must be auto, on or off, got {mode!r}")
     return mode == "on" or (mode == "auto" and torch.device(device).type != "cpu")

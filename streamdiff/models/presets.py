@@ -63,7 +63,7 @@ DTYPES = {
 # block at the default 256x144 (full attention window, 4 steps + the cache refresh): each DiT
 # layer costs TINY_LAYER_FRACTION, the rest of the DiT (embeddings, head, sampler)
 # TINY_DIT_OVERHEAD_FRACTION. Measured with tools/bench/models.py --calibrate on this project's
-# 2-core CI machine (fp32, one thread per stage): docs/benchmarks.md#model-stages-toolsbench_modelspy.
+# 2-core CI machine (fp32, one thread per stage).
 # Both stages are compute-bound fp32 on the same core, so the fractions carry across CPUs far
 # better than either time does.
 TINY_LAYER_FRACTION = 0.12

@@ -95,7 +95,7 @@ class Costs:
         """(DiT, VAE): each stage's speed on `cores` threads (its own and those lent to it while
         the other waits) against its speed on its own, from the profile's thread rounds; 1 where
         the profile has no figure at that count. `first`: a shot's first block, timed after
-        idle (docs/benchmarks.md#lending-cores-instead-of-sharing-them-2026-12-01-the-2-vcpu-epyc-a-faster-hour)."""
+        idle (docs/design.md#placement-placement)."""
         key = "first_ms" if first else "block_ms"
 
         def up(role: str, own: dict) -> float:

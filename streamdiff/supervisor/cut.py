@@ -8,14 +8,14 @@ of a decode. The workers' start-up blocks (READY), then every block, give the ma
 the VAE side's time over its stages' share is what a whole decode takes now, and the DiT
 side's time less its stages' share at that speed is the DiT's own. The planner picks a cut from
 a profile taken minutes earlier on a machine whose speed, and the balance of the stages, drift
-(docs/benchmarks.md#this-machines-profile-streamdiffd-profile---sizes-256x144128x64---rounds-3);
+(one 2-vCPU VM gave DiT/VAE 0.43-0.76 in profiles minutes apart; docs/design.md#placement-placement);
 this puts the cut where the blocks being made balance.
 
 Moved work does not cost the same on both sides: the DiT's process runs moved stages slower,
-and the activation reaches the VAE's core cold
-(docs/benchmarks.md#the-other-balance-the-2-vcpu-amd-epyc-2026-12-01-later). The
-profile's cut probes measure that exchange (placement/costs.py `Costs.cut_exchange`); the planner passes it
-as topology.vae_cut_exchange, so the balance here prices a cut as the simulator that chose it.
+and the activation reaches the VAE's core cold (on a 2-vCPU EPYC a moved ms of the VAE's work
+cost the DiT about 1.6 ms). The profile's cut probes measure that exchange (placement/costs.py
+`Costs.cut_exchange`); the planner passes it as topology.vae_cut_exchange, so the balance here
+prices a cut as the simulator that chose it.
 
 A session takes its DiT worker's cut at each shot's start, where both sides' stage caches start
 afresh (the workers refuse a change inside a shot). The cut moves only for a clear gain, so

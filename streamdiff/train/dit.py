@@ -73,12 +73,12 @@ class DiTRun:
     spread: float = 0.1
     # The first block at sigma 1 is drawn from pure noise, and a Wan DiT has no absolute position
     # (RoPE is relative, the patch embedding a strided convolution): from noise alone it cannot
-    # know where "the middle of the left edge" is. Measured (issue 36, docs/benchmarks.md): neither
-    # coupling the noise to the clip (session 5) nor a flow-ODE first block (session 6) made it
-    # commit to an object. With the position canvas before the first block (SamplerConfig.canvas)
-    # the place is readable, and a probe learnt it within 1500 first blocks, but only with the
-    # object weighted at sigma 1 too: unweighted it is 2% of the loss there. Without the canvas
-    # the object stays unweighted at sigma 1, where weighting an undecided place paints it everywhere.
+    # know where "the middle of the left edge" is: neither coupling the noise to the clip nor a
+    # flow-ODE first block made it commit to an object (docs/design.md#model-core-models). With
+    # the position canvas before the first block (SamplerConfig.canvas) the place is readable, and
+    # a probe learnt it within 1500 first blocks, but only with the object weighted at sigma 1 too:
+    # unweighted it is 2% of the loss there. Without the canvas the object stays unweighted at
+    # sigma 1, where weighting an undecided place paints it everywhere.
     canvas: bool = True
     # The share of first blocks drawn from pure noise (the rest at the sampler's other levels):
     # only there does the prompt alone say what to draw (later blocks have their context, lower

@@ -105,7 +105,7 @@ class DiTStage:
         self.engine.set_scene(sess, "calibration", cut=True)
         self.engine.generate_block(sess, p.sampler.frames_per_block)  # the first block has its own steps
         # Steady state: a full attention window behind the timed block, as in most of a stream
-        # (docs/benchmarks.md#interleaved-repeats-toolsbench---repeats-bench_repeats_json).
+        # (timed after one block it came out 30-40% low, and sized a hybrid's first bands too wide).
         # With a cut, the block's first VAE stages are part of its cost here (warmed like the DiT).
         fpb = p.sampler.frames_per_block
         for i in range(-(-sess.state.kv.window // fpb) - 1):

@@ -10,8 +10,8 @@ def install_lender(lender: Lender, module) -> int:
     """Adjust before every DiT block and every module of the VAE decoder in `module`, and
     before each CPU conv2d of the decoder (its `checkpoint`, models/wan/kernels.py); returns how
     many modules. The DiT's waits fall at the end of each VAE block, where the decoder's
-    full-resolution norms and convolutions run
-    (docs/benchmarks.md#lending-cores-instead-of-sharing-them-2026-12-01-the-2-vcpu-epyc-a-faster-hour)."""
+    full-resolution norms and convolutions run, in spells shorter than one of those convolutions
+    on one core (docs/design.md#processes-one-host)."""
     from ..models.wan import vae
     from ..models.wan.dit import Block
 

@@ -190,7 +190,7 @@ def levels(spec, sizes: list[tuple[int, int]], working_set: int, timeout_s: floa
 
     The thread rounds of `_measure_once` run one after the other, a minute or so apart, and this
     VM's speed drifts over such spans, which once chose the layout measured slowest
-    (docs/benchmarks.md#the-profiles-levels-2026-12-01-the-same-2-vcpu-xeon-avx-512amx). Here the
+    (docs/design.md#placement-placement). Here the
     one-thread DiT and VAE
     (side by side, as disagg-1+1 runs them) and each stage on two threads take turns for
     LEVEL_CYCLES cycles, so a drift slows all four alike; the medians set each figure's level
@@ -198,9 +198,8 @@ def levels(spec, sizes: list[tuple[int, int]], working_set: int, timeout_s: floa
 
     Every other cycle also runs each of `cuts` side by side as a stage-cut layout runs it: the
     DiT with the decoder's first c stages, the VAE with the rest (`cuts` in the result: each
-    side's block). The stages' own times misjudge a cut's two sides
-    (docs/benchmarks.md#the-other-balance-the-2-vcpu-amd-epyc-2026-12-01-later;
-    the simulator's `Costs.cut_factors`). Small cuts
+    side's block). The stages' own times misjudge a cut's two sides (the simulator's
+    `Costs.cut_factors`). Small cuts
     move less than this VM's noise, so the two largest-signal cuts are run, not all."""
     ctx = spawn_context()
     out = ctx.Queue()
