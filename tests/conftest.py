@@ -1,15 +1,40 @@
-"""Accelerator tests carry the `device` marker and skip cleanly when no CUDA or XPU device is present."""
+"""The suite's tiers, applied by rule here and nowhere else (README "Tests"):
+
+- `slow`: the test starts a process — a daemon, a worker, a process group, the CLI, any
+  subprocess. Found by reading the code the test runs: the test function and its fixtures, and
+  every function of tests/ they call, transitively; a name that resolves to `Daemon`, to the
+  `subprocess` or `multiprocessing` modules, or to a function that does, makes the test slow.
+  A test the rule misses fails when it starts a daemon or a streamdiff process anyway
+  (`_rule_miss`), so the fast tier stays in-process.
+- `device`: needs a CUDA or XPU accelerator; skipped cleanly when none is present.
+
+`pytest -m "not slow"` is the fast tier; `pytest` (`.ci/run`) runs everything."""
 
 from __future__ import annotations
 
+import functools
+import inspect
+import multiprocessing
+import subprocess
+import types
+
 import pytest
+
+from streamdiff import testing
+
+from . import helpers
+from .helpers import shared_daemon, stop_shared_daemon
+
+TESTS = __name__.rpartition(".")[0] or "tests"
+# What starts a process: the daemon, and the modules every other process start goes through.
+STARTERS = (testing.Daemon, subprocess, multiprocessing)
+# A name imported inside a function is not in its module's globals: read it as the helpers'.
+IMPORTED = {**vars(helpers), "subprocess": subprocess, "multiprocessing": multiprocessing}
 
 
 def accelerator() -> str | None:
-    try:
-        import torch
-    except ImportError:
-        return None
+    import torch
+
     if torch.cuda.is_available():
         return "cuda"
     if hasattr(torch, "xpu") and torch.xpu.is_available():
@@ -17,20 +42,96 @@ def accelerator() -> str | None:
     return None
 
 
+def _codes(code: types.CodeType):
+    yield code
+    for c in code.co_consts:
+        if isinstance(c, types.CodeType):
+            yield from _codes(c)
+
+
+@functools.cache
+def starts_processes(fn) -> bool:
+    """Whether `fn` (a test, a fixture or a helper of tests/) starts a process, by the names its
+    code (nested functions included) resolves in its module."""
+    fn = inspect.unwrap(fn)
+    code = getattr(fn, "__code__", None)
+    if code is None:
+        return False
+    scope = fn.__globals__
+    for c in _codes(code):
+        for name in c.co_names:
+            obj = scope.get(name, IMPORTED.get(name))
+            if obj is None:
+                continue
+            if any(obj is s for s in STARTERS) or obj is torch_mp():
+                return True
+            if isinstance(obj, types.FunctionType) and obj.__module__.startswith(TESTS):
+                if obj is not fn and starts_processes(obj):
+                    return True
+            if isinstance(obj, type) and obj.__module__.startswith(TESTS):  # a test helper class
+                init = obj.__dict__.get("__init__")
+                if init is not None and starts_processes(init):
+                    return True
+    return False
+
+
+@functools.cache
+def torch_mp():
+    import torch.multiprocessing
+
+    return torch.multiprocessing
+
+
+OWN = {"_rule_miss", "_stop_the_shared_daemon"}  # this file's autouse fixtures: every test has them
+
+
+def _fixture_funcs(item) -> list:
+    info = getattr(item, "_fixtureinfo", None)
+    if info is None:
+        return []
+    return [d.func for name, defs in info.name2fixturedefs.items() if name not in OWN for d in defs]
+
+
 def pytest_collection_modifyitems(config, items):
-    if accelerator() is not None:
-        return
-    skip = pytest.mark.skip(reason="no CUDA or XPU accelerator on this machine")
     for item in items:
-        if "device" in item.keywords:
-            item.add_marker(skip)
+        fn = getattr(item, "function", None)
+        if fn is not None and any(starts_processes(f) for f in [fn, *_fixture_funcs(item)]):
+            item.add_marker(pytest.mark.slow)
+    if accelerator() is None:
+        skip = pytest.mark.skip(reason="no CUDA or XPU accelerator on this machine")
+        for item in items:
+            if "device" in item.keywords:
+                item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def _rule_miss(request, monkeypatch):
+    """A test the rule left in the fast tier may not start a daemon or a streamdiff process."""
+    if "slow" in request.keywords:
+        yield
+        return
+
+    def refuse(*args, **kwargs):
+        raise AssertionError(
+            f"{request.node.nodeid} starts a process, but tests/conftest.py's rule did not mark it slow: "
+            "call the starter from the test or a fixture, where the rule can see it"
+        )
+
+    monkeypatch.setattr(testing.Daemon, "__init__", refuse)
+    popen = subprocess.Popen.__init__
+
+    def guarded(self, args, *a, **kw):
+        if "streamdiff" in " ".join(map(str, args if isinstance(args, list | tuple) else [args])):
+            refuse()
+        popen(self, args, *a, **kw)
+
+    monkeypatch.setattr(subprocess.Popen, "__init__", guarded)
+    yield
 
 
 @pytest.fixture
 def plain_daemon():
     """The run's shared plain daemon (tests/helpers.py `shared_daemon`), idle."""
-    from .helpers import shared_daemon
-
     return shared_daemon()
 
 
@@ -39,6 +140,4 @@ def _stop_the_shared_daemon():
     """Stops the shared daemon, if a test started it, once every test has run: it exits 0 and
     leaves no shared memory."""
     yield
-    from .helpers import stop_shared_daemon
-
     stop_shared_daemon()

@@ -136,10 +136,11 @@ def test_two_concurrent_streams_complete(daemon):
     assert stream_video(daemon.url, bodies["b"])[0] == results["b"]
 
 
-def test_concurrent_streams_of_one_size_batch_and_equal_themselves_alone(daemon):
-    """Three streams of one size at once: the DiT runs their blocks in shared forwards (the
-    metrics count blocks by batch size), and each stream equals the same request alone."""
-    before = dit_batch_counts(daemon)
+def test_concurrent_streams_of_one_size_equal_themselves_alone(daemon):
+    """Three streams of one size at once, which the DiT may run in shared forwards (whether it
+    does is the scheduler's timing-driven choice, asserted at the policy:
+    tests/test_scheduler_policy.py::test_three_concurrent_streams_of_one_size_share_dit_forwards):
+    each has its exact frames and equals the same request alone."""
     bodies = [{"prompt": f"scene {i}", "num_frames": 81, "size": "128x64", "seed": 50 + i} for i in range(3)]
     results = {}
     threads = [
@@ -150,9 +151,6 @@ def test_concurrent_streams_of_one_size_batch_and_equal_themselves_alone(daemon)
         t.start()
     for t in threads:
         t.join(timeout=300)
-    after = dit_batch_counts(daemon)
-    batched = sum(after.get(k, 0) - before.get(k, 0) for k in after if k > 1)
-    assert batched > 0, (before, after)
     for i, body in enumerate(bodies):
         check_video(results[i], 81, 128, 64, 16)
         assert_same_video(results[i], stream_video(daemon.url, body)[0])

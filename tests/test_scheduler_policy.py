@@ -664,3 +664,22 @@ def test_a_hybrid_groups_decodes_carry_band_weights_sized_to_the_dits_slack():
         else:
             assert weights[0] == []
         w.assert_clean()
+
+
+def test_three_concurrent_streams_of_one_size_share_dit_forwards():
+    """Three 81-frame streams of one size whose requests arrive a millisecond apart (three
+    clients at once), at the daemon's own settings: with a measured gain per block in a batch,
+    the DiT runs their blocks in shared forwards, and each stream gets every fragment in order.
+    (End to end, tests/test_daemon_stream.py asserts only what timing cannot change: each
+    stream equals itself alone.)"""
+    w = World(layout=(["dit0"], [["vae0.0"]]))
+    w.slow = {"dit0"}  # the DiT is the bottleneck: the three have blocks waiting for it together
+    calibrated(w, {2: 0.8, 3: 0.75}, block_ms=100.0, vae_ms=50.0)
+    sessions = [w.submit(name, seconds=81 / 16) for name in "abc"]
+    w.run()
+    sizes = [len(b) for b in first_batches(w)]
+    assert sizes[0] == 1  # the first request's first block goes at once, alone
+    assert max(sizes) == 3 and sum(n for n in sizes if n > 1) >= 2 * len(sessions[0].blocks)
+    for sess in sessions:
+        assert w.ended[sess.id].state == "done" and w.fragments(sess.id) == list(range(len(sess.blocks)))
+    w.assert_clean()
