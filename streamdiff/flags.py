@@ -120,6 +120,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="with no layout flags, plan from this profile ('streamdiffd profile --out FILE' elsewhere: the "
         "same model on the same device kind) instead of measuring this one",
     )
+    p.add_argument(
+        "--calibration-dir",
+        metavar="DIR",
+        help="store the workers' start-up timings here, and read them at a later start with the same model, "
+        "device and layout instead of timing blocks again (tests, development; default: time at every start)",
+    )
     p.add_argument("--host", help="listen address (default 127.0.0.1)")
     p.add_argument("--port", type=int, help="listen port (default 8000)")
     p.add_argument("--instance", help="instance name for shared memory and runtime files")
@@ -135,7 +141,7 @@ def overrides_from_args(a: argparse.Namespace, only: tuple[str, ...] | None = No
     """The config sections the parsed flags set; `only`: of these flags alone (the rest unset, as
     `streamdiffd plan` takes the model flags and gives --preset a meaning of its own)."""
     given = vars(a) if only is None else {k: getattr(a, k, None) for k in only}
-    o: dict[str, dict] = {"server": {}, "model": {}, "topology": {}, "encoder": {}, "store": {}}
+    o: dict[str, dict] = {"server": {}, "model": {}, "topology": {}, "encoder": {}, "store": {}, "pipeline": {}}
     for flag, key in (("dit_gpus", "dit_devices"), ("vae_gpus", "vae_devices"), ("devices", "devices")):
         v = given.get(flag)
         if v is not None and not 1 <= v <= 64:
@@ -147,6 +153,7 @@ def overrides_from_args(a: argparse.Namespace, only: tuple[str, ...] | None = No
         ("node_id", "server", "node_id"),
         ("agent_port", "server", "agent_port"),
         ("store_dir", "store", "dir"),
+        ("calibration_dir", "pipeline", "calibration_dir"),
         ("log_level", "server", "log_level"),
         ("dit_gpus", "topology", "dit_devices"),
         ("vae_gpus", "topology", "vae_devices"),

@@ -39,7 +39,11 @@ LAYOUT_FLAGS = {"--dit-gpus", "--vae-gpus", "--mode", "--devices", "--objective"
 
 
 class Daemon:
-    """streamdiffd in a subprocess on a free port with a unique instance name."""
+    """streamdiffd in a subprocess on a free port with a unique instance name. `flags`: what
+    every daemon of this process is started with as well (the test suite's calibration store,
+    tests/conftest.py)."""
+
+    flags: tuple[str, ...] = ()
 
     def __init__(
         self,
@@ -55,7 +59,8 @@ class Daemon:
         self.log = tempfile.NamedTemporaryFile(prefix="streamdiffd-", suffix=".log", delete=False)
         if not LAYOUT_FLAGS & set(args):  # the tests' default layout: one DiT and one VAE worker, not planned
             args = ("--dit-gpus", "1", "--vae-gpus", "1", *args)
-        cmd = [sys.executable, "-m", "streamdiff.cli", "--port", str(self.port), "--instance", self.instance, *args]
+        cmd = [sys.executable, "-m", "streamdiff.cli", "--port", str(self.port), "--instance", self.instance]
+        cmd += [*self.flags, *args]
         self.proc = subprocess.Popen(
             cmd,
             cwd=ROOT,

@@ -82,7 +82,11 @@ def torch_mp():
     return torch.multiprocessing
 
 
-OWN = {"_rule_miss", "_stop_the_shared_daemon"}  # this file's autouse fixtures: every test has them
+OWN = {
+    "_rule_miss",
+    "_stop_the_shared_daemon",
+    "_one_calibration_per_daemon_kind",
+}  # this file's autouse fixtures: every test has them
 
 
 def _fixture_funcs(item) -> list:
@@ -133,6 +137,16 @@ def _rule_miss(request, monkeypatch):
 def plain_daemon():
     """The run's shared plain daemon (tests/helpers.py `shared_daemon`), idle."""
     return shared_daemon()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _one_calibration_per_daemon_kind(tmp_path_factory):
+    """The run's daemons store their workers' start-up timings, and a later daemon of the same
+    model and layout reads them (workers/calibration.py): measured once per kind a run, not at
+    each of the dozens of starts."""
+    testing.Daemon.flags = ("--calibration-dir", str(tmp_path_factory.mktemp("calibration")))
+    yield
+    testing.Daemon.flags = ()
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -126,6 +126,9 @@ class PipelineConfig:
     cpu_memory_budget_bytes: int = 8 * 2**30  # cpu: caches one worker's sessions may hold (devices: 90% of free)
     max_batch: int = 4  # DiT: up to this many sessions' blocks in one forward, where it pays (1: no batching)
     vae_cpu_working_set_bytes: int = 48 * 2**20  # cpu: full-resolution activations per decode call (cache-sized)
+    # the workers' start-up figures are stored here and read by a later start with the same model,
+    # device and layout instead of measured (workers/calibration.py); empty: measured at every start
+    calibration_dir: str = ""
 
 
 @dataclass(frozen=True)

@@ -168,6 +168,7 @@ def build_topology(
             low_priority=t.mode == "hybrid" and roles == ("dit",),
             lend=lend.get(name),
             vae_cut=t.vae_cut,
+            calibration_dir=p.calibration_dir,
         )
         for name, roles, i in lay.procs
     ]

@@ -13,6 +13,7 @@ from ..ipc.shm import Ring
 from ..models.compiled import compile_stats
 from ..parallel.vae_group import group_max
 from ..platform import select
+from .calibration import calibrated
 from .errors import RequestError
 from .faults import Faults
 from .spec import WorkerSpec
@@ -74,7 +75,8 @@ class DiTStage:
 
             self.vae = VAEEngine(spec.model, spec.device, spec.vae_working_set_bytes).model
             self.stages = check_cut(self.vae, self.cut)
-        self.calibration = self.calibrate()
+        self.calibration = calibrated(spec, "dit", self.calibrate, self._agree)
+        self.graphs = compile_stats()["graphs"]
 
     def models(self) -> list[torch.nn.Module]:
         """The modules this stage runs (shared cores install their hooks on them)."""
@@ -138,7 +140,6 @@ class DiTStage:
             pair, fpb = [sess, other], p.sampler.frames_per_block
             self.engine.generate_blocks(pair, fpb)  # cold: a new shape
             batch_ms["2"] = timed_ms(self.platform, lambda: self.engine.generate_blocks(pair, fpb)) / 2
-        self.graphs = compile_stats()["graphs"]
         if self.engine.compiled:  # compiled at the first calibration blocks
             self.engine.loaded["compile"] = {"mode": self.engine.loaded["compile"], "on": True, **compile_stats()}
             log.info("DiT blocks compiled: %(graphs)d graphs in %(compile_s).1f s", self.engine.loaded["compile"])

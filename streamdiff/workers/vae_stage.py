@@ -15,6 +15,7 @@ from ..models.compiled import compile_stats
 from ..models.wan.rows import split_rows
 from ..parallel.vae_group import ExchangeHalo, group_max, move_bands
 from ..platform import select
+from .calibration import calibrated
 from .errors import RequestError
 from .faults import Faults
 from .spec import WorkerSpec
@@ -64,7 +65,7 @@ class VAEStage:
         self.stages = check_cut(self.engine.model, self.cut) if self.cut else 0
         self.cpu_budget = spec.cpu_memory_budget_bytes
         self.max_batch = spec.max_batch
-        self.calibration = self.calibrate()
+        self.calibration = calibrated(spec, "vae", self.calibrate, self._agree)
         if self.engine.compiled:  # compiled at the calibration blocks; a new shape later adds few
             self.calibration["compile"] = {"mode": spec.model.compile, "on": True, **compile_stats()}
             log.info("VAE norms compiled: %(graphs)d graphs in %(compile_s).1f s", self.calibration["compile"])

@@ -1,0 +1,86 @@
+"""A stage's start-up figures kept for the next start (`pipeline.calibration_dir`).
+
+A stage calibrates at start: it times blocks at the preset's default size and measures what a
+session holds (workers/dit_stage.py, vae_stage.py). With a calibration directory the figures
+are stored there under a key of everything that shapes them (the model, the device, the
+threads, the stage's group and cut, the batch and memory settings), and a later start with the
+same key reads them instead of measuring: the test suite starts dozens of daemons of one model
+on one machine, and a restart on the same host can skip seconds of timing blocks. A start with
+another key, or with no directory (the default), measures. The figures are only the first
+estimate: the supervisor's capacity model learns from every block after.
+
+On an accelerator the calibration blocks also warm the compiled graphs; a stored calibration
+skips them, so the first request compiles. That is for tests and development, not a service."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import logging
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+import msgspec
+
+from ..ipc import messages as m
+from .spec import WorkerSpec
+
+log = logging.getLogger("streamdiff.worker")
+
+# What each stage's calibrate() returns, and the message field types they are stored as.
+_READY = {"dit": m.DiTReady, "vae": m.VAEReady}
+_FIELDS = {"dit": ("cost", "batch_ms", "memory"), "vae": ("cost", "batch_ms", "memory", "stages_ms")}
+
+
+def key(spec: WorkerSpec, stage: str) -> str:
+    """Everything in the spec that shapes the stage's figures, hashed: not its name, sockets,
+    rings, log level, heartbeat, incarnation, injected faults, the group's address or the
+    lending ledger."""
+    group = dataclasses.replace(spec.group, name="", init_addr="") if spec.group else None
+    same = dataclasses.replace(
+        spec,
+        name="",
+        control_addr="",
+        latent_ring=None,
+        frame_ring=None,
+        group=group,
+        heartbeat_interval_s=0.0,
+        log_level="",
+        incarnation=0,
+        faults=(),
+        lend=None,
+    )
+    return hashlib.sha256(f"{stage} {same!r} {spec.lend is not None}".encode()).hexdigest()[:20]
+
+
+def _read(path: Path, stage: str) -> dict | None:
+    try:
+        ready = msgspec.json.decode(path.read_bytes(), type=_READY[stage])
+    except FileNotFoundError:
+        return None
+    except (OSError, msgspec.DecodeError, msgspec.ValidationError) as exc:
+        log.warning("stored calibration %s unreadable (%s): measuring", path, exc)
+        return None
+    return {f: getattr(ready, f) for f in _FIELDS[stage] if getattr(ready, f) is not None}
+
+
+def calibrated(
+    spec: WorkerSpec, stage: str, measure: Callable[[], dict], agree: Callable[[list[int]], list[int]]
+) -> dict:
+    """`measure()`, or the figures an earlier start with the same key stored. `agree`: the
+    stage's group-wide maximum; a group's ranks read theirs only if every rank has them, since
+    measuring runs collectives that all must join."""
+    if not spec.calibration_dir:
+        return measure()
+    path = Path(spec.calibration_dir) / f"{stage}-{key(spec, stage)}.json"
+    stored = _read(path, stage)
+    if not agree([int(stored is None)])[0]:
+        log.info("%s calibration read from %s", stage, path)
+        return stored
+    out = measure()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")  # whole or absent: a concurrent start reads one or the other
+    tmp.write_bytes(msgspec.json.encode(_READY[stage](**{f: out[f] for f in _FIELDS[stage] if f in out})))
+    os.replace(tmp, path)
+    return out

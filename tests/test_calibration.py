@@ -1,0 +1,84 @@
+"""A stage's start-up figures stored and read back (workers/calibration.py): keyed by what shapes
+them, read only where every rank of a group has its own, measured otherwise."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from streamdiff.ipc import messages as m
+from streamdiff.ipc.shm import RingSpec
+from streamdiff.models.spec import ModelSpec
+from streamdiff.workers.calibration import calibrated, key
+from streamdiff.workers.spec import GroupSpec, WorkerSpec
+
+
+def spec(tmp_path, **kw) -> WorkerSpec:
+    ring = RingSpec("sd-x", 2, 1024)
+    base = WorkerSpec("vae0.0", ("vae",), "cpu", 1, (0,), ModelSpec(), "ipc://a", ring, ring)
+    return replace(base, calibration_dir=str(tmp_path), **kw)
+
+
+FIGURES = {
+    "cost": m.StageCost(120.0, [256, 144], busy_ms=110.0),
+    "batch_ms": {"2": 90.0},
+    "memory": m.VAEMemory(4096.0, 8e9),
+    "stages_ms": m.StageTimes([10.0, 20.0], [256, 144]),
+}
+
+
+def alone(verdicts: list[int]) -> list[int]:
+    return verdicts
+
+
+def test_the_key_is_what_shapes_the_figures(tmp_path):
+    a = spec(tmp_path, group=GroupSpec("vae0", 0, 2, "tcp://127.0.0.1:1"))
+    renamed = replace(a, name="vae3.0", control_addr="ipc://b", incarnation=2, log_level="debug")
+    readdressed = replace(renamed, group=replace(a.group, name="vae3", init_addr="tcp://127.0.0.1:2"))
+    assert key(a, "vae") == key(readdressed, "vae")
+    for other in (
+        replace(a, model=ModelSpec(preset="tiny-random")),
+        replace(a, threads=2),
+        replace(a, device="cuda:0"),
+        replace(a, group=replace(a.group, rank=1)),
+        replace(a, vae_cut=2),
+        replace(a, max_batch=1),
+    ):
+        assert key(other, "vae") != key(a, "vae")
+    assert key(a, "dit") != key(a, "vae")
+
+
+def test_measured_once_then_read_back_equal(tmp_path):
+    runs = []
+
+    def measure():
+        runs.append(1)
+        return FIGURES
+
+    assert calibrated(spec(tmp_path), "vae", measure, alone) == FIGURES
+    assert calibrated(spec(tmp_path, name="vae1.0"), "vae", measure, alone) == FIGURES
+    assert len(runs) == 1
+    assert calibrated(spec(tmp_path, threads=2), "vae", measure, alone) == FIGURES
+    assert len(runs) == 2  # another key: measured
+    assert calibrated(replace(spec(tmp_path), calibration_dir=""), "vae", measure, alone) == FIGURES
+    assert len(runs) == 3  # no directory: measured at every start
+
+
+def test_a_group_measures_when_any_rank_lacks_its_figures(tmp_path):
+    """Measuring runs collectives every rank must join: a rank that has its figures still
+    measures when a peer has none (the group's maximum of 'missing' says so)."""
+    runs = []
+
+    def measure():
+        runs.append(1)
+        return FIGURES
+
+    calibrated(spec(tmp_path), "vae", measure, alone)
+    assert calibrated(spec(tmp_path), "vae", measure, lambda v: [1]) == FIGURES  # a peer misses its own
+    assert len(runs) == 2
+
+
+def test_an_unreadable_store_is_measured_again(tmp_path):
+    s = spec(tmp_path)
+    (tmp_path / f"vae-{key(s, 'vae')}.json").write_text("{not json")
+    assert calibrated(s, "vae", lambda: FIGURES, alone) == FIGURES
+    assert calibrated(s, "vae", lambda: {}, alone) == FIGURES  # stored whole this time
