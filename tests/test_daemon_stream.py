@@ -140,7 +140,9 @@ def test_concurrent_streams_of_one_size_equal_themselves_alone(daemon):
     """Three streams of one size at once, which the DiT may run in shared forwards (whether it
     does is the scheduler's timing-driven choice, asserted at the policy:
     tests/test_scheduler_policy.py::test_three_concurrent_streams_of_one_size_share_dit_forwards):
-    each has its exact frames and equals the same request alone."""
+    each has its exact frames and equals the same request alone, and the metrics count every
+    block the DiT ran, by the size of its batch."""
+    before = dit_batch_counts(daemon)
     bodies = [{"prompt": f"scene {i}", "num_frames": 81, "size": "128x64", "seed": 50 + i} for i in range(3)]
     results = {}
     threads = [
@@ -154,6 +156,8 @@ def test_concurrent_streams_of_one_size_equal_themselves_alone(daemon):
     for i, body in enumerate(bodies):
         check_video(results[i], 81, 128, 64, 16)
         assert_same_video(results[i], stream_video(daemon.url, body)[0])
+    after = dit_batch_counts(daemon)
+    assert sum(after.values()) - sum(before.values()) == 6 * 7  # six streams of 7 blocks (21 latent frames)
 
 
 def dit_batch_counts(d: Daemon) -> dict[int, float]:

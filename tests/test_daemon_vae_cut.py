@@ -19,7 +19,6 @@ from .helpers import (
     refused,
     stream_video,
 )
-from .test_daemon_stream import dit_batch_counts
 
 
 @pytest.fixture(scope="module")
@@ -40,19 +39,17 @@ def test_a_cut_decoder_streams_the_same_video_as_a_whole_one(cut4):
 
 @pytest.mark.timeout(300)
 def test_two_sessions_at_once_keep_their_own_stage_caches(cut4):
-    """Run together (their DiT blocks batched, so the DiT worker runs both sessions' first
-    stages in one call, each with its own caches; the VAE worker's batches of a cut are
-    tests/parallel/test_stage_batches.py's k1-cut), each session's video equals itself alone."""
+    """Run together (where the DiT batches their blocks, the DiT worker runs both sessions'
+    first stages in one call, each with its own caches: tests/parallel/test_stage_batches.py's
+    k1-cut proves that call; whether they batch is the scheduler's timing-driven choice,
+    tests/test_scheduler_policy.py), each session's video equals itself alone."""
     bodies = [  # 7 blocks each: with 3, a second request that started a few blocks late met no block to share
         {"prompt": "a red fox", "num_frames": 81, "size": "128x64", "seed": 1},
         {"prompt": "a city street", "num_frames": 81, "size": "128x64", "seed": 2},
     ]
     alone = [stream_video(cut4.url, b)[0] for b in bodies]
-    before = dit_batch_counts(cut4)
     with ThreadPoolExecutor(2) as pool:
         together = list(pool.map(lambda b: stream_video(cut4.url, b)[0], bodies))
-    after = dit_batch_counts(cut4)
-    assert after.get(2, 0) > before.get(2, 0), (before, after)  # the DiT ran them as batches of two
     for a, t in zip(alone, together, strict=True):
         check_video(t, 81, 128, 64, 16)
         assert_same_video(t, a)
