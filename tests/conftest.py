@@ -15,6 +15,7 @@ from __future__ import annotations
 import functools
 import inspect
 import multiprocessing
+import os
 import subprocess
 import types
 
@@ -96,6 +97,15 @@ def _fixture_funcs(item) -> list:
     return [d.func for name, defs in info.name2fixturedefs.items() if name not in OWN for d in defs]
 
 
+def pytest_configure(config):
+    """Under pytest-xdist each test process gets one of the cores for its in-process torch (two
+    processes with a thread per core each would oversubscribe them)."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        import torch
+
+        torch.set_num_threads(1)
+
+
 def pytest_collection_modifyitems(config, items):
     for item in items:
         fn = getattr(item, "function", None)
@@ -144,7 +154,9 @@ def _one_calibration_per_daemon_kind(tmp_path_factory):
     """The run's daemons store their workers' start-up timings, and a later daemon of the same
     model and layout reads them (workers/calibration.py): measured once per kind a run, not at
     each of the dozens of starts."""
-    testing.Daemon.flags = ("--calibration-dir", str(tmp_path_factory.mktemp("calibration")))
+    base = tmp_path_factory.getbasetemp()
+    shared = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base  # one store for the run's processes
+    testing.Daemon.flags = ("--calibration-dir", str(shared / "calibration"))
     yield
     testing.Daemon.flags = ()
 

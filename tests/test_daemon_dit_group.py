@@ -86,7 +86,8 @@ def test_a_killed_rank_fails_its_stream_fast_and_the_group_comes_back(sp2):
                     killed = time.monotonic()
         except httpx.RemoteProtocolError:
             pass  # a truncated transfer
-    assert killed is not None and time.monotonic() - killed < 15  # not the collective timeout
+    # Under half the 120 s collective timeout, under any load: the group failed on the death, not the timeout.
+    assert killed is not None and time.monotonic() - killed < 60
     job = httpx.get(f"{sp2.url}/v1/videos/{video_id}", timeout=10).json()
     assert job["status"] == "failed" and "dit1" in job["error"]["message"]
     health = sp2.wait_healthy(timeout_s=120)  # both ranks restarted on a fresh rendezvous

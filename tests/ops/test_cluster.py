@@ -144,7 +144,8 @@ def test_a_killed_node_is_marked_down_and_its_videos_answer(cluster):
     os.kill(cluster["nodes"][victim]["pid"], signal.SIGKILL)
     t_kill = time.monotonic()
     while httpx.get(f"{lb}/v1/videos/{running}", timeout=10).status_code != 421:
-        assert time.monotonic() - t_kill < 5, "the balancer did not mark the node down"
+        # Checks every 500 ms mark it down in about 1.5 s; 30 s only ends the loop if it never does.
+        assert time.monotonic() - t_kill < 30, "the balancer did not mark the node down"
         time.sleep(0.1)
     marked_down = time.monotonic() - t_kill
     lost = httpx.get(f"{lb}/v1/videos/{running}", timeout=10).json()["error"]

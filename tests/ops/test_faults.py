@@ -152,7 +152,7 @@ def test_drain_deadline_cuts_long_streams(tmp_path):
     t0 = time.monotonic()
     d.proc.send_signal(signal.SIGTERM)
     assert d.proc.wait(timeout=60) == 0
-    assert time.monotonic() - t0 < 30
+    assert time.monotonic() - t0 < 60  # the 2 s deadline cut it: the stream had 120 s to run, under any load
     t.join(30)
     assert "error" in out and d.segments() == []
 

@@ -98,7 +98,7 @@ def test_a_lost_control_message_fails_its_session_and_frees_its_slots(d):
     t0 = time.monotonic()
     r = httpx.post(d.url + "/v1/videos", json={**BODY, "seed": 669, "stream": True}, timeout=120)
     assert r.status_code == 500 and "never did (a lost control message)" in r.json()["error"]["message"]
-    assert time.monotonic() - t0 < 10
+    assert time.monotonic() - t0 < 60  # found lost within seconds; waiting for it would take the client's 120 s
     assert restarts(d) == before
     wait_idle(d)  # its slots came back
     data, _, _ = stream_video(d.url, {**BODY, "seed": 4})
