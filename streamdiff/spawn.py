@@ -16,6 +16,20 @@ def spawn_context():
     return mp.get_context("spawn")
 
 
+def worker_context():
+    """The workers' context: a fork server that has imported torch and the worker's modules once
+    (a daemon's first worker start pays for them; every other start and restart forks from it,
+    where each spawned worker imported torch itself: about 2 s of CPU a worker on the 2-vCPU
+    EPYC). The server runs no torch op and touches no accelerator, so nothing a fork would break
+    (an OpenMP pool, a CUDA context) exists when it forks; each worker sets its own threads and
+    device. Its environment is this process's at the first start (OMP_WAIT_POLICY as in
+    `spawn_context`). A worker's parent is the server, which exits when the daemon does."""
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "streamdiff.workers.dit_stage", "streamdiff.workers.vae_stage"])
+    return ctx
+
+
 def _answer(fn, args, out) -> None:
     try:
         out.put(fn(*args))

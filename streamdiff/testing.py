@@ -114,8 +114,13 @@ class Daemon:
         return Path(self.log.name).read_text(errors="replace")[-6000:]
 
     def children(self) -> list[int]:
-        out = subprocess.run(["pgrep", "-P", str(self.proc.pid)], capture_output=True, text=True).stdout
-        return [int(p) for p in out.split()]
+        """Every process under the supervisor: its workers, their fork server, the resource tracker."""
+        found, todo = [], [self.proc.pid]
+        while todo:
+            out = subprocess.run(["pgrep", "-P", str(todo.pop())], capture_output=True, text=True).stdout
+            found += [int(p) for p in out.split()]
+            todo += [int(p) for p in out.split()]
+        return found
 
     def segments(self) -> list[str]:
         return sorted(n for n in os.listdir("/dev/shm") if n.startswith(f"sd-{self.instance}-"))

@@ -15,6 +15,7 @@ again. Restarts back off exponentially while a worker keeps dying; a worker that
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import multiprocessing as mp
 import os
@@ -24,7 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 from ..ipc import messages as m
-from ..spawn import spawn_context
+from ..spawn import worker_context
 from ..workers.spec import WorkerSpec
 from .topology import Topology, free_port, with_new_group_addr
 
@@ -91,7 +92,7 @@ class WorkerPool:
         self.restart = restart
         self.ready_timeout_s = ready_timeout_s
         self.restart_backoff_reset_s = restart_backoff_reset_s
-        self.ctx = spawn_context()
+        self.ctx = worker_context()
         self.on_lost: Callable[[set[str], str], None] = lambda names, why: None
         self.on_worker_ready: Callable[[str], None] = lambda name: None
         self.on_idle: Callable[[str, float], None] = lambda name, since: None  # waiting, nothing queued, since
@@ -106,7 +107,8 @@ class WorkerPool:
 
         w.ready, w.info, w.failure, w.ready_since = False, m.ReadyInfo(), None, None
         w.last_heartbeat = w.spawned_at = time.monotonic()
-        w.process = self.ctx.Process(target=worker_main, args=(w.spec,), name=w.spec.name, daemon=True)
+        spec = dataclasses.replace(w.spec, supervisor_pid=os.getpid())
+        w.process = self.ctx.Process(target=worker_main, args=(spec,), name=w.spec.name, daemon=True)
         w.process.start()
         asyncio.get_running_loop().add_reader(w.process.sentinel, self._on_exit, w.spec.name)
         log.info(

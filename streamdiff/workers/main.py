@@ -1,7 +1,8 @@
 """Worker process: one DiT worker, one VAE shard, or both (aggregated mode) (runs in a worker).
 
-Started by the supervisor with the `spawn` method. The start-up is a handshake: build the
-stages, attach the rings, join the VAE group, then send READY (or FAILED with the reason). The
+Started by the supervisor from a fork server with torch imported (spawn.worker_context). The
+start-up is a handshake: build the stages, attach the rings, join the VAE group, then send
+READY (or FAILED with the reason). The
 loop reads control messages from the supervisor's ROUTER socket and runs one block at a time.
 
 Cancellation happens at block boundaries: before each block the loop drains every queued
@@ -17,7 +18,8 @@ context may be poisoned and would fail every later block).
 
 A heartbeat thread reports how long the current block has been running, so the supervisor can
 tell a busy worker from a stuck one. The worker dies with its parent (PR_SET_PDEATHSIG, and the
-heartbeat thread checks the parent pid as well).
+heartbeat thread checks that the supervisor is alive: the worker's parent is the supervisor's
+fork server, which outlives it while workers hold it open).
 """
 
 from __future__ import annotations
@@ -38,6 +40,14 @@ from .faults import Faults
 from .spec import WorkerSpec
 
 log = logging.getLogger("streamdiff.worker")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except (ProcessLookupError, PermissionError):  # gone (another user's: the pid was reused)
+        return False
+    return True
 
 
 def _die_with_parent() -> None:
@@ -77,7 +87,7 @@ class Worker:
         self.stopping = threading.Event()  # wakes the heartbeat at shutdown (its socket must close first)
         self.busy_since = 0.0
         self.waiting_since = 0.0
-        self.parent = os.getppid()
+        self.supervisor = spec.supervisor_pid or os.getppid()
         self.stages: dict[str, object] = {}
         self.faults = Faults(spec.faults, spec.name, spec.incarnation)
         self.seeds: dict[str, int] = {}  # session -> seed (only for matching injected faults)
@@ -119,7 +129,7 @@ class Worker:
         sock.setsockopt(zmq.LINGER, 0)
         sock.connect(self.spec.control_addr)
         while not self.stop:
-            if os.getppid() != self.parent:  # the supervisor is gone
+            if not _alive(self.supervisor):
                 os._exit(1)
             busy = time.monotonic() - self.busy_since if self.busy_since else 0.0
             waiting = self.waiting_since

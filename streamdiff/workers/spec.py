@@ -45,5 +45,6 @@ class WorkerSpec:
     low_priority: bool = False  # hybrid DiT: yields its device's CPU to the VAE shard beside it
     lend: LendSpec | None = None  # shared cores: borrows waiting workers' cores (platform/cpu_lending.py)
     vae_cut: int = 0  # the DiT runs the VAE decoder's first vae_cut stages, the VAE the rest (topology.vae_cut)
+    supervisor_pid: int = 0  # set at spawn: the worker exits when this process is gone
     calibration_dir: str = ""  # reuse the start-up figures stored here (workers/calibration.py); empty: measure
     faults: tuple[Fault, ...] = ()  # deliberate faults (tests and drills only; see workers/faults.py)
