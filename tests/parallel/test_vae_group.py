@@ -34,13 +34,54 @@ def plan_for(z, world, working_set_bytes=CPU_DECODE_WORKING_SET_BYTES, weights=N
     return plan_block(z.shape, world, "cpu", CFG.base_dim, 8, 4, 4, working_set_bytes, 1, weights)
 
 
-def shard_main(
+def join(rank, world, addr) -> list[int]:
+    """This process's rank of a gloo group; returns the count of batched point-to-point calls
+    (reset by each job)."""
+    torch.set_num_threads(1)
+    from streamdiff.parallel.vae_group import init_group
+
+    init_group(addr, rank, world, "cpu", timeout_s=60)
+    import torch.distributed as dist
+
+    batched = [0]
+    real_batch = dist.batch_isend_irecv
+
+    def counting_batch(ops):
+        batched[0] += 1
+        return real_batch(ops)
+
+    dist.batch_isend_irecv = counting_batch
+    return batched
+
+
+def shard_main(rank, world, addr, job, out):
+    """A rank of a group of its own, for one job (a shard that dies must not take a shared group)."""
+    try:
+        batched = join(rank, world, addr)
+    except Exception:
+        out.put((rank, "error", None, traceback.format_exc()))
+        return
+    shard_job(rank, world, batched, out, *job)
+
+
+def rank_main(rank, world, addr, jobs, out):
+    """A rank of a module's group: joins once, then runs the jobs it is sent until None."""
+    try:
+        batched = join(rank, world, addr)
+    except Exception:
+        out.put((rank, "error", None, traceback.format_exc()))
+        return
+    while (job := jobs.get()) is not None:
+        shard_job(rank, world, batched, out, *job)
+
+
+def shard_job(
     rank,
     world,
-    addr,
+    batched,
+    out,
     sessions,
     shard_front,
-    out,
     die_at=None,
     working_set_bytes=None,
     batch_sessions=False,
@@ -48,20 +89,9 @@ def shard_main(
 ):
     """Decode every session's blocks (interleaved in the given order) and send our strips."""
     try:
-        torch.set_num_threads(1)
-        from streamdiff.parallel.vae_group import ExchangeHalo, init_group, move_bands
+        from streamdiff.parallel.vae_group import ExchangeHalo, move_bands
 
-        init_group(addr, rank, world, "cpu", timeout_s=60)
-        import torch.distributed as dist
-
-        batched = [0]
-        real_batch = dist.batch_isend_irecv
-
-        def counting_batch(ops):
-            batched[0] += 1
-            return real_batch(ops)
-
-        dist.batch_isend_irecv = counting_batch
+        batched[0] = 0
         vae = make_decoder()
         states = {name: vae.new_state() for name in sessions}
         order = [
@@ -115,38 +145,84 @@ def run_group(
     batch=False,
     weights=None,
 ):
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    addr = f"tcp://127.0.0.1:{free_port()}"
-    procs = [
-        ctx.Process(
-            target=shard_main,
-            args=(r, world, addr, sessions, shard_front, out, die_at, working_set_bytes, batch, weights),
-        )
-        for r in range(world)
-    ]
+    """Every rank's strips and errors for one job: a dying shard's in a group of its own, every
+    other in the module's group of `world` ranks, started at its first job and kept (one gloo
+    group per world size a module, not one per test), and dropped after a job that fails."""
+    job = (sessions, shard_front, die_at, working_set_bytes, batch, weights)
+    if die_at is not None:
+        ctx = mp.get_context("spawn")
+        out = ctx.Queue()
+        addr = f"tcp://127.0.0.1:{free_port()}"
+        procs = [ctx.Process(target=shard_main, args=(r, world, addr, job, out)) for r in range(world)]
+        for p in procs:
+            p.start()
+        try:
+            return collect(world, out, timeout_s, die_at)
+        finally:
+            stop(procs)
+    pool = POOLS.get(world) or POOLS.setdefault(world, Pool(world))
+    for q in pool.jobs:
+        q.put(job)
+    try:
+        strips, errors = collect(world, pool.out, timeout_s, None)
+    except BaseException:
+        POOLS.pop(world).close()
+        raise
+    if errors:
+        POOLS.pop(world).close()
+    return strips, errors
+
+
+class Pool:
+    def __init__(self, world: int) -> None:
+        ctx = mp.get_context("spawn")
+        self.out = ctx.Queue()
+        self.jobs = [ctx.Queue() for _ in range(world)]
+        addr = f"tcp://127.0.0.1:{free_port()}"
+        self.procs = [
+            ctx.Process(target=rank_main, args=(r, world, addr, q, self.out)) for r, q in enumerate(self.jobs)
+        ]
+        for p in self.procs:
+            p.start()
+
+    def close(self) -> None:
+        for q in self.jobs:
+            q.put(None)
+        stop(self.procs)
+
+
+POOLS: dict[int, Pool] = {}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _close_the_groups():
+    yield
+    while POOLS:
+        POOLS.popitem()[1].close()
+
+
+def stop(procs) -> None:
     for p in procs:
-        p.start()
+        p.join(timeout=10)
+        if p.is_alive():
+            p.kill()
+
+
+def collect(world, out, timeout_s, die_at):
     strips, finished, errors = {}, set(), {}
     deadline = time.monotonic() + timeout_s
-    try:
-        while len(finished) + len(errors) < world - (1 if die_at else 0):
-            try:
-                rank, name, i, data = out.get(timeout=max(0.1, deadline - time.monotonic()))
-            except queue.Empty:
-                raise AssertionError(f"group of {world} hung: {len(finished)} done, {errors}") from None
-            if name == "done":
-                finished.add(rank)
-                strips[(rank, "p2p")] = data
-            elif name == "error":
-                errors[rank] = data
-            else:
-                strips[(rank, name, i)] = torch.from_numpy(data)
-    finally:
-        for p in procs:
-            p.join(timeout=10)
-            if p.is_alive():
-                p.kill()
+    while len(finished) + len(errors) < world - (1 if die_at else 0):
+        try:
+            rank, name, i, data = out.get(timeout=max(0.1, deadline - time.monotonic()))
+        except queue.Empty:
+            raise AssertionError(f"group of {world} hung: {len(finished)} done, {errors}") from None
+        if name == "done":
+            finished.add(rank)
+            strips[(rank, "p2p")] = data
+        elif name == "error":
+            errors[rank] = data
+        else:
+            strips[(rank, name, i)] = torch.from_numpy(data)
     return strips, errors
 
 
