@@ -36,6 +36,7 @@ def free_port() -> int:
 
 # Flags that choose a layout: a Daemon given none of them runs one DiT and one VAE worker.
 LAYOUT_FLAGS = {"--dit-gpus", "--vae-gpus", "--mode", "--devices", "--objective"}
+DEFAULT_LAYOUT = ("--dit-gpus", "1", "--vae-gpus", "1")  # the tests' layout where none is given: not planned
 
 
 class Daemon:
@@ -57,8 +58,8 @@ class Daemon:
         self.instance = instance or "t" + secrets.token_hex(4)
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = tempfile.NamedTemporaryFile(prefix="streamdiffd-", suffix=".log", delete=False)
-        if not LAYOUT_FLAGS & set(args):  # the tests' default layout: one DiT and one VAE worker, not planned
-            args = ("--dit-gpus", "1", "--vae-gpus", "1", *args)
+        if not LAYOUT_FLAGS & set(args):
+            args = (*DEFAULT_LAYOUT, *args)
         cmd = [sys.executable, "-m", "streamdiff.cli", "--port", str(self.port), "--instance", self.instance]
         cmd += [*self.flags, *args]
         self.proc = subprocess.Popen(

@@ -12,6 +12,7 @@ import httpx
 import pytest
 
 from streamdiff.testing import (  # noqa: F401  (re-exported for the tests)
+    DEFAULT_LAYOUT,
     LAYOUT_FLAGS,
     ROOT,
     TOKENIZER_WORDS,
@@ -97,7 +98,7 @@ def assert_same_as_one_dit_and_vae(got: bytes, body: dict, *flags: str, min_psnr
     if key not in _REFERENCES and not flags:  # the shared plain daemon (tests/conftest.py)
         _REFERENCES[key], _, _ = stream_video(shared_daemon().url, body)
     elif key not in _REFERENCES:
-        ref = Daemon("--dit-gpus", "1", "--vae-gpus", "1", *flags)
+        ref = Daemon(*DEFAULT_LAYOUT, *flags)
         try:
             _REFERENCES[key], _, _ = stream_video(ref.url, body)
         finally:

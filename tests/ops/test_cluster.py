@@ -17,7 +17,7 @@ import time
 import httpx
 import pytest
 
-from ..helpers import ROOT, check_video, decode, stream_video
+from ..helpers import DEFAULT_LAYOUT, ROOT, Daemon, check_video, decode, stream_video
 from .test_faults import start_stream
 
 pytestmark = pytest.mark.skipif(shutil.which("haproxy") is None, reason="needs Debian's haproxy")
@@ -29,7 +29,9 @@ def cluster(tmp_path_factory):
     store = tmp_path_factory.mktemp("store")
     proc = subprocess.Popen(
         [sys.executable, str(ROOT / "tools" / "dev" / "cluster.py"), "--nodes", "3", "--port", "0"]
-        + ["--store-dir", str(store), "--check-interval-ms", "500"],
+        + ["--store-dir", str(store), "--check-interval-ms", "500"]
+        # Each node a fixed layout: a node with none would plan, and profile the machine first.
+        + ["--", *Daemon.flags, *DEFAULT_LAYOUT],
         stdout=subprocess.PIPE,
         text=True,
     )

@@ -159,7 +159,9 @@ def test_drain_deadline_cuts_long_streams(tmp_path):
 
 @pytest.mark.timeout(600)
 def test_hundred_disconnects_at_random_points():
-    d = Daemon()
+    # The seeded weights' noise, so that the stop points fall across the stream: the trained
+    # default's frames compress so well that a 20 s video is shorter than the later ones.
+    d = Daemon("--model", "tiny-random")
     try:
         rng = random.Random(7)
         h0 = wait_idle(d)
