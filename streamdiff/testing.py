@@ -53,14 +53,17 @@ class Daemon:
         wait: bool = True,
         timeout_s: float = 120,
         instance: str | None = None,
+        prefix: tuple[str, ...] = (),
     ) -> None:
+        """`prefix`: a command that runs the daemon (e.g. in a namespace of its own); it must exec
+        it, so that the process started is the daemon's."""
         self.port = free_port()
         self.instance = instance or "t" + secrets.token_hex(4)
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = tempfile.NamedTemporaryFile(prefix="streamdiffd-", suffix=".log", delete=False)
         if not LAYOUT_FLAGS & set(args):
             args = (*DEFAULT_LAYOUT, *args)
-        cmd = [sys.executable, "-m", "streamdiff.cli", "--port", str(self.port), "--instance", self.instance]
+        cmd = [*prefix, sys.executable, "-m", "streamdiff.cli", "--port", str(self.port), "--instance", self.instance]
         cmd += [*self.flags, *args]
         self.proc = subprocess.Popen(
             cmd,

@@ -17,10 +17,17 @@ Segment names carry the daemon's instance name and pid; `sweep_stale` removes th
 instances whose process is gone (a SIGKILLed daemon cannot clean up after itself). We map the
 files directly instead of `multiprocessing.shared_memory`, whose resource tracker would unlink
 segments when any attached worker exits.
+
+The supervisor reserves every page of its rings when it creates them (`create_rings`:
+`posix_fallocate`), so a `/dev/shm` too small for them (a container's default is 64 MiB) is
+refused at start with one error naming the directory, the bytes and the fix. Mapped lazily, a
+ring would be backed page by page as its slots are first written, and the first write past the
+filesystem's size would kill that worker with SIGBUS, a few blocks into the first large stream.
 """
 
 from __future__ import annotations
 
+import errno
 import mmap
 import os
 import re
@@ -47,7 +54,14 @@ class Segment:
         fd = os.open(self.path, flags, 0o600)
         try:
             if create:
-                os.ftruncate(fd, size)
+                try:
+                    os.ftruncate(fd, size)
+                    os.posix_fallocate(fd, 0, size)  # every page now: no SIGBUS at a first write later
+                except OSError as exc:
+                    os.unlink(self.path)
+                    if exc.errno in (errno.ENOSPC, errno.ENOMEM, errno.EFBIG):
+                        raise SharedMemoryFull(shm_dir, {name: size}) from None
+                    raise
             self.size = os.fstat(fd).st_size
             self.buf = mmap.mmap(fd, self.size)
         finally:
@@ -69,6 +83,46 @@ class Segment:
             pass
 
 
+def free_bytes(shm_dir: str = SHM_DIR) -> int:
+    st = os.statvfs(shm_dir)
+    return st.f_bavail * st.f_frsize
+
+
+class SharedMemoryFull(OSError):
+    """The shared-memory directory cannot hold what the daemon must reserve there."""
+
+    def __init__(self, shm_dir: str, need: dict[str, int]) -> None:
+        self.shm_dir, self.need, self.free = shm_dir, dict(need), free_bytes(shm_dir)
+        parts = ", ".join(f"{name} {n / 2**20:.1f} MiB" for name, n in need.items())
+        super().__init__(
+            errno.ENOSPC,
+            f"{shm_dir} has {self.free / 2**20:.1f} MiB free ({self.free} bytes), and the shared-memory rings need "
+            f"{sum(need.values()) / 2**20:.1f} MiB ({sum(need.values())} bytes: {parts}); give it more "
+            "(docker run --shm-size=1g, or a memory-backed emptyDir at /dev/shm in Kubernetes)",
+        )
+
+
+def _page_aligned(n: int) -> int:
+    return (n + 4095) // 4096 * 4096
+
+
+def create_rings(instance: str, rings: dict[str, tuple[int, int]]) -> dict[str, Ring]:
+    """Create and reserve the rings `{name: (slots, slot_bytes)}`, or none of them: when the
+    directory cannot hold them all, SharedMemoryFull names it, the bytes each needs and the fix."""
+    need = {name: slots * _page_aligned(slot_bytes) for name, (slots, slot_bytes) in rings.items()}
+    if sum(need.values()) > free_bytes():
+        raise SharedMemoryFull(SHM_DIR, need)
+    made: dict[str, Ring] = {}
+    try:
+        for name, (slots, slot_bytes) in rings.items():
+            made[name] = Ring.create(instance, name, slots, slot_bytes)
+    except SharedMemoryFull:  # another tenant of the directory took the space since the check
+        for ring in made.values():
+            ring.close(unlink=True)
+        raise SharedMemoryFull(SHM_DIR, need) from None
+    return made
+
+
 @dataclass(frozen=True)
 class RingSpec:
     """What a worker needs to attach a ring: plain data, crosses process boundaries."""
@@ -85,7 +139,7 @@ class Ring:
 
     @classmethod
     def create(cls, instance: str, ring: str, slots: int, slot_bytes: int) -> Ring:
-        slot_bytes = (slot_bytes + 4095) // 4096 * 4096  # page-aligned slots
+        slot_bytes = _page_aligned(slot_bytes)
         return cls(RingSpec(segment_name(instance, ring), slots, slot_bytes), create=True)
 
     def array(self, slot: int, shape, dtype) -> np.ndarray:

@@ -24,7 +24,7 @@ import zmq.asyncio
 
 from ..config import Config, ConfigError
 from ..ipc import messages as m
-from ..ipc.shm import Ring, sweep_stale
+from ..ipc.shm import Ring, SharedMemoryFull, create_rings, sweep_stale
 from ..plan import plan_blocks
 from ..platform.cpu_lending import HostSlot
 from . import scheduler as sch
@@ -118,8 +118,18 @@ class Supervisor:
         self.runtime_dir = tempfile.mkdtemp(prefix=f"sd-{instance}-{os.getpid()}-", dir=base)
         latent_bytes, frame_bytes = self._ring_sizes()
         p = self.cfg.pipeline
-        self.latent_ring = Ring.create(instance, "latent", p.latent_slots, latent_bytes)
-        self.frame_ring = Ring.create(instance, "frames", p.frame_slots, frame_bytes)
+        try:
+            rings = create_rings(
+                instance, {"latent": (p.latent_slots, latent_bytes), "frames": (p.frame_slots, frame_bytes)}
+            )
+        except SharedMemoryFull as exc:
+            lim = self.cfg.limits
+            raise ConfigError(
+                f"{exc.strerror}; or reserve less: the rings hold pipeline.latent_slots = {p.latent_slots} and "
+                f"pipeline.frame_slots = {p.frame_slots} blocks of the largest size accepted, "
+                f"limits.max_width x max_height = {lim.max_width}x{lim.max_height}"
+            ) from None
+        self.latent_ring, self.frame_ring = rings["latent"], rings["frames"]
         self._ctx = zmq.asyncio.Context()
         self._router = self._ctx.socket(zmq.ROUTER)  # recv_from_workers / send_to_workers
         self._router.setsockopt(zmq.LINGER, 0)
