@@ -44,8 +44,9 @@ def test_told_to_reserve_less_it_serves_832x480_exactly_in_64_mib(small_shm, tmp
     d = Daemon("--config", str(cfg), prefix=small_shm)
     try:
         before = {n: (w["pid"], w["restarts"]) for n, w in d.health()["workers"].items()}
-        data, _, _ = stream_video(d.url, {"prompt": "a wide shot", "num_frames": 81, "size": "832x480"})
-        check_video(data, 81, 832, 480, 16)
+        # Four blocks: every one of the three frame slots written, and the first again.
+        data, _, _ = stream_video(d.url, {"prompt": "a wide shot", "num_frames": 45, "size": "832x480"})
+        check_video(data, 45, 832, 480, 16, blocks_expected=4)
         assert {n: (w["pid"], w["restarts"]) for n, w in d.health()["workers"].items()} == before
     finally:
         assert d.stop() == 0
