@@ -25,7 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 from ..ipc import messages as m
-from ..spawn import worker_context
+from ..spawn import torch_context
 from ..workers.spec import WorkerSpec
 from .topology import Topology, free_port, with_new_group_addr
 
@@ -92,7 +92,7 @@ class WorkerPool:
         self.restart = restart
         self.ready_timeout_s = ready_timeout_s
         self.restart_backoff_reset_s = restart_backoff_reset_s
-        self.ctx = worker_context()
+        self.ctx = torch_context()
         self.on_lost: Callable[[set[str], str], None] = lambda names, why: None
         self.on_worker_ready: Callable[[str], None] = lambda name: None
         self.on_idle: Callable[[str, float], None] = lambda name, since: None  # waiting, nothing queued, since

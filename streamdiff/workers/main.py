@@ -1,6 +1,6 @@
 """Worker process: one DiT worker, one VAE shard, or both (aggregated mode) (runs in a worker).
 
-Started by the supervisor from a fork server with torch imported (spawn.worker_context). The
+Started by the supervisor from a fork server with torch imported (spawn.torch_context). The
 start-up is a handshake: build the stages, attach the rings, join the VAE group, then send
 READY (or FAILED with the reason). The
 loop reads control messages from the supervisor's ROUTER socket and runs one block at a time.
@@ -255,7 +255,7 @@ class Worker:
 
 
 def worker_main(spec: WorkerSpec) -> None:
-    """spawn target."""
+    """The worker process's target (spawn.torch_context)."""
     _die_with_parent()
     _setup_process(spec)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the supervisor decides when we stop

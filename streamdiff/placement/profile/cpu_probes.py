@@ -7,7 +7,7 @@ import os
 import time
 import traceback
 
-from ...spawn import spawn_context
+from ...spawn import torch_context
 from .harness import cpus_of, median, pin, run_children
 from .probes import vae_child
 
@@ -66,7 +66,7 @@ def hybrid_probe(spec, sizes, ws, timeout_s: float) -> dict:
     group's steady blocks: `window`) and the group's time per block."""
     from ...supervisor.topology import free_port
 
-    ctx = spawn_context()
+    ctx = torch_context()
     res = {}
     for size in sizes:
         out, stop = ctx.Queue(), ctx.Event()
@@ -201,7 +201,7 @@ def levels(spec, sizes: list[tuple[int, int]], working_set: int, timeout_s: floa
     side's block). The stages' own times misjudge a cut's two sides (the simulator's
     `Costs.cut_factors`). Small cuts
     move less than this VM's noise, so the two largest-signal cuts are run, not all."""
-    ctx = spawn_context()
+    ctx = torch_context()
     out = ctx.Queue()
     cmds = {r: ctx.Queue() for r in ("dit", "vae")}
     procs = [

@@ -6,7 +6,7 @@ from __future__ import annotations
 import statistics
 
 from ...platform import for_device
-from ...spawn import spawn_context
+from ...spawn import torch_context
 
 STEADY_BLOCKS = 6  # steady blocks timed per measurement (after a shot's first): the DiT's window fills
 GROUP_SIZES_MAX = 4
@@ -42,7 +42,7 @@ def leave(world: int) -> None:
 
 def run_children(targets: list[tuple], timeout_s: float) -> list:
     """Start one process per (fn, args), wait for each one's result; raise on any error."""
-    ctx = spawn_context()
+    ctx = torch_context()
     out = ctx.Queue()
     procs = [ctx.Process(target=fn, args=(*args, out), daemon=True) for fn, args in targets]
     for p in procs:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 
 from ...platform.devices import device_count, device_memory, device_name
-from ...spawn import spawn_context
+from ...spawn import torch_context
 from .cpu_probes import LEVEL_WINDOW_S, PROBE_BLOCKS, hybrid_probe, levels, rescale
 from .harness import GROUP_SIZES_MAX, cpus_of, heads_of, median, run_children
 from .probes import dit_child, encode_ms, host_child, vae_child
@@ -98,7 +98,7 @@ def _measure_once(cfg, kind: str, n: int, sizes: list[tuple[int, int]], timeout_
         vae_cpus = cpus_of(1, 1) if together else cpus
         vae_target = (vae_child, (spec, dev(0), vae_cpus, t, 0, 1, "", sizes, [None], (2,), ws, 0))
         if kind == "cpu":  # the DiT beside the host's work per block, on the same cores
-            jobs = spawn_context().Queue()
+            jobs = torch_context().Queue()
             targets = [
                 (dit_child, (spec, dev(0), cpus, t, sizes, (2, 4), 0, 1, "", jobs)),
                 (host_child, (cpus, sizes, 16, jobs)),
