@@ -116,3 +116,28 @@ def test_stage_shapes_are_what_the_stages_output(vae_pair):
         x = stage(x, ctx)
         got.append(tuple(x.shape[1:]))
     assert got == stage_shapes(ours.cfg, 3, 4, 6)
+
+
+@pytest.mark.parametrize(
+    "layout", [torch.contiguous_format, torch.channels_last_3d], ids=["row-major", "channels-last"]
+)
+def test_the_middle_attention_gives_sdpa_a_unit_stride_last_dimension(monkeypatch, layout):
+    """The fused kernels (flash, memory-efficient, cuDNN) need it; without it SDPA runs its math
+    path, which holds every frame's (h*w)^2 scores. In the accelerators' row-major layout
+    (`kernels.layout`) the transposed view's last stride is h*w; in the CPU's channels-last, 1."""
+    import streamdiff.models.wan.vae as vae
+
+    block, sdpa, seen = vae.AttentionBlock(32).eval(), torch.nn.functional.scaled_dot_product_attention, []
+    monkeypatch.setattr(
+        vae, "conv2d", lambda x, w, b, padding=(0, 0), checkpoint=None: vae.F.conv2d(x, w, b, padding=padding)
+    )
+
+    def checked(q, k, v, *args, **kwargs):
+        seen.append([t.stride(-1) for t in (q, k, v)])
+        return sdpa(q, k, v, *args, **kwargs)
+
+    monkeypatch.setattr(vae.F, "scaled_dot_product_attention", checked)
+    x = torch.randn(1, 32, 2, 4, 6).contiguous(memory_format=layout)
+    with torch.no_grad():
+        block(x, vae.Ctx(state=None))
+    assert seen == [[1, 1, 1]], seen

@@ -247,7 +247,10 @@ class AttentionBlock(nn.Module):
         x = ctx.halo.gather(x)
         b, c, t, h, w = x.shape
         y = conv2d(self.norm(frames(x)), self.to_qkv.weight, self.to_qkv.bias, checkpoint=ctx.checkpoint)
-        q, k, v = y.reshape(b * t, 3 * c, h * w).transpose(1, 2).unsqueeze(1).chunk(3, dim=-1)
+        # Contiguous (b*t, h*w, 3c) first: chunks of a transposed view have a last dimension of
+        # stride h*w, which the fused SDPA kernels refuse (the math path materialises every
+        # frame's (h*w)^2 scores). Chunks of the contiguous copy have stride 1 there.
+        q, k, v = y.reshape(b * t, 3 * c, h * w).transpose(1, 2).contiguous().unsqueeze(1).chunk(3, dim=-1)
         y = F.scaled_dot_product_attention(q, k, v)  # (b*t, 1, h*w, c)
         y = y.squeeze(1).transpose(1, 2).reshape(b * t, c, h, w)
         y = conv2d(y, self.proj.weight, self.proj.bias, checkpoint=ctx.checkpoint)
