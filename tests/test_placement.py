@@ -124,6 +124,9 @@ def test_hybrid_and_band_weight_errors_name_the_key():
 
     with pytest.raises(ConfigError, match="topology.vae_devices"):
         topology(mode="hybrid", dit_devices=1, vae_devices=1)
+    for device in ("cuda", "xpu"):  # two processes on one accelerator would budget its memory twice
+        with pytest.raises(ConfigError, match=f"topology.mode.*one process per device.*hybrid with device {device}"):
+            topology(mode="hybrid", dit_devices=1, vae_devices=2, device=device)
     with pytest.raises(ConfigError, match="topology.vae_band_weights"):
         topology(vae_devices=2, vae_band_weights=[1.0])
     with pytest.raises(ConfigError, match="topology.vae_band_weights"):

@@ -51,6 +51,13 @@ def _broken(t: TopologyConfig, decoder: str):
             f"hybrid: the VAE group spans the DiT's devices and more (more than dit_devices = {t.dit_devices})",
             t.vae_devices,
         )
+    if t.mode == "hybrid" and t.device != "cpu":
+        yield Broken(
+            "topology.mode",
+            "hybrid runs a DiT and a VAE shard as two processes on one device, a CPU's cores: on an accelerator "
+            "each would budget the same memory (use aggregated, one process per device)",
+            f"hybrid with device {t.device}",
+        )
     group = t.vae_group_size or t.vae_devices or 1
     if not (group >= 1 and t.vae_devices % group == 0):
         yield Broken("topology.vae_group_size", f"must divide vae_devices ({t.vae_devices})", t.vae_group_size)

@@ -58,6 +58,7 @@ class Platform:
     kind = ""
     low_priority_runs = False  # a hybrid DiT yields its device's core to the VAE shard beside it
     idle_timing = False  # the profile sleeps before a shot's first block, as a waiting worker would
+    float64 = True  # the device runs float64 kernels (the timestep embedding's precision)
 
     def __init__(self, device: str) -> None:
         self.device = device

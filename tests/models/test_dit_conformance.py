@@ -7,7 +7,7 @@ import torch
 from diffusers import AutoencoderKLWan, WanTransformer3DModel
 from diffusers.loaders.single_file_utils import convert_wan_transformer_to_diffusers, convert_wan_vae_to_diffusers
 
-from streamdiff.models.wan.dit import DiTConfig, WanDiT, count_params
+from streamdiff.models.wan.dit import DiTConfig, WanDiT, count_params, sinusoidal_embedding
 from streamdiff.models.wan.loading import normalize_dit_state_dict, normalize_vae_state_dict
 from streamdiff.models.wan.vae import VAEConfig, WanVAEDecoder
 
@@ -106,3 +106,35 @@ def test_real_vae_config_key_mapping_covers_diffusers_decoder():
     assert {k: tuple(v.shape) for k, v in converted.items()} == {
         k: s for k, s in ref_shapes.items() if k.startswith(("decoder.", "post_quant_conv."))
     }
+
+
+@pytest.mark.parametrize("t", [999.0, 437.5, 0.0])
+def test_a_device_without_float64_gets_the_timestep_embedding_in_float32(dit_pair, monkeypatch, t):
+    """Intel Arc parts without native fp64 raise on float64 kernels (`Platform.float64` is off
+    for XPU); there the embedding is float32, as diffusers computes it, and the forward still
+    matches diffusers. Elsewhere it stays float64, as the reference."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from streamdiff.platform import for_device
+
+    class Dtypes(TorchDispatchMode):
+        seen: set = set()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            self.seen.update(o.dtype for o in torch.utils._pytree.tree_leaves(out) if isinstance(o, torch.Tensor))
+            return out
+
+    ref, ours = dit_pair
+    tt = torch.full((1, 2), t)
+    exact = sinusoidal_embedding(tt, 256)
+    monkeypatch.setattr(for_device("cpu"), "float64", False)
+    with Dtypes() as mode:
+        got = sinusoidal_embedding(tt, 256)
+    assert torch.float64 not in mode.seen and got.dtype == torch.float32
+    assert (got - exact).abs().max().item() <= 1e-4
+    g = torch.Generator().manual_seed(3)
+    x, ctx = torch.randn(1, 16, 3, 8, 8, generator=g), torch.randn(1, TEXT_LEN, 32, generator=g)
+    with torch.no_grad():
+        expected = ref(x, torch.tensor([t]), ctx).sample
+    assert (ours.forward_full(x, torch.tensor([t]), ctx) - expected).abs().max().item() <= 1e-4

@@ -21,6 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ...platform import for_device
+
 
 @dataclass(frozen=True)
 class DiTConfig:
@@ -261,10 +263,13 @@ class DiTState:
 
 
 def sinusoidal_embedding(t: torch.Tensor, dim: int) -> torch.Tensor:
-    """[cos | sin] embedding of timesteps t (any shape) -> (*t.shape, dim), computed in float64."""
+    """[cos | sin] embedding of timesteps t (any shape) -> (*t.shape, dim), computed in float64
+    as the reference does, or in float32 (as diffusers does) on a device without float64
+    kernels (`Platform.float64`: Intel GPUs without native fp64 raise on them)."""
     half = dim // 2
-    t = t.to(torch.float64)
-    freqs = torch.pow(10000.0, -torch.arange(half, dtype=torch.float64, device=t.device) / half)
+    dtype = torch.float64 if for_device(t.device.type).float64 else torch.float32
+    t = t.to(dtype)
+    freqs = torch.pow(10000.0, -torch.arange(half, dtype=dtype, device=t.device) / half)
     angles = t.unsqueeze(-1) * freqs
     return torch.cat([torch.cos(angles), torch.sin(angles)], dim=-1)
 
