@@ -37,9 +37,10 @@ def init_group(
     Joined already (an aggregated worker's DiT and VAE stages share one group): nothing to do."""
     if dist.is_initialized():
         return
-    dev = torch.device(device)
-    backend = backend or for_device(device).backend
-    kw = {"device_id": dev} if backend == "nccl" else {}
+    plat = for_device(device)
+    backend = backend or plat.backend
+    # NCCL binds its communicator to this device now (it needs the index: "cuda" is cuda:0).
+    kw = {"device_id": plat.torch_device} if backend == "nccl" else {}
     dist.init_process_group(
         backend,
         init_method=init_addr,

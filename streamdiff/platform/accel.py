@@ -1,9 +1,11 @@
 """What CUDA and XPU share: device events for timing, the runtime's memory query.
 
 Work on an accelerator is queued: a host clock around it measures the enqueue. The stopwatch
-and the wait clock record events on the current stream around the block and around each
-collective, and read them once, at the block's end (`stop`, `wait_s`): nothing inside a block
-waits for the device. A collective's events bracket the time the stream spent in it:
+and the wait clock record events on the platform's device's current stream around the block and
+around each collective, and read them once, at the block's end (`stop`, `wait_s`): nothing
+inside a block waits for the device. Every call into the runtime names the device (a process
+whose current device is another, a profile probe that never selected its own, would otherwise
+sync and time that other device's idle stream). A collective's events bracket the time the stream spent in it:
 communication and waiting for peers (NCCL and oneCCL make the current stream wait for the
 collective's own stream), so `own = device time - waits` means on a GPU what it means on the CPU.
 """
@@ -18,19 +20,24 @@ import torch
 from .base import Platform, Stopwatch, WaitClock
 
 
+def _mark(runtime, device: torch.device):
+    """A timing event recorded now on `device`'s current stream."""
+    ev = runtime.Event(enable_timing=True)
+    ev.record(runtime.current_stream(device))
+    return ev
+
+
 class EventStopwatch(Stopwatch):
-    def __init__(self, runtime) -> None:
-        self.rt = runtime
+    def __init__(self, runtime, device: torch.device) -> None:
+        self.rt, self.device = runtime, device
         self.wall0, self.begin = 0.0, None
 
     def start(self) -> None:
-        self.begin = self.rt.Event(enable_timing=True)
-        self.begin.record()
+        self.begin = _mark(self.rt, self.device)
         self.wall0 = time.perf_counter()
 
     def stop(self, waited_s: float = 0.0) -> tuple[float, float]:
-        end = self.rt.Event(enable_timing=True)
-        end.record()
+        end = _mark(self.rt, self.device)
         end.synchronize()
         wall = time.perf_counter() - self.wall0
         device_s = self.begin.elapsed_time(end) / 1000
@@ -38,20 +45,18 @@ class EventStopwatch(Stopwatch):
 
 
 class EventWaitClock(WaitClock):
-    def __init__(self, runtime) -> None:
+    def __init__(self, runtime, device: torch.device) -> None:
         super().__init__()
-        self.rt = runtime
+        self.rt, self.device = runtime, device
         self.pending: list[tuple] = []
 
     @contextlib.contextmanager
     def span(self):
-        a, b = self.rt.Event(enable_timing=True), self.rt.Event(enable_timing=True)
-        a.record()
+        a = _mark(self.rt, self.device)
         try:
             yield
         finally:
-            b.record()
-            self.pending.append((a, b))
+            self.pending.append((a, _mark(self.rt, self.device)))
 
     @property
     def wait_s(self) -> float:
@@ -72,20 +77,26 @@ class AcceleratorPlatform(Platform):
     def available(self) -> bool:
         return self.rt is not None and self.rt.is_available()
 
+    @property
+    def torch_device(self) -> torch.device:
+        """The device with its index ("cuda" is "cuda:0")."""
+        dev = torch.device(self.device)
+        return dev if dev.index is not None else torch.device(dev.type, 0)
+
     def select(self) -> None:
-        self.rt.set_device(torch.device(self.device))
+        self.rt.set_device(self.torch_device)
 
     def sync(self) -> None:
-        self.rt.synchronize()
+        self.rt.synchronize(self.torch_device)
 
     def stopwatch(self, threads: int) -> Stopwatch:
-        return EventStopwatch(self.rt)
+        return EventStopwatch(self.rt, self.torch_device)
 
     def wait_clock(self) -> WaitClock:
-        return EventWaitClock(self.rt)
+        return EventWaitClock(self.rt, self.torch_device)
 
     def memory_budget(self, cpu_budget: int) -> int:
         """90% of the device memory still free after the model loaded (where the runtime says)."""
         if not hasattr(self.rt, "mem_get_info"):
             return cpu_budget
-        return int(0.9 * self.rt.mem_get_info(torch.device(self.device))[0])
+        return int(0.9 * self.rt.mem_get_info(self.torch_device)[0])

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import statistics
 
-from ...platform import for_device
+from ...platform import for_device, select
 from ...spawn import torch_context
 
 STEADY_BLOCKS = 6  # steady blocks timed per measurement (after a shot's first): the DiT's window fills
@@ -21,8 +21,12 @@ FIRST_IDLE_S = 0.3
 
 
 def pin(device: str, cpus: tuple[int, ...], threads: int) -> None:
-    """As a worker of `threads` threads on these cores (the platform's process setup)."""
+    """As a worker of `threads` threads on these cores (the platform's process setup), with its
+    device current before anything is allocated or timed, as a worker's stage makes it: a probe
+    that left it would make its context on device 0, time device 0's stream and run its
+    collectives there."""
     for_device(device).setup_process(threads, cpus)
+    select(device)
     import torch
 
     torch.set_num_threads(threads)

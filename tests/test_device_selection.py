@@ -1,0 +1,131 @@
+"""Every process on its own device: a recording fake of the accelerator runtime (torch.cuda's
+calls that the platform makes) shows each probe and stage of a 4-device plan selecting its
+device before anything else, and every sync, timing event and collective naming that device.
+The CPU has no runtime to call; the fake stands in for it, and nothing else is faked."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from streamdiff import platform
+from streamdiff.platform import accel
+
+from .test_placement import topology
+
+
+class Stream:
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+
+class Runtime:
+    """torch.cuda as the platform calls it, recording (call, device index) in order. A call
+    that names no device would use the current one: it records None."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, int | None]] = []
+        rt = self
+
+        class Event:
+            def __init__(self, enable_timing: bool = False) -> None:
+                pass
+
+            def record(self, stream: Stream | None = None) -> None:
+                rt.calls.append(("event", None if stream is None else stream.device.index))
+
+            def synchronize(self) -> None:
+                pass
+
+            def elapsed_time(self, other) -> float:
+                return 1.0
+
+        self.Event = Event
+
+    def is_available(self) -> bool:
+        return True
+
+    def set_device(self, device) -> None:
+        self.calls.append(("set_device", torch.device(device).index))
+
+    def synchronize(self, device=None) -> None:
+        self.calls.append(("synchronize", None if device is None else torch.device(device).index))
+
+    def current_stream(self, device=None) -> Stream:
+        return Stream(torch.device(device) if device is not None else torch.device("cuda"))
+
+    def mem_get_info(self, device=None):
+        self.calls.append(("mem_get_info", None if device is None else torch.device(device).index))
+        return (2**30, 2**31)
+
+
+@pytest.fixture
+def runtime(monkeypatch):
+    """A fresh process each time it is called: no platform made, no device current."""
+    rt = Runtime()
+
+    def init(self, device: str) -> None:
+        platform.Platform.__init__(self, device)
+        self.rt = rt
+
+    monkeypatch.setattr(accel.AcceleratorPlatform, "__init__", init)
+
+    def new_process() -> Runtime:
+        monkeypatch.setattr(platform, "_platforms", {})
+        monkeypatch.setattr(platform, "_current", None)
+        rt.calls = []
+        return rt
+
+    return new_process
+
+
+def work(device: str) -> None:
+    """What a probe or a stage asks of its device around a block and a collective."""
+    plat = platform.for_device(device)
+    clock, waits = plat.stopwatch(1), plat.wait_clock()
+    plat.sync()
+    clock.start()
+    with waits.span():
+        pass
+    plat.sync()
+    clock.stop(waits.wait_s)
+    plat.memory_budget(0)
+
+
+def on_one_device(calls: list, index: int) -> None:
+    assert calls[0] == ("set_device", index), calls
+    assert {i for _, i in calls} == {index}, calls
+
+
+def test_a_profile_probe_selects_its_device_first_and_every_call_names_it(runtime, monkeypatch):
+    from streamdiff.parallel import vae_group
+    from streamdiff.placement.profile.harness import pin
+
+    joined = []
+    monkeypatch.setattr(vae_group.dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(vae_group.dist, "init_process_group", lambda backend, **kw: joined.append(kw["device_id"]))
+    for rank in range(4):  # the profile's group of 4 ranks, one per device (measure.py)
+        rt = runtime()
+        device = f"cuda:{rank}"
+        pin(device, (), 1)
+        vae_group.init_group("tcp://127.0.0.1:1", rank, 4, device, 60.0)
+        work(device)
+        on_one_device(rt.calls, rank)
+    assert joined == [torch.device("cuda", r) for r in range(4)]
+
+
+def test_each_stage_of_a_four_device_plan_runs_on_its_own_device(runtime):
+    t = topology(device="cuda", dit_devices=1, vae_devices=3)
+    assert sorted(w.device for w in t.workers) == ["cuda:0", "cuda:1", "cuda:2", "cuda:3"]
+    for w in t.workers:  # each worker process: its stage selects (workers/*_stage.py), then works
+        rt = runtime()
+        platform.select(w.device)
+        work(w.device)
+        on_one_device(rt.calls, torch.device(w.device).index)
+
+
+def test_a_device_without_its_index_is_device_zero_for_the_runtime(runtime):
+    rt = runtime()
+    platform.select("cuda")
+    work("cuda")
+    on_one_device(rt.calls, 0)
