@@ -34,8 +34,14 @@ IMPORTED = {**vars(helpers), "subprocess": subprocess, "multiprocessing": multip
 
 
 def accelerator() -> str | None:
+    """The device the `device` tests run on: CUDA or XPU where present. STREAMDIFF_TEST_DEVICE
+    names one instead, `cpu` too: tools/device/check.py runs them so on the CPU, so that they
+    do not rot between the sessions that have a device (tests that only an accelerator can
+    answer skip themselves there)."""
     import torch
 
+    if os.environ.get("STREAMDIFF_TEST_DEVICE"):
+        return os.environ["STREAMDIFF_TEST_DEVICE"]
     if torch.cuda.is_available():
         return "cuda"
     if hasattr(torch, "xpu") and torch.xpu.is_available():

@@ -33,6 +33,8 @@ def test_device_check_runs_on_the_cpu(tmp_path):
     assert num["dit"]["ok"] and num["vae"]["ok"] and num["dit"]["diffusers_bf16"] > 0
     assert res["vae_group"]["gloo"]["max_abs_diff"] <= 2e-2
     assert res["daemon"]["frames"] == 49 and res["daemon"]["fragments"] >= 4
+    # pytest -m device tests/device with the CPU standing in for the device (the event timer skips)
+    assert res["pytest"]["ok"] and " passed" in res["pytest"]["summary"], res["pytest"]
     # the daemon serving a release written in the diffusers layout (the real configs, trimmed here)
     real = res["daemon_real"]
     assert real["frames"] == 33 and real["fragments"] >= 3 and real["placement"]["layout"] == "disagg-1+1"

@@ -12,10 +12,10 @@
    ours may be at most 1.5x as far from the fp32 reference as diffusers' own bf16 is, plus
    1e-3 (relative RMS) — bf16 rounding differs with the order of operations, so the bar is
    "as good as the reference implementation at the same precision", not a fixed epsilon.
-3. vae_group: a height-sharded VAE group of k=2 ranks on one device decodes 4 streamed blocks at
-   832x480 exactly as k=1 does (within 2e-2 in bf16: halo rows cross as bf16, identical
-   arithmetic otherwise). NCCL refuses two ranks on one GPU, so that case falls back to gloo over
-   the device tensors; both are tried and reported.
+3. vae_group: a height-sharded VAE group of k=2 ranks (on two devices where there are two)
+   decodes 4 streamed blocks at 832x480 exactly as k=1 does (within 2e-2 in bf16: halo rows cross
+   as bf16, identical arithmetic otherwise). NCCL refuses two ranks on one GPU, so on one the
+   gloo fallback over the device tensors is tried too; both are reported.
 4. daemon_real: the real 1.3B DiT and VAE configs with random weights, written in the diffusers
    layout (Wan-AI/Wan2.1-T2V-1.3B-Diffusers) with a 2-layer umT5 of the real width as the text
    encoder, loaded by `streamdiffd --model DIR --device <dev>` as a release is, streaming 81
@@ -376,7 +376,14 @@ def _group_rank(rank, world, addr, backend, dev, size, quick, q):
         from streamdiff.models.wan.kernels import plan_block
         from streamdiff.models.wan.vae import VAEConfig, WanVAEDecoder
         from streamdiff.parallel.vae_group import ExchangeHalo, init_group
+        from streamdiff.platform import select
 
+        # Each rank on its own device where there are two (NCCL refuses two ranks on one), with
+        # its index: NCCL's device_id needs one, and the rank's device is selected before use.
+        if dev != "cpu":
+            count = torch.cuda.device_count() if dev.startswith("cuda") else torch.xpu.device_count()
+            dev = f"{dev.split(':')[0]}:{rank % count}"
+            select(dev)
         init_group(addr, rank, world, dev, 120, backend)
         cfg = VAEConfig(base_dim=16 if quick else 96)
         torch.manual_seed(0)
@@ -595,11 +602,12 @@ def check_daemon(dev: str, a) -> dict:
 
 def check_pytest(dev: str, a) -> dict:
     r = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-m", "device", "tests/device"],
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "device", "tests/device"],
         cwd=ROOT,
         capture_output=True,
         text=True,
         timeout=a.stage_timeout_s,
+        env={**os.environ, "STREAMDIFF_TEST_DEVICE": dev.split(":")[0]},
     )
     tail = r.stdout.strip().splitlines()[-1:] or [r.stderr[-300:]]
     return {"ok": r.returncode == 0, "summary": tail[0]}
