@@ -120,7 +120,10 @@ class PipelineConfig:
     heartbeat_interval_s: float = 1.0
     heartbeat_timeout_s: float = 10.0  # a silent worker is declared dead
     block_timeout_s: float = 300.0  # a worker busy on one block longer than this is declared stuck
-    collective_timeout_s: float = 120.0  # torch.distributed timeout inside a VAE group
+    # torch.distributed timeout inside a VAE or DiT group: it must cover a rank that compiles or
+    # loads cold while its peers wait in the first collective of calibration (a stuck block is
+    # block_timeout_s's to catch, sooner)
+    collective_timeout_s: float = 600.0
     restart_workers: bool = True  # restart a worker (group) that died
     restart_backoff_reset_s: float = 300.0  # a worker up this long restarts without back-off when it next dies
     cpu_memory_budget_bytes: int = 8 * 2**30  # cpu: caches one worker's sessions may hold (devices: 90% of free)

@@ -49,13 +49,12 @@ class DiTStage:
         self.clock = self.platform.stopwatch(spec.threads)
         g = spec.group if spec.dit_group else None
         self.rank, self.world = (g.rank, g.world) if g else (0, 1)
-        if self.world > 1:
+        self.engine = DiTEngine(spec.model, spec.device)
+        if self.world > 1:  # joined once loaded, as a VAE shard joins: a slow load waits in no collective
             from ..parallel.dit_group import SeqParallel
             from ..parallel.vae_group import init_group
 
             init_group(g.init_addr, g.rank, g.world, spec.device, g.timeout_s)
-        self.engine = DiTEngine(spec.model, spec.device)
-        if self.world > 1:
             heads = self.engine.model.cfg.num_heads
             self.engine.model.parallel = SeqParallel(self.rank, self.world, heads, self.platform.wait_clock())
         self.ring = Ring(spec.latent_ring)
