@@ -32,6 +32,7 @@ from .spec import DECODERS, ModelSpec, known_presets
 from .wan.dit import DiTConfig, WanDiT
 from .wan.loading import (
     CheckpointError,
+    check_keys,
     dit_config_from_json,
     load_into,
     normalize_dit_state_dict,
@@ -230,6 +231,7 @@ def resolve_dtype(spec: ModelSpec, device: str) -> torch.dtype:
 
 
 def _dit_weights(spec: ModelSpec, preset: Preset) -> dict[str, torch.Tensor]:
+    """The DiT's tensors; a safetensors file's stay in it until `load_into` copies them."""
     if spec.dit_checkpoint:
         p = Path(spec.dit_checkpoint)
         if p.suffix in (".pt", ".pth", ".bin"):
@@ -238,14 +240,14 @@ def _dit_weights(spec: ModelSpec, preset: Preset) -> dict[str, torch.Tensor]:
             except Exception as exc:
                 raise CheckpointError(f"cannot read checkpoint {p}: {exc}") from exc
             return select_weight_set(obj, str(p), weight_set(spec, preset), explicit=spec.weights is not None)
-        return read_state_dict(p)
+        return read_state_dict(p, stored=True)
     root = Path(spec.path)
     if (root / "transformer").is_dir():
-        return read_state_dict(root / "transformer")
+        return read_state_dict(root / "transformer", stored=True)
     files = sorted(root.glob("diffusion_pytorch_model*.safetensors"))
     if not files:
         raise CheckpointError(f"{root}: no DiT weights (transformer/ or diffusion_pytorch_model*.safetensors)")
-    return read_state_dicts(files)
+    return read_state_dicts(files, stored=True)
 
 
 def _vae_weights(spec: ModelSpec) -> dict[str, torch.Tensor]:
@@ -269,17 +271,21 @@ def build_dit(spec: ModelSpec, device: str = "cpu") -> tuple[WanDiT, Preset]:
         trained = trained_dit(preset.name)
         if trained is not None:
             load_trained_part(model, trained.path, "dit")
+        model.cast(dtype).to(device)
     else:
-        with torch.device("meta"):
-            model = WanDiT(preset.dit)
-        model.to_empty(device="cpu")
+        # Straight to the device in the served dtype: the parameters are made there once, each
+        # filled from its file (`load_into`), with no float32 copy of the model on the host.
         sd = normalize_dit_state_dict(_dit_weights(spec, preset))
         if spec.lora:
             lora = preset.checkpoint.lora if preset.checkpoint else None
             alpha = spec.lora_alpha or (lora.alpha if lora else None)
             sd = merge_lora_file(sd, spec.lora, alpha, spec.lora_rank or (lora.rank if lora else None))
+        with torch.device("meta"):
+            model = WanDiT(preset.dit).cast(dtype)
+        check_keys(model, sd, "DiT checkpoint")  # before any memory is taken
+        model.to_empty(device=device)
         load_into(model, sd, "DiT checkpoint")
-    return model.cast(dtype).to(device).eval().requires_grad_(False), preset
+    return model.eval().requires_grad_(False), preset
 
 
 def describe_load(spec: ModelSpec, preset: Preset) -> dict:

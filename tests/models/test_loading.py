@@ -235,3 +235,44 @@ def test_mismatched_checkpoint_names_every_problem(checkpoints):
     sd["head.head.bias"] = torch.full_like(sd["head.head.bias"], float("nan"))
     with pytest.raises(CheckpointError, match="head.head.bias holds NaN"):
         load_into(model, sd, "test checkpoint")
+
+
+@pytest.mark.parametrize("layout", ["original", "diffusers"])
+def test_a_release_loads_in_the_served_dtype_from_its_file_tensor_by_tensor(checkpoints, monkeypatch, layout):
+    """bfloat16 from a float32 release: each parameter is made once in the served dtype and filled
+    from the file (`StoredTensor`), never through a whole-file read nor a float32 model on the
+    host; the precision-sensitive parts stay float32 as `WanDiT.cast` keeps them."""
+    import safetensors.torch
+
+    from streamdiff.models.wan.loading import StoredTensor, normalize_dit_state_dict, read_state_dicts
+
+    files = sorted((checkpoints / layout).rglob("diffusion_pytorch_model*.safetensors"))
+    raw = read_state_dicts(files)  # the file's float32 tensors, whole
+    source = normalize_dit_state_dict(raw)
+    monkeypatch.setattr(safetensors.torch, "load_file", lambda *a, **k: pytest.fail("read the whole file"))
+    model, _ = build_dit(ModelSpec(preset="wan2.1-t2v-1.3b", path=str(checkpoints / layout), dtype="bfloat16"))
+    for k, p in model.state_dict().items():
+        kept = k.startswith("time_embedding") or "modulation" in k or ".norm3." in k
+        assert p.dtype == (torch.float32 if kept else torch.bfloat16), k
+        assert torch.equal(p, source[k].to(p.dtype)), k
+    # A CPU parameter of the file's dtype is read into in place: no buffer between.
+    (name, stored), staging = next(iter(read_state_dicts(files, stored=True).items())), []
+    assert isinstance(stored, StoredTensor)
+    dest = torch.empty(stored.shape, dtype=stored.dtype)
+    with open(stored.path, "rb") as f:
+        stored.copy_into(dest, f, staging)
+    assert staging == [] and torch.equal(dest, raw[name])
+
+
+def test_a_nan_in_a_stored_tensor_is_named_after_the_whole_model_is_read(checkpoints, tmp_path):
+    from streamdiff.models.wan.loading import read_state_dict
+
+    sd = read_state_dict(checkpoints / "original" / "diffusion_pytorch_model.safetensors")
+    sd["blocks.0.ffn.0.weight"][3, 3] = float("nan")
+    sd["head.head.bias"][0] = float("inf")
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    save_file(sd, str(bad / "diffusion_pytorch_model.safetensors"))
+    (bad / "config.json").write_text((checkpoints / "original" / "config.json").read_text())
+    with pytest.raises(CheckpointError, match=r"tensor blocks\.0\.ffn\.0\.weight, head\.head\.bias holds NaN or Inf"):
+        build_dit(ModelSpec(preset="wan2.1-t2v-1.3b", path=str(bad)))

@@ -17,7 +17,10 @@ Every mismatch (missing key, unexpected key, wrong shape) is collected and raise
 
 from __future__ import annotations
 
+import contextlib
 import json
+import math
+import os
 import re
 from collections.abc import Mapping
 from dataclasses import replace
@@ -37,16 +40,19 @@ class CheckpointError(ValueError):
 # ----------------------------------------------------------------------------- reading files
 
 
-def read_state_dicts(files) -> dict[str, torch.Tensor]:
+def read_state_dicts(files, stored: bool = False) -> dict[str, torch.Tensor]:
     """The union of several files' tensors (a sharded checkpoint)."""
     out: dict[str, torch.Tensor] = {}
     for f in files:
-        out.update(read_state_dict(f))
+        out.update(read_state_dict(f, stored))
     return out
 
 
-def read_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
-    """Read a .safetensors, .pth/.pt/.bin file, or a directory of (sharded) safetensors."""
+def read_state_dict(path: str | Path, stored: bool = False) -> dict[str, torch.Tensor]:
+    """Read a .safetensors, .pth/.pt/.bin file, or a directory of (sharded) safetensors.
+
+    `stored`: a safetensors file's tensors stay in the file (`StoredTensor`, read as `load_into`
+    copies each into its parameter), so that a model loads holding its weights once."""
     p = Path(path)
     if p.is_dir():
         files = sorted(p.glob("*.safetensors"))
@@ -54,11 +60,13 @@ def read_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
             files = sorted(p.glob("*.bin")) + sorted(p.glob("*.pth")) + sorted(p.glob("*.pt"))
         if not files:
             raise CheckpointError(f"no weight files (*.safetensors, *.bin, *.pth, *.pt) in {p}")
-        return read_state_dicts(files)
+        return read_state_dicts(files, stored)
     if not p.exists():
         raise CheckpointError(f"checkpoint not found: {p}")
     try:
         if p.suffix == ".safetensors":
+            if stored:
+                return stored_tensors(p)
             from safetensors.torch import load_file
 
             return load_file(str(p))
@@ -66,6 +74,92 @@ def read_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
     except Exception as exc:  # corrupted or truncated files surface here
         raise CheckpointError(f"cannot read checkpoint {p}: {exc}") from exc
     return select_weight_set(obj, str(p), explicit=False)
+
+
+# safetensors' own dtype names (the format's header).
+_ST_DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
+
+
+class StoredTensor:
+    """A tensor still in its safetensors file: its shape and dtype from the file's header, its
+    bytes read when it is copied into a parameter (`copy_into`).
+
+    Written here rather than with safetensors' own reader because that one maps the file: a
+    whole model read through it holds every page of the file in the process beside the
+    parameters (a float32 release is twice the bfloat16 model), where reading each tensor into
+    its parameter (or through one buffer when it is cast or goes to a device) holds the model
+    once. The format is a length, a JSON header and raw little-endian bytes (safetensors' spec)."""
+
+    __slots__ = ("path", "start", "nbytes", "dtype", "shape")
+
+    def __init__(self, path: Path, start: int, nbytes: int, dtype: torch.dtype, shape: tuple[int, ...]) -> None:
+        self.path, self.start, self.nbytes, self.dtype, self.shape = path, start, nbytes, dtype, torch.Size(shape)
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    def numel(self) -> int:
+        return self.shape.numel()
+
+    def _read(self, f, into: torch.Tensor) -> None:
+        f.seek(self.start)
+        buf = memoryview(into.view(-1).view(torch.uint8).numpy())
+        if f.readinto(buf) != self.nbytes:
+            raise CheckpointError(f"{self.path}: truncated (a tensor's bytes end past the file)")
+
+    def load(self) -> torch.Tensor:
+        """A CPU tensor of it (the LoRA merge's arithmetic)."""
+        out = torch.empty(self.shape, dtype=self.dtype)
+        with open(self.path, "rb") as f:
+            self._read(f, out)
+        return out
+
+    def copy_into(self, dest: torch.Tensor, f, staging: list) -> None:
+        """Into `dest` (any dtype, any device): straight into its memory when it is a contiguous
+        CPU tensor of the file's dtype, else through `staging` (one buffer, grown as needed)."""
+        if dest.device.type == "cpu" and dest.dtype == self.dtype and dest.is_contiguous():
+            self._read(f, dest)
+            return
+        if not staging or staging[0].numel() < self.nbytes:
+            staging[:] = [torch.empty(self.nbytes, dtype=torch.uint8, pin_memory=dest.device.type == "cuda")]
+        raw = staging[0][: self.nbytes]
+        self._read(f, raw)
+        dest.copy_(raw.view(self.dtype).view(self.shape))
+
+
+def stored_tensors(p: Path) -> dict[str, StoredTensor]:
+    """A safetensors file's tensors, left in the file (`StoredTensor`)."""
+    try:
+        with open(p, "rb") as f:
+            n = int.from_bytes(f.read(8), "little")
+            if not 0 < n <= 100 * 2**20:
+                raise ValueError(f"header length {n}")
+            header = json.loads(f.read(n))
+        size, base, out = p.stat().st_size, 8 + n, {}
+        for key, entry in header.items():
+            if key == "__metadata__":
+                continue
+            lo, hi = entry["data_offsets"]
+            dtype = _ST_DTYPES[entry["dtype"]]
+            shape = tuple(entry["shape"])
+            if not (0 <= lo <= hi and base + hi <= size and hi - lo == math.prod(shape) * dtype.itemsize):
+                raise ValueError(f"tensor {key}: bytes {lo}-{hi} do not fit its shape, or end past the file")
+            out[key] = StoredTensor(p, base + lo, hi - lo, dtype, shape)
+        return out
+    except (OSError, ValueError, KeyError, TypeError) as exc:  # JSONDecodeError is a ValueError
+        raise CheckpointError(f"cannot read checkpoint {p}: not a whole safetensors file ({exc})") from exc
 
 
 # The weight sets of a training checkpoint (Self-Forcing, Causal Forcing, LongLive, ...).
@@ -337,13 +431,42 @@ def check_keys(model: nn.Module, sd: Mapping[str, torch.Tensor], what: str) -> N
 
 
 def load_into(model: nn.Module, sd: Mapping[str, torch.Tensor], what: str) -> None:
-    """Strictly copy `sd` into `model` (casting to each parameter's dtype/device), or raise one
-    `CheckpointError` naming every missing key, unexpected key and shape mismatch."""
+    """Strictly copy `sd` (tensors, or `StoredTensor`s still in their file) into `model`, cast to
+    each parameter's dtype on its device, or raise one `CheckpointError` naming every missing
+    key, unexpected key and shape mismatch, or the tensors holding NaN or Inf.
+
+    The NaN scan runs on the parameters, on their device, and is read once at the end: no host
+    copy of a tensor in float32, no sync per tensor."""
     check_keys(model, sd, what)
     own = model.state_dict()
-    with torch.no_grad():
-        for k, t in own.items():
-            src = sd[k]
-            if not torch.isfinite(src.float()).all():
-                raise CheckpointError(f"{what}: tensor {k} holds NaN or Inf values")
-            t.copy_(src.to(dtype=t.dtype))
+    finite, staging, files = [], [], {}
+    try:
+        with torch.no_grad(), _loading_threads():
+            for k, t in own.items():
+                src = sd[k]
+                if isinstance(src, StoredTensor):
+                    f = files.get(src.path) or files.setdefault(src.path, open(src.path, "rb"))  # noqa: SIM115
+                    src.copy_into(t, f, staging)
+                else:
+                    t.copy_(src)
+                finite.append(torch.isfinite(t).all() if t.is_floating_point() else torch.ones((), device=t.device))
+    finally:
+        for f in files.values():
+            f.close()
+    if finite:
+        ok = torch.stack([x.to(finite[0].device) for x in finite]).tolist()
+        bad = [k for k, good in zip(own, ok) if not good]
+        if bad:
+            raise CheckpointError(f"{what}: tensor {_summarise(bad)} holds NaN or Inf values")
+
+
+@contextlib.contextmanager
+def _loading_threads():
+    """Every core this process may use while it copies and casts weights (a worker runs with
+    the threads of its stage, often one), then the worker's own count again."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(max(before, len(os.sched_getaffinity(0))))
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from .loading import CheckpointError, _summarise, read_state_dict, strip_key
+from .loading import CheckpointError, StoredTensor, _summarise, read_state_dict, strip_key
 
 # PEFT's adapter state dict holds, per target Linear, `base_model.model.<module>.lora_A.weight`
 # (r, in) and `...lora_B.weight` (out, r): `get_peft_model_state_dict` drops the adapter name.
@@ -110,6 +110,7 @@ def merge_lora(
     out = dict(base_sd)
     for name, (a, b, r) in merged.items():
         w = base_sd[name]
+        w = w.load() if isinstance(w, StoredTensor) else w  # still in its file: read for the arithmetic
         out[name] = (w.float() + (alpha / r) * (b.float() @ a.float())).to(w.dtype)
     return out
 
