@@ -43,7 +43,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
         "--compile",
         choices=("auto", "on", "off"),
         help="torch.compile the DiT's blocks and the Wan VAE's norms "
-        "(auto: on accelerators; off on the CPU, where it did not pay)",
+        "(auto: on accelerators, eager where it cannot compile, said in the log and /health; "
+        "off on the CPU, where it did not pay. on: refused at start where it cannot compile)",
     )
     p.add_argument(
         "--decoder",

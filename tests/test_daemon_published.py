@@ -54,6 +54,13 @@ def test_every_preset_streams_exact_frames_to_curl(preset, base, tmp_path):
         assert loaded["preset"] == preset and loaded["checkpoint"] == str(pub.files["checkpoint"])
         assert loaded["weights"] == cp.weights and loaded["sampler"]["steps"] == list(cp.steps)
         assert d.health()["model"] == loaded
+        assert loaded["compile"] == {
+            "mode": "auto",
+            "on": False,
+            "why": "auto: eager on the CPU",
+            "graphs": 0,
+            "compile_s": 0.0,
+        }
         # a cut storyboard: two shots, the second scene's frames off the first's block grid
         body = {
             "scenes": [

@@ -170,12 +170,33 @@ async def extend_start_timeout(notifier) -> None:
         await asyncio.sleep(EXTEND_EVERY_S)
 
 
+def compile_setup(cfg: Config) -> None:
+    """Before any worker starts: `--compile on` refused where torch.compile cannot work, naming
+    what is missing (the workers would fail their first block otherwise), and torch.compile's
+    caches (inductor's, Triton's) put where a restart finds them: systemd's CacheDirectory=, else
+    the state directory. Their default is under /tmp, which the unit makes private, so every
+    restart compiled from scratch. Set before the first child: children fork from a server
+    that keeps the environment it started with (spawn.torch_context)."""
+    from ..models.toolchain import CompileUnavailable, decide
+    from ..placement.auto import state_dir
+
+    try:
+        decide(cfg.model.compile, cfg.topology.device)
+    except CompileUnavailable as exc:
+        raise ConfigError(f"model.compile: {exc}") from None
+    cache = os.environ.get("CACHE_DIRECTORY", "").split(":")[0]
+    base = Path(cache) if cache else state_dir(cfg)
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(base / "compile" / "inductor"))
+    os.environ.setdefault("TRITON_CACHE_DIR", str(base / "compile" / "triton"))
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
     try:
         cfg = load(args.config, overrides_from_args(args))
         api_keys = read_api_keys(cfg)
+        compile_setup(cfg)
     except ConfigError as exc:
         print(f"streamdiffd: configuration error: {exc}", file=sys.stderr)
         return 2

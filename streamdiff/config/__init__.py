@@ -55,7 +55,8 @@ class ModelConfig:
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
     decoder: str = "wan"  # wan (the Wan 2.1 VAE) | taehv (the tiny real-time decoder: faster, lower quality)
     decoder_weights: str = ""  # taehv: taew2_1.pth / .safetensors (empty: seeded weights, embedded default only)
-    compile: str = "auto"  # torch.compile the DiT's blocks and the VAE's norms: auto (accelerators only) | on | off
+    # torch.compile the DiT's blocks and the VAE's norms: auto (accelerators; eager on a compile error) | on | off
+    compile: str = "auto"
     dit_vae_ratio: float = 0.74  # tiny only: DiT cost per block relative to the VAE
     seed: int = 1234  # tiny only: weight seed
     name: str = ""  # model id in the API (default: the preset name)

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from ..plan import cache_frames
-from .compiled import use_compile
+from .compiled import Compiler
 from .presets import (
     ModelSpec,
     build_dit,
@@ -66,8 +66,8 @@ class DiTEngine:
         self.device = device
         self.model, self.preset = build_dit(spec, device)
         self.loaded = describe_load(spec, self.preset)  # what it was built from (log, /health, /v1/models)
-        self.compiled = use_compile(spec.compile, device)  # compiled lazily, at the first blocks
-        self.model.compile_blocks(self.compiled)
+        self.compiler = Compiler(spec.compile, device)  # compiled lazily, at the first blocks (`warm`)
+        self.model.compile_blocks(self.compiler)
         self.text = build_text_encoder(spec, device) if not probe else None
         # image-to-video: the VAE encoder beside the DiT (one image per shot; its latent then
         # travels to the VAE workers in the ring as the shot's first block). Loaded only where
@@ -220,6 +220,27 @@ class DiTEngine:
         self.model.forward_block(z, torch.zeros(1, 1, device=dev), sess.state, True)
         return z.cpu()
 
+    def warm(self, width: int, height: int, batch: bool) -> None:
+        """Every shape this engine serves, once, on scratch sessions: compiled (`compiler.on`),
+        each is a graph that would otherwise compile in the middle of a live stream. A shot's
+        first and steady blocks and its re-cache at a batch of one, the image block (a 1-frame
+        forward) where the preset takes an image, and with `batch` a block of two sessions: a
+        batch of more, another frame size or a re-cache's frame count reuse these graphs (their
+        sizes are symbols; dynamo specialises only a size of 1)."""
+        fpb = self.frames_per_block
+        sessions = [self.open_session(width, height, seed=i) for i in range(2 if batch else 1)]
+        for sess in sessions:
+            self.set_scene(sess, "warm", cut=True)
+            if self.i2v and sess is sessions[0]:
+                self.start_from_image(sess, torch.zeros(height, width, 3, dtype=torch.uint8))
+            self.generate_block(sess, fpb)  # the shot's first block (its own steps)
+        if self.preset.sampler.recache != "never":
+            self.set_scene(sessions[0], "warm again", cut=False, recache=True)
+        for _ in range(2):
+            self.generate_block(sessions[0], fpb)  # steady, behind a fuller window
+        if batch:
+            self.generate_blocks(sessions, fpb)
+
     def steps_of(self, sess: DiTSession) -> list[float]:
         """The step list of the session's next block (a shot's first block has its own)."""
         return self.first_timesteps if sess.shot_blocks == 0 else self.timesteps
@@ -328,9 +349,9 @@ class VAEEngine:
         self.working_set_bytes = working_set_bytes
         # The Wan VAE's norms compiled (lazily, at the first blocks); TAEHV's convolutions and
         # ReLUs have no chain of passes to fuse, and it runs eager.
-        self.compiled = spec.decoder == "wan" and use_compile(spec.compile, device)
-        if self.compiled:
-            self.model.compile_pointwise(True)
+        self.compiler = Compiler(spec.compile if spec.decoder == "wan" else "off", device)
+        if self.compiler.on:
+            self.model.compile_pointwise(self.compiler)
 
     def open_session(self) -> VAEState | TAEHVState:
         return self.model.new_state()

@@ -75,7 +75,13 @@ class DiTStage:
             self.vae = VAEEngine(spec.model, spec.device, spec.vae_working_set_bytes).model
             self.stages = check_cut(self.vae, self.cut)
         self.calibration = calibrated(spec, "dit", self.calibrate, self._agree)
-        self.graphs = compile_stats()["graphs"]
+        compiler = self.engine.compiler  # the log, /health and /v1/models say what compiled, or why not
+        self.engine.loaded["compile"] = report = compiler.report()
+        if compiler.active:
+            log.info("DiT blocks compiled: %(graphs)d graphs in %(compile_s).1f s", report)
+        elif compiler.on:
+            log.warning("DiT blocks run eager: torch.compile failed (%s)", compiler.fallback)
+        self.graphs = report["graphs"]
 
     def models(self) -> list[torch.nn.Module]:
         """The modules this stage runs (shared cores install their hooks on them)."""
@@ -139,9 +145,8 @@ class DiTStage:
             pair, fpb = [sess, other], p.sampler.frames_per_block
             self.engine.generate_blocks(pair, fpb)  # cold: a new shape
             batch_ms["2"] = timed_ms(self.platform, lambda: self.engine.generate_blocks(pair, fpb)) / 2
-        if self.engine.compiled:  # compiled at the first calibration blocks
-            self.engine.loaded["compile"] = {"mode": self.engine.loaded["compile"], "on": True, **compile_stats()}
-            log.info("DiT blocks compiled: %(graphs)d graphs in %(compile_s).1f s", self.engine.loaded["compile"])
+        if self.engine.compiler.active:  # every shape it serves, so that none compiles after READY
+            self.engine.warm(w, h, batch=bool(batch_ms))
         return {
             "cost": m.StageCost(ms, [w, h], busy_ms=1000 * own_s),
             "batch_ms": batch_ms,
@@ -269,11 +274,11 @@ class DiTStage:
             left = [msg.shot_left for msg, _ in group]
             outs = self.engine.generate_blocks([sess for _, sess in group], group[0][0].frames, left)
             latents.update({msg.session: out[0] for (msg, _), out in zip(group, outs, strict=True)})
-        if self.engine.compiled:  # a new shape compiled: few, and each one said
+        if self.engine.compiler.active:  # a shape compiled after READY: `DiTEngine.warm` missed it
             stats = compile_stats()
             if stats["graphs"] != self.graphs:
-                log.info(
-                    "DiT blocks: %d more graph(s) compiled, %d in all, %.1f s compiling so far",
+                log.warning(
+                    "DiT blocks: %d more graph(s) compiled after READY, %d in all, %.1f s compiling so far",
                     stats["graphs"] - self.graphs,
                     stats["graphs"],
                     stats["compile_s"],

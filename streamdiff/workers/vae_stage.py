@@ -11,7 +11,6 @@ import torch
 
 from ..ipc import messages as m
 from ..ipc.shm import Ring
-from ..models.compiled import compile_stats
 from ..models.wan.rows import split_rows
 from ..parallel.vae_group import ExchangeHalo, group_max, move_bands
 from ..platform import select
@@ -66,9 +65,13 @@ class VAEStage:
         self.cpu_budget = spec.cpu_memory_budget_bytes
         self.max_batch = spec.max_batch
         self.calibration = calibrated(spec, "vae", self.calibrate, self._agree)
-        if self.engine.compiled:  # compiled at the calibration blocks; a new shape later adds few
-            self.calibration["compile"] = {"mode": spec.model.compile, "on": True, **compile_stats()}
-            log.info("VAE norms compiled: %(graphs)d graphs in %(compile_s).1f s", self.calibration["compile"])
+        compiler = self.engine.compiler
+        if compiler.on:  # compiled at the calibration blocks (a first, a steady and a batched decode)
+            self.calibration["compile"] = report = compiler.report()
+            if compiler.active:
+                log.info("VAE norms compiled: %(graphs)d graphs in %(compile_s).1f s", report)
+            else:
+                log.warning("VAE norms run eager: torch.compile failed (%s)", compiler.fallback)
 
     def models(self) -> list[torch.nn.Module]:
         return [self.engine.model]

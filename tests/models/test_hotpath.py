@@ -273,7 +273,7 @@ def test_compiled_blocks_equal_eager_and_do_not_recompile_through_cuts():
     eager = DiTEngine(ModelSpec(preset="tiny-random", dtype="float32", compile="off"))
     torch.manual_seed(0)
     comp = DiTEngine(ModelSpec(preset="tiny-random", dtype="float32", compile="on"))
-    assert comp.compiled and not eager.compiled
+    assert comp.compiler.active and not eager.compiler.on
     sessions = [e.open_session(256, 144, seed=5) for e in (eager, comp)]
     graphs = None
     for i in range(16):
@@ -299,7 +299,7 @@ def test_compiled_vae_equals_eager_and_does_not_recompile_through_cuts():
     eager = VAEEngine(ModelSpec(preset="tiny-random", dtype="float32", compile="off"))
     comp = VAEEngine(ModelSpec(preset="tiny-random", dtype="float32", compile="on"))
     comp.model.load_state_dict(eager.model.state_dict())
-    assert comp.compiled and not eager.compiled
+    assert comp.compiler.active and not eager.compiler.on
     g = torch.Generator().manual_seed(1)
     graphs = None
     for i in range(8):
@@ -371,3 +371,28 @@ def test_a_cache_sized_to_the_longest_shot_equals_a_full_window(kind):
         for _ in range(blocks):
             a, b = (e.generate_block(sess, fpb) for e, sess in zip(engines, (full, fitted), strict=True))
             torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
+
+
+def test_after_the_warm_up_a_served_mix_compiles_nothing():
+    """What a worker warms before READY (`DiTEngine.warm`, compile forced on, inductor on the
+    CPU) covers what it then serves: batches of 1 to 4, another frame size, an image-to-video
+    block, a LongLive-style re-cache at every prompt switch and a storyboard's cut compile no
+    graph more (dynamo's counters), and every call ran compiled."""
+    spec = ModelSpec(preset="tiny-random", dtype="float32", compile="on", sampler={"recache": "every_switch"})
+    eng = DiTEngine(spec)
+    assert eng.i2v and eng.compiler.active
+    eng.warm(256, 144, batch=True)
+    graphs = compile_stats()["graphs"]
+    assert graphs > 0
+    for w, h in ((256, 144), (128, 64)):
+        sessions = [eng.open_session(w, h, seed=i) for i in range(4)]
+        for s in sessions:
+            eng.set_scene(s, "a red ball", cut=True)
+        eng.start_from_image(sessions[0], torch.zeros(h, w, 3, dtype=torch.uint8))
+        for n in (1, 2, 3, 4):
+            eng.generate_blocks(sessions[:n], 3)
+        eng.set_scene(sessions[1], "a blue ball", cut=False)  # the prompt switch re-caches
+        eng.set_scene(sessions[2], "a new shot", cut=True)
+        eng.generate_blocks(sessions, 3)
+    assert compile_stats()["graphs"] == graphs
+    assert eng.compiler.active and eng.compiler.fallback is None

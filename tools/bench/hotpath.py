@@ -83,7 +83,12 @@ def child(args: argparse.Namespace) -> None:
     out = {}
     compile_s = None
     if args.mode == "compiled":
-        model.compile_blocks(True)
+        try:
+            from streamdiff.models.compiled import Compiler
+
+            model.compile_blocks(Compiler("on", "cpu"))
+        except ImportError:  # a checkout from before Compiler (--base)
+            model.compile_blocks(True)
     w, h = p.default_size
     lh, lw = h // p.vae.spatial_factor, w // p.vae.spatial_factor
     s = p.sampler

@@ -143,7 +143,7 @@ def check_compile(dev: str, a) -> dict:
     (written once a GPU is at hand to run them). On the CPU a tiny width at --quick's size."""
     from dataclasses import replace
 
-    from streamdiff.models.compiled import compile_stats
+    from streamdiff.models.compiled import Compiler, compile_stats
     from streamdiff.models.wan.dit import DiTConfig
     from streamdiff.models.wan.sampler import denoise_block, warped_timesteps
 
@@ -168,7 +168,8 @@ def check_compile(dev: str, a) -> dict:
     last = {}
     for mode in ("eager", "compiled"):
         # --quick checks the path only: dynamo's tracing without inductor's minutes of C++ on a CPU
-        model.compile_blocks(mode == "compiled", backend="aot_eager" if a.quick else "inductor")
+        on = Compiler("on", dev, backend="aot_eager" if a.quick else "inductor") if mode == "compiled" else None
+        model.compile_blocks(on)
         state = model.new_state(h // 8, w // 8, 21, 0)
         model.set_prompt(state, ctx)
         times = []
@@ -183,7 +184,7 @@ def check_compile(dev: str, a) -> dict:
     out["compiled"].update(compile_stats())
     out["max_abs_diff"] = float((last["compiled"] - last["eager"]).abs().max())
     out["speedup"] = round(out["eager"]["block_ms"] / out["compiled"]["block_ms"], 2)
-    model.compile_blocks(False)
+    model.compile_blocks(None)
     print(f"compile: {out}", flush=True)
     return out
 

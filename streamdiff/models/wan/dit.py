@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ...platform import for_device
+from ...platform import KINDS, for_device
 
 
 @dataclass(frozen=True)
@@ -267,7 +267,8 @@ def sinusoidal_embedding(t: torch.Tensor, dim: int) -> torch.Tensor:
     as the reference does, or in float32 (as diffusers does) on a device without float64
     kernels (`Platform.float64`: Intel GPUs without native fp64 raise on them)."""
     half = dim // 2
-    dtype = torch.float64 if for_device(t.device.type).float64 else torch.float32
+    kind = t.device.type  # meta (building and checking a model unmaterialised) computes as the CPU
+    dtype = torch.float64 if kind not in KINDS or for_device(kind).float64 else torch.float32
     t = t.to(dtype)
     freqs = torch.pow(10000.0, -torch.arange(half, dtype=dtype, device=t.device) / half)
     angles = t.unsqueeze(-1) * freqs
@@ -628,18 +629,17 @@ class WanDiT(nn.Module):
         kv.make_room(block_frames)
         self.recompute(state, block_frames, context_t)
 
-    def compile_blocks(self, on: bool, backend: str = "inductor") -> None:
-        """Run each block's two halves around its attention (`block_qkv`, `block_rest`) compiled
-        by `torch.compile`, or eager. The halves take tensors and the block's weights only (the
-        KV cache and the sessions' bookkeeping stay outside, eager), so a shape compiles once for
-        every layer and every position in a shot: a block's token count and the batch size are
-        its only shapes; a new one (a frame size, a re-cache's frame count) compiles once more,
-        and dynamo marks the dimension dynamic after a second size. `backend`: inductor, or a
-        quicker one where only the path is checked (tools/device/check.py --quick)."""
-        if on:
-            self.block_fns = (torch.compile(block_qkv, backend=backend), torch.compile(block_rest, backend=backend))
-        else:
-            self.block_fns = (block_qkv, block_rest)
+    def compile_blocks(self, compiler=None) -> None:
+        """Run each block's two halves around its attention (`block_qkv`, `block_rest`) through
+        `compiler` (models/compiled.py: torch.compile with dynamic shapes, or eager), or eager
+        with None. The halves take tensors and the block's weights only (the KV cache and the
+        sessions' bookkeeping stay outside, eager), so one graph serves every layer and every
+        position in a shot, and, its token count, frame count and batch being symbols, every
+        frame size, re-cache and batch of two or more: what differs is a batch of one and a
+        block of one frame (dynamo specialises a size of 1), which `DiTEngine.warm` compiles
+        before a worker is ready."""
+        wrap = compiler.wrap if compiler is not None else (lambda fn: fn)
+        self.block_fns = (wrap(block_qkv), wrap(block_rest))
 
     def cast(self, dtype: torch.dtype) -> WanDiT:
         """Cast to `dtype`, keeping the small precision-sensitive parts (time MLP, modulation

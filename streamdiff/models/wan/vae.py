@@ -352,15 +352,15 @@ class WanVAEDecoder(nn.Module):
     def new_state(self) -> VAEState:
         return VAEState(cache=[None] * self.num_slots)
 
-    def compile_pointwise(self, on: bool, backend: str = "inductor") -> None:
-        """Run every norm (+ SiLU) of the decoder compiled by `torch.compile`, or eager. The
-        convolutions, the halo exchange and the causal cache stay eager: their Python state (the
-        cache slots, a group's exchanges, the CPU's channels-last conv kernels) is what dynamo
-        would break on, and a norm is where a fused kernel saves passes over the largest
-        activations. One compiled function serves every norm, with dynamic shapes, so the
-        decoder's many sizes (each stage, a shot's first block, a batch, a band) compile a few
-        graphs once rather than one each."""
-        kernel = torch.compile(rms_norm, backend=backend, dynamic=True) if on else rms_norm
+    def compile_pointwise(self, compiler=None) -> None:
+        """Run every norm (+ SiLU) of the decoder through `compiler` (models/compiled.py), or
+        eager with None. The convolutions, the halo exchange and the causal cache stay eager:
+        their Python state (the cache slots, a group's exchanges, the CPU's channels-last conv
+        kernels) is what dynamo would break on, and a norm is where a fused kernel saves passes
+        over the largest activations. One compiled function serves every norm, with dynamic
+        shapes, so the decoder's many sizes (each stage, a shot's first block, a batch, a band)
+        compile a few graphs once rather than one each."""
+        kernel = compiler.wrap(rms_norm) if compiler is not None else rms_norm
         for m in self.modules():
             if isinstance(m, RMSNorm):
                 m.kernel = kernel
