@@ -129,3 +129,18 @@ def test_a_device_without_its_index_is_device_zero_for_the_runtime(runtime):
     platform.select("cuda")
     work("cuda")
     on_one_device(rt.calls, 0)
+
+
+def test_a_cuda_worker_sets_an_allocator_for_sessions_of_mixed_sizes_unless_told(monkeypatch):
+    from streamdiff.platform.cuda import CudaPlatform
+
+    for var in ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF", "OMP_NUM_THREADS"):
+        monkeypatch.delenv(var, raising=False)
+    CudaPlatform.setup_process(object.__new__(CudaPlatform), 2)
+    import os
+
+    assert os.environ["PYTORCH_ALLOC_CONF"] == "expandable_segments:True" and os.environ["OMP_NUM_THREADS"] == "2"
+    monkeypatch.delenv("PYTORCH_ALLOC_CONF")
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "backend:cudaMallocAsync")
+    CudaPlatform.setup_process(object.__new__(CudaPlatform), 2)
+    assert "PYTORCH_ALLOC_CONF" not in os.environ

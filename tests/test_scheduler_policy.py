@@ -683,3 +683,32 @@ def test_three_concurrent_streams_of_one_size_share_dit_forwards():
     for sess in sessions:
         assert w.ended[sess.id].state == "done" and w.fragments(sess.id) == list(range(len(sess.blocks)))
     w.assert_clean()
+
+
+def test_an_out_of_memory_batch_fails_its_sessions_and_admission_learns_the_budget():
+    """The DiT ran out of memory in a pair's block: it fails both sessions (one message each,
+    the worker stays up), every slot comes back, and the unit's budget drops below what the two
+    held, so two such sessions are not run together again while one still is."""
+    w = World(layout=(["dit0"], [["vae0.0"]]), cfg=ADMIT_ALL)
+    memory = m.DiTMemory(kv_bytes_per_token=1000.0, window_frames=12, cross_bytes=0.0, budget_bytes=1e12)
+    w.step(s.WorkerReady("dit0", m.ReadyInfo(dit=m.DiTReady(m.StageCost(100.0, [128, 64]), {"2": 80.0}, memory))))
+    w.submit_together(w.session("a", seconds=20), w.session("b", seconds=20))
+    worker, batch = next((wk, x) for wk, x in w.todo if isinstance(x, m.GenerateBatch))
+    assert [b.session for b in batch.blocks] == ["a", "b"]
+    w.todo.remove((worker, batch))
+    one = w.sched.sessions["a"].demand.memory["dit0"]
+    why = "OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB"
+    w.step(*(m.Failed("dit0", why, b.session, b.block, "memory") for b in batch.blocks))
+    assert {n: (e.state, e.code) for n, e in w.ended.items()} == {
+        "a": ("failed", "generation_failed"),
+        "b": ("failed", "generation_failed"),
+    }
+    assert "dit0: OutOfMemoryError: CUDA out of memory" in w.ended["a"].error
+    w.run()
+    w.assert_clean()
+    assert w.sched.capacity.memory["dit0"].budget_bytes == pytest.approx(0.9 * 2 * one)
+    w.submit_together(w.session("c", seconds=20), w.session("d", seconds=20))
+    assert w.sched.sessions["c"].state == "running" and w.sched.sessions["d"].state != "running"
+    w.run()
+    assert w.ended["c"].state == w.ended["d"].state == "done"
+    w.assert_clean()

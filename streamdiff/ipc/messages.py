@@ -249,14 +249,15 @@ class FramesDone(Message, tag="frames"):
 class Failed(Message, tag="failed"):
     """A block (or the worker itself, session None) failed; `message` says why. `kind`:
     "request" (the request cannot be served), "session" (the session cannot go on, not the
-    request's fault) — the worker carries on in both — or "worker" (the worker exits after this
-    message and is restarted with its VAE group)."""
+    request's fault), "memory" (the device ran out of memory in the block's batch: one such
+    message per session of the batch) — the worker carries on in these — or "worker" (the
+    worker exits after this message and is restarted with its VAE group)."""
 
     worker: str
     message: str
     session: str | None = None
     block: int | None = None
-    kind: Literal["request", "session", "worker"] = "worker"
+    kind: Literal["request", "session", "memory", "worker"] = "worker"
 
 
 MESSAGES = (

@@ -95,6 +95,9 @@ class AcceleratorPlatform(Platform):
     def wait_clock(self) -> WaitClock:
         return EventWaitClock(self.rt, self.torch_device)
 
+    def release_memory(self) -> None:
+        self.rt.empty_cache()
+
     def memory_budget(self, cpu_budget: int) -> int:
         """90% of the device memory still free after the model loaded (where the runtime says)."""
         if not hasattr(self.rt, "mem_get_info"):

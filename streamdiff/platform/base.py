@@ -91,6 +91,9 @@ class Platform:
         """What this worker's sessions may hold once the model is loaded."""
         return cpu_budget
 
+    def release_memory(self) -> None:
+        """Give back what the allocator caches (after an out-of-memory error failed a batch)."""
+
     def idle(self, seconds: float) -> None:
         """The profile's idle spell before a shot's first block (only where it changes the
         timing: the CPU's caches and frequency; `idle_timing`)."""

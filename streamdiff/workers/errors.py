@@ -2,10 +2,14 @@
 
 A request error is a property of the request: every rank of a VAE group meets it at the same
 place, before any collective (the block's check), so the group fails that session together
-and stays up and in step. Everything else raised while a block runs is the worker's: an
-out-of-memory, a collective that broke, an accelerator error — after which a CUDA or XPU
-context is poisoned and would fail every later block — or an error we did not foresee. Those
-restart the worker (and with it its VAE group), which fails only the sessions placed there.
+and stays up and in step. An accelerator's out-of-memory error in a worker of its own (no
+group) fails the sessions of the block's batch: it poisons no context, the worker empties its
+allocator's cache and carries on, and the supervisor lowers that worker's memory budget
+(`CapacityModel.out_of_memory`). Everything else raised while a block runs is the worker's: a
+collective that broke, an accelerator error — after which a CUDA or XPU context is poisoned and
+would fail every later block — an out-of-memory in a group, whose peers may wait in a
+collective, or an error we did not foresee. Those restart the worker (and with it its group),
+which fails only the sessions placed there.
 """
 
 from __future__ import annotations
@@ -20,11 +24,12 @@ class SessionError(RequestError):
     fail the session only, and say it was the server's doing."""
 
 
-REQUEST, SESSION, WORKER = "request", "session", "worker"
+REQUEST, SESSION, MEMORY, WORKER = "request", "session", "memory", "worker"
 
 
 def classify(exc: BaseException, sharded: bool) -> str:
-    """REQUEST or SESSION: fail the session, keep the worker. WORKER: fail it, restart the worker.
+    """REQUEST or SESSION: fail the session, keep the worker. MEMORY: fail the batch's sessions,
+    keep the worker. WORKER: fail it, restart the worker.
 
     In a VAE group only a RequestError from the agreed check is a request error: anything
     raised inside the block's work may have left the peers waiting in a collective."""
@@ -34,7 +39,9 @@ def classify(exc: BaseException, sharded: bool) -> str:
         return REQUEST
     if sharded:
         return WORKER
-    if isinstance(exc, MemoryError) or type(exc).__name__ in ("OutOfMemoryError", "AcceleratorError"):
+    if type(exc).__name__ == "OutOfMemoryError":  # torch's, for CUDA and XPU
+        return MEMORY
+    if isinstance(exc, MemoryError) or type(exc).__name__ == "AcceleratorError":
         return WORKER
     if isinstance(exc, ValueError | TypeError | KeyError | IndexError) and not _from_device(exc):
         return REQUEST

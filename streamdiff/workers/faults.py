@@ -10,6 +10,7 @@ Points: `start` (before READY), `open` (a session opens), `receive` (a block's m
 `check` (a block is validated, before any collective), `compute` (inside a block's work). Kinds:
 `request` (the request cannot be served: a RequestError), `device` (an accelerator error; the
 context stays broken, so every later block fails too, as a real CUDA/XPU error leaves it),
+`oom` (torch's OutOfMemoryError, as a CUDA allocation raises it; the context stays usable),
 `hang`, `exit`, `drop` (at `receive`: the first block message of each matching session is lost).
 """
 
@@ -23,7 +24,7 @@ from dataclasses import dataclass
 from .errors import RequestError
 
 _ENTRY = re.compile(
-    r"^(?P<worker>[\w.]+):(?P<point>start|open|receive|check|compute):(?P<kind>request|device|hang|exit|drop)"
+    r"^(?P<worker>[\w.]+):(?P<point>start|open|receive|check|compute):(?P<kind>request|device|oom|hang|exit|drop)"
     r"(?:@seed=(?P<seed>\d+))?(?:#(?P<inc>\d+))?$"
 )
 
@@ -77,6 +78,10 @@ class Faults:
                 continue
             if f.kind == "request":
                 raise RequestError(f"injected request fault at {point}")
+            if f.kind == "oom":
+                import torch
+
+                raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (injected)")
             if f.kind == "device":
                 self.poisoned = True
                 raise DeviceFault("CUDA error: an illegal memory access was encountered (injected)")

@@ -35,7 +35,7 @@ import time
 import traceback
 
 from ..ipc import messages as m
-from .errors import WORKER, classify
+from .errors import MEMORY, WORKER, classify
 from .faults import Faults
 from .spec import WorkerSpec
 
@@ -207,9 +207,30 @@ class Worker:
                 for refused, exc in refusals:
                     self._failed(refused, exc)
         except Exception as exc:
-            self._failed(msg.blocks[0] if isinstance(msg, m.GenerateBatch | m.DecodeBatch) else msg, exc)
+            batch = isinstance(msg, m.GenerateBatch | m.DecodeBatch)
+            if batch and classify(exc, self._sharded()) == MEMORY:
+                self._out_of_memory(msg.blocks, exc)
+            else:
+                self._failed(msg.blocks[0] if batch else msg, exc)
         finally:
             self.busy_since = 0.0
+
+    def _sharded(self) -> bool:
+        return any(getattr(stage, "world", 1) > 1 for stage in self.stages.values())
+
+    def _out_of_memory(self, blocks: list, exc: Exception) -> None:
+        """The device ran out of memory in a batch: every session of it fails (their caches go
+        with them), the allocator gives back what it cached, and the worker carries on."""
+        why = f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:300]}"
+        log.warning("out of memory in a batch of %d block(s); failing its sessions: %s", len(blocks), why)
+        for b in blocks:
+            self.closed.add(b.session)
+            for stage in self.stages.values():
+                stage.close(b.session)
+        for stage in self.stages.values():
+            stage.platform.release_memory()
+        for b in blocks:
+            self.send(m.Failed(self.spec.name, why, b.session, b.block, MEMORY))
 
     def _dropped(self, msg: m.GenerateBlock | m.DecodeBlock) -> bool:
         """An injected fault: this block's message is lost on its way."""
@@ -220,7 +241,7 @@ class Worker:
 
     def _failed(self, msg: m.Message, exc: Exception) -> None:
         session, block = getattr(msg, "session", None), getattr(msg, "block", None)
-        sharded = any(getattr(stage, "world", 1) > 1 for stage in self.stages.values())
+        sharded = self._sharded()
         kind = classify(exc, sharded)
         first_line = (str(exc).splitlines() or [""])[0][:300]
         if kind != WORKER:

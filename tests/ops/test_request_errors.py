@@ -1,7 +1,8 @@
 """Error classification on the real daemon with deliberate faults (STREAMDIFF_FAULTS): a request
 error fails only its session and every worker stays up, the VAE group in step; a device error
 restarts its worker (a poisoned accelerator context would fail every later block) and fails only
-the sessions there. A session that fails before its first fragment answers a JSON error."""
+the sessions there; an out-of-memory error fails its block's sessions and the worker stays up.
+A session that fails before its first fragment answers a JSON error."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ FAULTS = ",".join(
         "dit0:open:request@seed=668",  # the DiT refuses to open this session
         "dit0:compute:device@seed=667",  # an accelerator error inside a block: the context stays broken
         "dit0:receive:drop@seed=669",  # the session's first GenerateBlock is lost on the way
+        "dit0:compute:oom@seed=670",  # the device runs out of memory inside a block
     ]
 )
 BODY = {"prompt": "a slow river", "num_frames": 81, "size": "128x64"}
@@ -103,3 +105,18 @@ def test_a_lost_control_message_fails_its_session_and_frees_its_slots(d):
     wait_idle(d)  # its slots came back
     data, _, _ = stream_video(d.url, {**BODY, "seed": 4})
     assert decode(data)["frames"] == 81
+
+
+@pytest.mark.timeout(300)
+def test_an_out_of_memory_block_fails_its_sessions_and_the_worker_stays_up(d):
+    before = restarts(d)
+    pids = {n: w["pid"] for n, w in d.health()["workers"].items()}
+    r = httpx.post(d.url + "/v1/videos", json={**BODY, "seed": 670, "stream": True}, timeout=120)
+    assert r.status_code == 500, r.text
+    err = r.json()["error"]
+    assert err["code"] == "generation_failed" and "dit0" in err["message"] and "out of memory" in err["message"]
+    assert restarts(d) == before and {n: w["pid"] for n, w in d.health()["workers"].items()} == pids
+    wait_idle(d)
+    data, _, _ = stream_video(d.url, {**BODY, "seed": 5})  # the same worker plays the next stream
+    assert decode(data)["frames"] == 81
+    assert restarts(d) == before

@@ -12,9 +12,11 @@ measured one, scaled by pixels.
 Admitting a session adds its demand — block cost / block duration — to its units. It is admitted
 when every unit stays under `target_utilization` and the caches it will hold fit the unit's
 memory budget (the DiT's KV window and prompt cache, the VAE's temporal cache for its share of
-the rows). Otherwise `predicted_start` replays the running sessions' ends (each is expected to
-stream at real-time pace) to say when it would fit: the API queues it when that is within
-`max_queue_wait_s`, else answers 429 with that wait as Retry-After.
+the rows). A unit whose device ran out of memory in a block learns it (`out_of_memory`): its
+budget drops below what the sessions on it held then. Otherwise `predicted_start` replays the
+running sessions' ends (each is expected to stream at real-time pace) to say when it would fit:
+the API queues it when that is within `max_queue_wait_s`, else answers 429 with that wait as
+Retry-After.
 """
 
 from __future__ import annotations
@@ -22,10 +24,15 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+import msgspec
+
 from ...ipc.messages import DiTMemory, VAEMemory
 from ...plan import cache_frames
 
 EWMA = 0.3  # weight of the newest block in a unit's cost
+# After an out-of-memory error a unit's budget is this share of what its sessions held then: the
+# same sessions again would not fit, and the transients the budget did not see get room.
+OOM_MARGIN = 0.9
 TRIALS = 3  # batches of a size run before its factor is trusted over a one-off timing at READY
 TRIAL_MARGIN = 1.1  # ... where that timing put it within this of no gain (a one-off CPU timing's noise)
 
@@ -45,12 +52,26 @@ class CapacityModel:
         self.memory: dict[str, DiTMemory | VAEMemory] = {}  # unit -> what its worker said it holds per session
         self.factor: dict[tuple, float] = {}  # (unit, (w, h), batch size) -> per-block share / alone
         self.batches_seen: dict[tuple, int] = {}  # (unit, (w, h), batch size) -> blocks observed
+        self._oom: dict[str, frozenset] = {}  # unit -> the sessions on it at its last out-of-memory
 
     # -- what the workers tell ----------------------------------------------------------------
     def calibrate(self, unit: str, size: list[int], block_ms: float, memory: DiTMemory | VAEMemory | None) -> None:
         self.cost_ms.setdefault((unit, (size[0], size[1])), block_ms)
         if memory:
             self.memory[unit] = memory
+
+    def out_of_memory(self, unit: str, held: dict[str, float]) -> float | None:
+        """The unit's device ran out of memory in a block while its sessions held `held`
+        (session -> bytes on the unit, as admission counts them): its budget is lowered to
+        OOM_MARGIN x their sum, never raised. A batch's sessions each report the same error:
+        learnt once for them. Returns the new budget (None: nothing learnt)."""
+        mem = self.memory.get(unit)
+        if mem is None or (set(held) <= self._oom.get(unit, frozenset()) and held):
+            return None
+        self._oom[unit] = frozenset(held)
+        budget = min(mem.budget_bytes, OOM_MARGIN * sum(held.values()))
+        self.memory[unit] = msgspec.structs.replace(mem, budget_bytes=budget)
+        return budget
 
     def calibrate_batch(self, unit: str, size: list[int], batch: int, factor: float) -> None:
         self.factor.setdefault((unit, (size[0], size[1]), batch), factor)

@@ -51,8 +51,10 @@ class Losses(Replies):
         if sess is None:
             return
         code = "invalid_request" if msg.kind == "request" else "generation_failed"
+        if msg.kind == "memory":
+            self._learn_out_of_memory(sess, msg)
         self._end(sess, FAILED, f"{msg.worker}: {msg.message}", code)
-        if msg.kind not in ("request", "session"):
+        if msg.kind not in ("request", "session", "memory"):
             return  # the worker exits; its tickets come back in WorkersLost once it has
         # The worker carries on and answers nothing else for this block: its reply stands for
         # the block's (a VAE group's shards each send one).
@@ -70,6 +72,23 @@ class Losses(Replies):
             t.reported.add(sess.vae_workers.index(msg.worker))
             t.skipped = True
             self._vae_answered(sess, t)
+
+    def _learn_out_of_memory(self, sess: Session, msg: m.Failed) -> None:
+        """Admission learns from a device that ran out of memory: the unit's budget drops below
+        what its running sessions held (the failed batch's among them)."""
+        _, t = self._ticket(sess.id, msg.block, T_DIT)
+        unit = sess.dit if t is not None and msg.worker == sess.dit else self._group_unit(sess.group)
+        held = {s.id: self._demand(s, s.dit, s.group).memory.get(unit, 0.0) for s in self.running}
+        held = {k: v for k, v in held.items() if v}
+        budget = self.capacity.out_of_memory(unit, held)
+        if budget is not None:
+            log.warning(
+                "%s ran out of memory with %d session(s) holding %.0f MB: its budget is now %.0f MB",
+                unit,
+                len(held),
+                sum(held.values()) / 1e6,
+                budget / 1e6,
+            )
 
     def _send_failed(self, ev: SendFailed) -> None:
         """A block message never left: its sessions fail now. A DiT batch's slots come back at
