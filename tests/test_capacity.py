@@ -61,9 +61,41 @@ def test_admission_stops_at_the_target_and_an_idle_unit_takes_anything():
 
 def test_memory_budget_limits_admission_too():
     c = model()
-    c.memory["vae-group-0"] = msgspec.structs.replace(VAE_MEM, budget_bytes=2000.0 * 18 * 32 * 1.5)
+    c.worker_budget("vae-group-0", 2000.0 * 18 * 32 * 1.5)
     small = demand(c, block_s=10.0)  # nearly no time share: only memory can refuse it
     assert c.fits(small, []) and not c.fits(small, [small])
+
+
+def test_the_stages_of_one_process_share_its_budget():
+    """An aggregated worker runs the DiT and the VAE shard on one device: both caches count
+    against its one budget. Each stage measuring its own, the same free memory was counted twice
+    and two sessions were admitted where one fits."""
+    c = CapacityModel(0.9)
+    c.calibrate("agg0", [256, 144], 200.0, DIT_MEM, ["agg0"])
+    c.calibrate("vae-group-0", [256, 144], 300.0, VAE_MEM, ["agg0"])
+    at = {"dit": "agg0", "vae": "vae-group-0"}, (256, 144), 10.0, (18, 32), 144, 1
+    one = c.demand(*at)
+    both = one.memory["agg0"] + one.memory["vae-group-0"]
+    c.worker_budget("agg0", 1.5 * both)
+    assert c.held([one]) == {"agg0": both}
+    assert c.fits(one, []) and not c.fits(one, [one])
+    c.worker_budget("agg0", 2.0 * both)
+    assert c.fits(one, [one])
+    # A VAE group's sessions hold their share in every shard's process.
+    c.calibrate("vae-group-1", [256, 144], 300.0, VAE_MEM, ["vae1.0", "vae1.1"])
+    d = c.demand({"dit": "agg0", "vae": "vae-group-1"}, (256, 144), 10.0, (18, 32), 144, 2)
+    assert set(c.held([d])) == {"agg0", "vae1.0", "vae1.1"}
+
+
+def test_an_out_of_memory_lowers_the_workers_budget_once_per_batch():
+    c = model()
+    c.worker_budget("dit0", 1e9)
+    assert c.out_of_memory("dit0", {"a": 3e8, "b": 3e8}) == pytest.approx(0.9 * 6e8)
+    assert c.out_of_memory("dit0", {"b": 3e8}) is None  # the batch's second report
+    assert c.out_of_memory("dit0", {"c": 1e8}) == pytest.approx(0.9 * 1e8)  # a new one: lower still
+    assert c.out_of_memory("nobody", {"a": 1.0}) is None
+    c.worker_budget("dit0", 5e8)  # a restarted worker says its budget afresh
+    assert c.budget["dit0"] == 5e8
 
 
 def test_predicted_start_replays_the_running_sessions_ends():

@@ -45,8 +45,11 @@ class Runtime:
     def is_available(self) -> bool:
         return True
 
+    current: int | None = None
+
     def set_device(self, device) -> None:
         self.calls.append(("set_device", torch.device(device).index))
+        self.current = torch.device(device).index
 
     def synchronize(self, device=None) -> None:
         self.calls.append(("synchronize", None if device is None else torch.device(device).index))
@@ -56,7 +59,24 @@ class Runtime:
 
     def mem_get_info(self, device=None):
         self.calls.append(("mem_get_info", None if device is None else torch.device(device).index))
-        return (2**30, 2**31)
+        return (self.free, 2**31)
+
+    free, allocated, peak = 2**30, 0, 0
+
+    def empty_cache(self) -> None:
+        self.calls.append(("empty_cache", self.current))
+
+    def memory_allocated(self, device=None) -> int:
+        self.calls.append(("memory_allocated", None if device is None else torch.device(device).index))
+        return self.allocated
+
+    def max_memory_allocated(self, device=None) -> int:
+        self.calls.append(("max_memory_allocated", None if device is None else torch.device(device).index))
+        return self.peak
+
+    def reset_peak_memory_stats(self, device=None) -> None:
+        self.calls.append(("reset_peak_memory_stats", None if device is None else torch.device(device).index))
+        self.peak = self.allocated
 
 
 @pytest.fixture
@@ -73,7 +93,7 @@ def runtime(monkeypatch):
     def new_process() -> Runtime:
         monkeypatch.setattr(platform, "_platforms", {})
         monkeypatch.setattr(platform, "_current", None)
-        rt.calls = []
+        rt.calls, rt.current = [], None
         return rt
 
     return new_process
@@ -144,3 +164,38 @@ def test_a_cuda_worker_sets_an_allocator_for_sessions_of_mixed_sizes_unless_told
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "backend:cudaMallocAsync")
     CudaPlatform.setup_process(object.__new__(CudaPlatform), 2)
     assert "PYTORCH_ALLOC_CONF" not in os.environ
+
+
+def test_one_budget_per_device_taken_after_every_stage_with_the_largest_transient_kept(runtime):
+    """An aggregated worker on cuda:2: a block's transients are the peak over what was allocated
+    before it; once both stages have calibrated, the allocator's cache is given back and one
+    budget is 90% of the free memory less the larger of the two stages' transients, for both."""
+    from streamdiff.ipc import messages as m
+    from streamdiff.workers.main import Worker
+    from streamdiff.workers.spec import WorkerSpec
+    from streamdiff.workers.stage_common import transient_at
+
+    rt = runtime()
+    plat = platform.select("cuda:2")
+    rt.allocated = 5 * 2**30  # the weights and the calibration sessions' caches
+
+    def block():
+        rt.peak = rt.allocated + 300 * 2**20  # its activations
+        return "done"
+
+    assert plat.peak_during(block) == ("done", 300 * 2**20)
+    assert transient_at(4, 300, 500) == 300 + 3 * 200 and transient_at(4, 300, None) == 1200
+    worker = object.__new__(Worker)
+    worker.spec = WorkerSpec.__new__(WorkerSpec)
+    object.__setattr__(worker.spec, "cpu_memory_budget_bytes", 8 * 2**30)
+    worker.stages = {"dit": type("Stage", (), {"platform": plat})()}
+    cost = m.StageCost(100.0, [256, 144])
+    ready = {
+        "dit": m.DiTReady(cost, {}, m.DiTMemory(1000.0, 12, 0.0, 0.0, 0, transient_bytes=3e8)),
+        "vae": m.VAEReady(cost, {}, m.VAEMemory(2.0, 0.0, transient_bytes=5e8)),
+    }
+    rt.free = 10 * 2**30
+    out = worker._one_budget(ready)
+    assert out["dit"].memory.budget_bytes == out["vae"].memory.budget_bytes == int(0.9 * 10 * 2**30) - int(5e8)
+    assert ("empty_cache", 2) in rt.calls
+    on_one_device(rt.calls, 2)

@@ -706,7 +706,7 @@ def test_an_out_of_memory_batch_fails_its_sessions_and_admission_learns_the_budg
     assert "dit0: OutOfMemoryError: CUDA out of memory" in w.ended["a"].error
     w.run()
     w.assert_clean()
-    assert w.sched.capacity.memory["dit0"].budget_bytes == pytest.approx(0.9 * 2 * one)
+    assert w.sched.capacity.budget["dit0"] == pytest.approx(0.9 * 2 * one)
     w.submit_together(w.session("c", seconds=20), w.session("d", seconds=20))
     assert w.sched.sessions["c"].state == "running" and w.sched.sessions["d"].state != "running"
     w.run()

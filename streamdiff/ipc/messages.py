@@ -119,15 +119,17 @@ class DiTMemory(msgspec.Struct, frozen=True):
     kv_bytes_per_token: float
     window_frames: int
     cross_bytes: float
-    budget_bytes: float
+    budget_bytes: float  # the worker's (its device's), shared by its stages: Worker.start
     least_frames: int = 0  # the fewest frames a cache is sized for (sinks and a block; plan.cache_frames)
+    transient_bytes: float = 0.0  # a block's activations and workspaces at the worker's largest batch
 
 
 class VAEMemory(msgspec.Struct, frozen=True):
     """What one VAE session's temporal cache holds per latent pixel of a shard, and the budget."""
 
     cache_bytes_per_latent_pixel: float
-    budget_bytes: float
+    budget_bytes: float  # the worker's (its device's), shared by its stages: Worker.start
+    transient_bytes: float = 0.0  # a decode's activations at the worker's largest batch
 
 
 class StageTimes(msgspec.Struct, frozen=True):

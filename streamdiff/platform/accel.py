@@ -98,8 +98,20 @@ class AcceleratorPlatform(Platform):
     def release_memory(self) -> None:
         self.rt.empty_cache()
 
-    def memory_budget(self, cpu_budget: int) -> int:
-        """90% of the device memory still free after the model loaded (where the runtime says)."""
+    def memory_budget(self, cpu_budget: int, reserve: int = 0) -> int:
+        """90% of the device memory free once every stage of the worker has loaded and
+        calibrated (their calibration sessions gone, the allocator's cache given back), less
+        `reserve` for the largest batch's transients (where the runtime says)."""
         if not hasattr(self.rt, "mem_get_info"):
             return cpu_budget
-        return int(0.9 * self.rt.mem_get_info(self.torch_device)[0])
+        self.rt.empty_cache()
+        return max(0, int(0.9 * self.rt.mem_get_info(self.torch_device)[0]) - reserve)
+
+    def peak_during(self, fn) -> tuple[object, int]:
+        if not hasattr(self.rt, "max_memory_allocated"):
+            return fn(), 0
+        dev = self.torch_device
+        before = self.rt.memory_allocated(dev)
+        self.rt.reset_peak_memory_stats(dev)
+        out = fn()
+        return out, max(0, self.rt.max_memory_allocated(dev) - before)

@@ -87,9 +87,16 @@ class Platform:
     def wait_clock(self) -> WaitClock:
         return WaitClock()
 
-    def memory_budget(self, cpu_budget: int) -> int:
-        """What this worker's sessions may hold once the model is loaded."""
+    def memory_budget(self, cpu_budget: int, reserve: int = 0) -> int:
+        """What the sessions of this device's worker may hold, asked once its stages have all
+        loaded and calibrated; `reserve`: the transients of its largest batch (`peak_during`).
+        The CPU's is the configured budget (pipeline.cpu_memory_budget_bytes)."""
         return cpu_budget
+
+    def peak_during(self, fn) -> tuple[object, int]:
+        """(fn(), the bytes its run allocated on the device beyond what was allocated before:
+        a block's transients, its activations and workspaces). Nothing counted on the CPU."""
+        return fn(), 0
 
     def release_memory(self) -> None:
         """Give back what the allocator caches (after an out-of-memory error failed a batch)."""

@@ -30,6 +30,7 @@ from .stage_common import (
     phase,
     put_activation,
     timed_ms,
+    transient_at,
 )
 
 log = logging.getLogger("streamdiff.worker")
@@ -118,9 +119,11 @@ class DiTStage:
         for i in range(-(-sess.state.kv.window // fpb) - 1):
             self._cut_stages([("calibration", i == 0, self.engine.generate_block(sess, fpb)[0], self.cut)])
         self.clock.start()
-        ms = timed_ms(
-            self.platform,
-            lambda: self._cut_stages([("calibration", False, self.engine.generate_block(sess, fpb)[0], self.cut)]),
+        ms, alone_t = self.platform.peak_during(
+            lambda: timed_ms(
+                self.platform,
+                lambda: self._cut_stages([("calibration", False, self.engine.generate_block(sess, fpb)[0], self.cut)]),
+            )
         )
         _, own_s = self.clock.stop()
         self.vae_states.pop("calibration", None)
@@ -133,10 +136,11 @@ class DiTStage:
         held = [kv] + ([sess.rolling.scratch.kv] if sess.rolling is not None else [])
         per_token = sum(c.nbytes for c in held) / tokens
         cross = sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in sess.state.cross)
-        budget = self.platform.memory_budget(self.cpu_budget)
         # Per-block share of a batched forward of two sessions (larger batches are measured as
-        # the supervisor runs them), if half the memory budget holds a second session.
-        batch_ms = {}
+        # the supervisor runs them), if half the memory free now holds a second session (the
+        # worker's budget is taken once all its stages have loaded and calibrated: Worker.start).
+        batch_ms, pair_t = {}, None
+        budget = self.platform.memory_budget(self.cpu_budget, alone_t)
         fits = int(self.max_batch > 1 and budget // 2 >= 2 * (per_token * tokens + cross))
         if -self._agree([-fits])[0]:  # a group's ranks all time the pair or none does
             other = self.engine.open_session(w, h, seed=1)
@@ -144,14 +148,24 @@ class DiTStage:
             self.engine.generate_block(other, p.sampler.frames_per_block)
             pair, fpb = [sess, other], p.sampler.frames_per_block
             self.engine.generate_blocks(pair, fpb)  # cold: a new shape
-            batch_ms["2"] = timed_ms(self.platform, lambda: self.engine.generate_blocks(pair, fpb)) / 2
+            ms2, pair_t = self.platform.peak_during(
+                lambda: timed_ms(self.platform, lambda: self.engine.generate_blocks(pair, fpb))
+            )
+            batch_ms["2"] = ms2 / 2
         if self.engine.compiler.active:  # every shape it serves, so that none compiles after READY
             self.engine.warm(w, h, batch=bool(batch_ms))
         return {
             "cost": m.StageCost(ms, [w, h], busy_ms=1000 * own_s),
             "batch_ms": batch_ms,
             # keys, values, latents and tail, exact (KVCache.nbytes)
-            "memory": m.DiTMemory(per_token, kv.window, cross, budget, self.engine.least_cache_frames),
+            "memory": m.DiTMemory(
+                per_token,
+                kv.window,
+                cross,
+                0.0,
+                self.engine.least_cache_frames,
+                transient_at(self.max_batch, alone_t, pair_t),
+            ),
         }
 
     def open(self, msg: m.OpenSession) -> None:

@@ -34,6 +34,8 @@ import threading
 import time
 import traceback
 
+import msgspec
+
 from ..ipc import messages as m
 from .errors import MEMORY, WORKER, classify
 from .faults import Faults
@@ -106,6 +108,7 @@ class Worker:
         if "vae" in self.spec.roles:
             self.stages["vae"] = VAEStage(self.spec, self.faults)
             ready["vae"] = self.stages["vae"].info()
+        ready = self._one_budget(ready)
         info = m.ReadyInfo(self.spec.device, list(self.spec.roles), **ready)
         if self.spec.lend:
             from ..platform.cpu_lending import Lender
@@ -117,6 +120,24 @@ class Worker:
                     install_lender(self.lender, model)
         self.send(m.Ready(self.spec.name, os.getpid(), info))
         threading.Thread(target=self._heartbeat, name="heartbeat", daemon=True).start()
+
+    def _one_budget(self, ready: dict) -> dict:
+        """One memory budget for the device, shared by the stages on it: taken once every stage
+        has loaded and calibrated (a stage that measured free memory before the other had
+        loaded would count it twice), less the largest of their transients at the worker's
+        largest batch (stages run one at a time, so their transients never meet). The
+        supervisor checks the caches of all the sessions on this worker, whichever stage holds
+        them, against it (`CapacityModel.fits`)."""
+        plat = next(iter(self.stages.values())).platform
+        reserve = max((int(r.memory.transient_bytes) for r in ready.values() if r.memory is not None), default=0)
+        budget = float(plat.memory_budget(self.spec.cpu_memory_budget_bytes, reserve))
+        log.info("memory budget for sessions: %.0f MB (%.0f MB kept for transients)", budget / 1e6, reserve / 1e6)
+        return {
+            k: r
+            if r.memory is None
+            else msgspec.structs.replace(r, memory=msgspec.structs.replace(r.memory, budget_bytes=budget))
+            for k, r in ready.items()
+        }
 
     def send(self, msg: m.Message) -> None:
         self.sock.send(msg.encode())

@@ -57,6 +57,15 @@ def timed_ms(plat, fn) -> float:
     return 1000 * (time.perf_counter() - t0)
 
 
+def transient_at(max_batch: int, alone: int, pair: int | None) -> int:
+    """A block's transients (the bytes it allocates beyond the sessions' caches: activations,
+    the batched attention's gathered windows, workspaces) at the worker's largest batch, from a
+    block alone and, where one ran, a pair: each session more adds what the second added; with
+    no pair, what one alone takes."""
+    more = alone if pair is None else max(0, pair - alone)
+    return int(alone + more * (max(1, max_batch) - 1))
+
+
 def leave_group(world: int) -> None:
     if world > 1:
         import torch.distributed as dist

@@ -30,6 +30,7 @@ from .stage_common import (
     phase,
     take_activations,
     timed_ms,
+    transient_at,
 )
 
 log = logging.getLogger(__name__)
@@ -94,7 +95,6 @@ class VAEStage:
         p = self.engine.preset
         w, h = p.default_size
         sf, fpb = p.vae.spatial_factor, p.sampler.frames_per_block
-        budget = self.platform.memory_budget(self.cpu_budget)
         g = torch.Generator().manual_seed(0)
 
         def decode(states, frames: int) -> float:
@@ -107,20 +107,24 @@ class VAEStage:
         state = self.engine.open_session()
         decode([state], 1)  # a shot's first block, then steady ones: the first of a shape is cold
         decode([state], fpb)
-        ms = decode([state], fpb)
+        ms, alone_t = self.platform.peak_during(lambda: decode([state], fpb))
         cache = sum(c.numel() * c.element_size() for c in state.cache if c is not None)
-        # A pair decoded in one call, if half the memory budget holds it on every rank (their
-        # free memory differs; all must run the same calibration collectives or none).
-        batch_ms = {}
+        # A pair decoded in one call, if half the memory free now holds it on every rank (their
+        # free memory differs; all must run the same calibration collectives or none). The
+        # worker's budget is taken once all its stages have loaded and calibrated (Worker.start).
+        batch_ms, pair_t = {}, None
+        budget = self.platform.memory_budget(self.cpu_budget, alone_t)
         fits = int(self.max_batch > 1 and budget // 2 >= 2 * cache)
         if -self._agree([-fits])[0]:
             other = copy.deepcopy(state)  # the same cache phase, without decoding its blocks again
             decode([state, other], fpb)  # cold: a new shape
-            batch_ms["2"] = decode([state, other], fpb) / 2
+            ms2, pair_t = self.platform.peak_during(lambda: decode([state, other], fpb))
+            batch_ms["2"] = ms2 / 2
+        transient = transient_at(self.max_batch, alone_t, pair_t)
         out = {
             "cost": m.StageCost(ms, [w, h]),
             "batch_ms": batch_ms,
-            "memory": m.VAEMemory(cache / ((h // sf) * (w // sf)), budget),
+            "memory": m.VAEMemory(cache / ((h // sf) * (w // sf)), 0.0, transient),
         }
         if self.cut:  # each decoder stage's time: what the supervisor moves a cut by (supervisor/cut.py)
             from ..models.wan.stage_times import stage_times

@@ -43,9 +43,12 @@ class Admission(SchedulerState):
     def _worker_ready(self, ev: WorkerReady) -> None:
         """A worker's READY: its calibration blocks and memory facts seed the capacity model."""
         dit, vae = ev.info.dit, ev.info.vae
+        for r in (dit, vae):  # one budget per process, whichever of its stages says it
+            if r is not None and r.memory is not None:
+                self.capacity.worker_budget(ev.worker, r.memory.budget_bytes)
         if dit is not None:
             cost = dit.cost
-            self.capacity.calibrate(ev.worker, cost.size, cost.block_ms, dit.memory)
+            self.capacity.calibrate(ev.worker, cost.size, cost.block_ms, dit.memory, self.topology.members(ev.worker))
             for b, ms in dit.batch_ms.items():
                 self.capacity.calibrate_batch(ev.worker, cost.size, int(b), ms / cost.block_ms)
             busy = cost.block_ms if cost.busy_ms is None else cost.busy_ms
@@ -57,7 +60,7 @@ class Admission(SchedulerState):
             group = next(i for i, g in enumerate(self.topology.vae_groups) if ev.worker in g)
             unit = self._group_unit(group)
             cost = vae.cost
-            self.capacity.calibrate(unit, cost.size, cost.block_ms, vae.memory)
+            self.capacity.calibrate(unit, cost.size, cost.block_ms, vae.memory, self.topology.vae_groups[group])
             self.balance.seed(group, cost.block_ms, self._latent_hw(*cost.size))
             for b, ms in vae.batch_ms.items():
                 self.capacity.calibrate_batch(unit, cost.size, int(b), ms / cost.block_ms)

@@ -10,10 +10,12 @@ follows every batched block's reported share after. A size never seen yet is est
 measured one, scaled by pixels.
 
 Admitting a session adds its demand — block cost / block duration — to its units. It is admitted
-when every unit stays under `target_utilization` and the caches it will hold fit the unit's
-memory budget (the DiT's KV window and prompt cache, the VAE's temporal cache for its share of
-the rows). A unit whose device ran out of memory in a block learns it (`out_of_memory`): its
-budget drops below what the sessions on it held then. Otherwise `predicted_start` replays the
+when every unit stays under `target_utilization` and the caches it will hold fit the memory
+budget of every worker process they sit in (the DiT's KV window and prompt cache, the VAE's
+temporal cache for its share of the rows): one budget per process, and so per device, shared by
+the stages in it (an aggregated worker's DiT and VAE caches count against the same memory). A
+worker whose device ran out of memory in a block learns it (`out_of_memory`): its budget drops
+below what the sessions on it held then. Otherwise `predicted_start` replays the
 running sessions' ends (each is expected to stream at real-time pace) to say when it would fit:
 the API queues it when that is within `max_queue_wait_s`, else answers 429 with that wait as
 Retry-After.
@@ -23,8 +25,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-
-import msgspec
 
 from ...ipc.messages import DiTMemory, VAEMemory
 from ...plan import cache_frames
@@ -52,26 +52,50 @@ class CapacityModel:
         self.memory: dict[str, DiTMemory | VAEMemory] = {}  # unit -> what its worker said it holds per session
         self.factor: dict[tuple, float] = {}  # (unit, (w, h), batch size) -> per-block share / alone
         self.batches_seen: dict[tuple, int] = {}  # (unit, (w, h), batch size) -> blocks observed
-        self._oom: dict[str, frozenset] = {}  # unit -> the sessions on it at its last out-of-memory
+        self.workers: dict[str, tuple[str, ...]] = {}  # unit -> the processes holding its sessions' caches
+        self.budget: dict[str, float] = {}  # worker process -> what its sessions' caches may hold
+        self._oom: dict[str, frozenset] = {}  # worker -> the sessions on it at its last out-of-memory
 
     # -- what the workers tell ----------------------------------------------------------------
-    def calibrate(self, unit: str, size: list[int], block_ms: float, memory: DiTMemory | VAEMemory | None) -> None:
+    def calibrate(
+        self,
+        unit: str,
+        size: list[int],
+        block_ms: float,
+        memory: DiTMemory | VAEMemory | None,
+        workers: tuple[str, ...] | list[str] = (),
+    ) -> None:
+        """A unit's start-up figures; `workers`: the processes that hold each of its sessions'
+        caches (a VAE group's shards, a DiT group's ranks; default the unit itself)."""
         self.cost_ms.setdefault((unit, (size[0], size[1])), block_ms)
         if memory:
             self.memory[unit] = memory
+            self.workers[unit] = tuple(workers) or (unit,)
 
-    def out_of_memory(self, unit: str, held: dict[str, float]) -> float | None:
-        """The unit's device ran out of memory in a block while its sessions held `held`
-        (session -> bytes on the unit, as admission counts them): its budget is lowered to
+    def worker_budget(self, worker: str, budget_bytes: float) -> None:
+        """A worker process's memory budget, as its READY says (one for all its stages)."""
+        self.budget[worker] = budget_bytes
+        self._oom.pop(worker, None)
+
+    def held(self, demands: list[Demand]) -> dict[str, float]:
+        """Bytes the demands' caches hold in each worker process."""
+        out: dict[str, float] = {}
+        for d in demands:
+            for u, x in d.memory.items():
+                for w in self.workers.get(u, (u,)):
+                    out[w] = out.get(w, 0.0) + x
+        return out
+
+    def out_of_memory(self, worker: str, held: dict[str, float]) -> float | None:
+        """The worker's device ran out of memory in a block while its sessions held `held`
+        (session -> bytes in that worker, as admission counts them): its budget is lowered to
         OOM_MARGIN x their sum, never raised. A batch's sessions each report the same error:
         learnt once for them. Returns the new budget (None: nothing learnt)."""
-        mem = self.memory.get(unit)
-        if mem is None or (set(held) <= self._oom.get(unit, frozenset()) and held):
+        if worker not in self.budget or (held and set(held) <= self._oom.get(worker, frozenset())):
             return None
-        self._oom[unit] = frozenset(held)
-        budget = min(mem.budget_bytes, OOM_MARGIN * sum(held.values()))
-        self.memory[unit] = msgspec.structs.replace(mem, budget_bytes=budget)
-        return budget
+        self._oom[worker] = frozenset(held)
+        self.budget[worker] = min(self.budget[worker], OOM_MARGIN * sum(held.values()))
+        return self.budget[worker]
 
     def calibrate_batch(self, unit: str, size: list[int], batch: int, factor: float) -> None:
         self.factor.setdefault((unit, (size[0], size[1]), batch), factor)
@@ -179,16 +203,16 @@ class CapacityModel:
         """Whether `new` can join `running` on its units. A unit with nothing running takes any
         session: one that cannot stream in real time even alone still gets made, just not
         beside others (a job that is not watched live does not need real time)."""
+        procs = set(self.held([new]))
         mine = set(new.share) | set(new.memory)
-        running = [d for d in running if mine & (set(d.share) | set(d.memory))]
+        running = [d for d in running if mine & (set(d.share) | set(d.memory)) or procs & set(self.held([d]))]
         if not running:
             return True
-        share, memory = self.load(running)
+        share, _ = self.load(running)
         if any(share.get(u, 0.0) + x > self.target for u, x in new.share.items()):
             return False
-        return all(
-            memory.get(u, 0.0) + x <= self.memory[u].budget_bytes for u, x in new.memory.items() if u in self.memory
-        )
+        held = self.held([*running, new])
+        return all(held[w] <= self.budget[w] for w in procs if w in self.budget)
 
     def predicted_start(
         self, new: Demand, running: list[tuple[float, Demand]], ahead: list[tuple[float, Demand]]

@@ -74,17 +74,15 @@ class Losses(Replies):
             self._vae_answered(sess, t)
 
     def _learn_out_of_memory(self, sess: Session, msg: m.Failed) -> None:
-        """Admission learns from a device that ran out of memory: the unit's budget drops below
-        what its running sessions held (the failed batch's among them)."""
-        _, t = self._ticket(sess.id, msg.block, T_DIT)
-        unit = sess.dit if t is not None and msg.worker == sess.dit else self._group_unit(sess.group)
-        held = {s.id: self._demand(s, s.dit, s.group).memory.get(unit, 0.0) for s in self.running}
-        held = {k: v for k, v in held.items() if v}
-        budget = self.capacity.out_of_memory(unit, held)
+        """Admission learns from a device that ran out of memory: the worker's budget drops
+        below what its running sessions held there (the failed batch's among them)."""
+        on = {s.id: self.capacity.held([self._demand(s, s.dit, s.group)]).get(msg.worker, 0.0) for s in self.running}
+        held = {k: v for k, v in on.items() if v}
+        budget = self.capacity.out_of_memory(msg.worker, held)
         if budget is not None:
             log.warning(
                 "%s ran out of memory with %d session(s) holding %.0f MB: its budget is now %.0f MB",
-                unit,
+                msg.worker,
                 len(held),
                 sum(held.values()) / 1e6,
                 budget / 1e6,
