@@ -60,15 +60,20 @@ class DiTSession:
 
 
 class DiTEngine:
-    def __init__(self, spec: ModelSpec, device: str = "cpu", prompt_cache: int = 16, probe: bool = False) -> None:
+    def __init__(
+        self, spec: ModelSpec, device: str = "cpu", prompt_cache: int = 16, probe: bool = False, text: bool = True
+    ) -> None:
         """`probe`: the profile's, which times the DiT's blocks and an image's encoding, not the
-        prompt's: no text encoder (prompts embed to zeros of its shape; umT5-XXL takes minutes)."""
+        prompt's: no text encoder (prompts embed to zeros of its shape; umT5-XXL takes minutes).
+        `text`: whether this engine holds the text encoder; a DiT group's ranks after the first
+        do not, and get each prompt's embedding from `share_prompt` (parallel/dit_group.py)."""
         self.device = device
         self.model, self.preset = build_dit(spec, device)
         self.loaded = describe_load(spec, self.preset)  # what it was built from (log, /health, /v1/models)
         self.compiler = Compiler(spec.compile, device)  # compiled lazily, at the first blocks (`warm`)
         self.model.compile_blocks(self.compiler)
-        self.text = build_text_encoder(spec, device) if not probe else None
+        self.text = build_text_encoder(spec, device) if text and not probe else None
+        self.share_prompt = None  # a DiT group's: rank 0's embedding, given to every rank
         # image-to-video: the VAE encoder beside the DiT (one image per shot; its latent then
         # travels to the VAE workers in the ring as the shot's first block). Loaded only where
         # the preset conditions on an image.
@@ -126,11 +131,13 @@ class DiTEngine:
     def encode_prompt(self, prompt: str) -> torch.Tensor:
         emb = self._prompts.get(prompt)
         if emb is None:
-            if self.text is None:  # a probe's stand-in: the DiT's time does not depend on the values
+            if self.text is not None:
+                emb = self.text.encode([prompt])
+            elif self.share_prompt is None:  # a probe's stand-in: the DiT's time does not depend on the values
                 cfg, dev = self.model.cfg, self.model.patch_embedding.weight.device
                 emb = torch.zeros(1, cfg.text_len, cfg.text_dim, device=dev)
-            else:
-                emb = self.text.encode([prompt])
+            if self.share_prompt is not None:
+                emb = self.share_prompt(emb)
             self._prompts[prompt] = emb
             if len(self._prompts) > self._prompt_cache:
                 self._prompts.popitem(last=False)

@@ -110,3 +110,19 @@ class SeqParallel:
         s, _, c = x.shape
         shapes = [(s, grid.frames, b1 - b0, grid.width, c) for b0, b1 in grid.bands]
         return torch.cat(self._exchange([x] * self.world, shapes), dim=2).view(s, -1, c)
+
+
+def shared_prompts(sp: SeqParallel, shape: tuple[int, ...], device: str):
+    """A DiT group's prompt embeddings (`DiTEngine.share_prompt`): rank 0's text encoder
+    encodes, one broadcast gives every rank the same tensor, so a group holds one text encoder
+    (umT5-XXL is 11.4 GB) and encodes each prompt once, not once per rank. Float32 on the wire:
+    a bfloat16 embedding goes there and back unchanged. Every rank asks in the same order (the
+    same scenes of the same blocks, and the same prompt cache), so the broadcasts match."""
+
+    def share(emb: torch.Tensor | None) -> torch.Tensor:
+        buf = emb.float().contiguous() if sp.rank == 0 else torch.empty(shape, dtype=torch.float32, device=device)
+        with sp.clock.span():
+            dist.broadcast(buf, src=0)
+        return buf
+
+    return share

@@ -50,14 +50,17 @@ class DiTStage:
         self.clock = self.platform.stopwatch(spec.threads)
         g = spec.group if spec.dit_group else None
         self.rank, self.world = (g.rank, g.world) if g else (0, 1)
-        self.engine = DiTEngine(spec.model, spec.device)
+        self.engine = DiTEngine(spec.model, spec.device, text=self.rank == 0)  # one text encoder per group
         if self.world > 1:  # joined once loaded, as a VAE shard joins: a slow load waits in no collective
-            from ..parallel.dit_group import SeqParallel
+            from ..parallel.dit_group import SeqParallel, shared_prompts
             from ..parallel.vae_group import init_group
 
             init_group(g.init_addr, g.rank, g.world, spec.device, g.timeout_s)
-            heads = self.engine.model.cfg.num_heads
-            self.engine.model.parallel = SeqParallel(self.rank, self.world, heads, self.platform.wait_clock())
+            cfg = self.engine.model.cfg
+            sp = self.engine.model.parallel = SeqParallel(
+                self.rank, self.world, cfg.num_heads, self.platform.wait_clock()
+            )
+            self.engine.share_prompt = shared_prompts(sp, (1, cfg.text_len, cfg.text_dim), spec.device)
         self.ring = Ring(spec.latent_ring)
         self.faults = faults
         self.sessions: dict = {}

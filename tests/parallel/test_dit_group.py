@@ -117,3 +117,47 @@ def test_a_group_larger_than_the_heads_or_the_rows_is_refused():
         SeqParallel(0, 6, 5)
     with pytest.raises(ValueError, match="2 rows of patches"):
         SeqParallel(0, 3, 5).grid(1, 2, 4)
+
+
+def prompt_rank(rank: int, world: int, addr: str, out) -> None:
+    try:
+        torch.set_num_threads(1)
+        from streamdiff.models.engines import DiTEngine
+        from streamdiff.models.spec import ModelSpec
+        from streamdiff.parallel.dit_group import SeqParallel, shared_prompts
+        from streamdiff.parallel.vae_group import init_group
+
+        init_group(addr, rank, world, "cpu", timeout_s=60)
+        eng = DiTEngine(ModelSpec(preset="tiny"), text=rank == 0)
+        cfg = eng.model.cfg
+        sp = eng.model.parallel = SeqParallel(rank, world, cfg.num_heads)
+        eng.share_prompt = shared_prompts(sp, (1, cfg.text_len, cfg.text_dim), "cpu")
+        embs = [eng.encode_prompt(p).numpy() for p in ("a red ball", "a blue cube", "a red ball")]
+        out.put((rank, embs, eng.text is None))
+    except Exception:
+        out.put((rank, traceback.format_exc(), None))
+
+
+def test_a_group_holds_one_text_encoder_and_every_rank_gets_its_embeddings():
+    from streamdiff.models.engines import DiTEngine
+    from streamdiff.models.spec import ModelSpec
+
+    alone = DiTEngine(ModelSpec(preset="tiny"))
+    ref = [alone.encode_prompt(p) for p in ("a red ball", "a blue cube", "a red ball")]
+    ctx = mp.get_context("spawn")
+    out, addr = ctx.Queue(), f"tcp://127.0.0.1:{free_port()}"
+    procs = [ctx.Process(target=prompt_rank, args=(r, 2, addr, out)) for r in range(2)]
+    for p in procs:
+        p.start()
+    try:
+        got = dict((r, (embs, none)) for r, embs, none in (out.get(timeout=120) for _ in procs))
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+    assert all(none is not None for _, none in got.values()), got
+    assert got[0][1] is False and got[1][1] is True  # rank 1 loaded no text encoder
+    for embs, _ in got.values():
+        for a, b in zip(embs, ref, strict=True):
+            assert torch.equal(torch.from_numpy(a), b.float())
