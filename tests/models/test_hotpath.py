@@ -265,30 +265,6 @@ def test_an_eager_worker_never_imports_dynamo():
     assert r.stdout.strip() == "False"
 
 
-def test_compiled_blocks_equal_eager_and_do_not_recompile_through_cuts():
-    """A 12 s stream of the tiny preset (16 blocks of 3 latent frames at 16 fps) with two cuts,
-    compiled: every block equals eager within 1e-5 (float32), and after the first block no
-    graph is compiled again (dynamo's counters)."""
-    torch.manual_seed(0)
-    eager = DiTEngine(ModelSpec(preset="tiny-random", dtype="float32", compile="off"))
-    torch.manual_seed(0)
-    comp = DiTEngine(ModelSpec(preset="tiny-random", dtype="float32", compile="on"))
-    assert comp.compiler.active and not eager.compiler.on
-    sessions = [e.open_session(256, 144, seed=5) for e in (eager, comp)]
-    graphs = None
-    for i in range(16):
-        outs = []
-        for e, s in zip((eager, comp), sessions, strict=True):
-            if i in (0, 6, 11):
-                e.set_scene(s, f"shot {i}", cut=True, seed=i, shot_left=5)
-            outs.append(e.generate_block(s, 3))
-        torch.testing.assert_close(outs[1], outs[0], rtol=1e-5, atol=1e-5)
-        if i == 0:
-            graphs = compile_stats()["graphs"]
-            assert graphs > 0
-    assert compile_stats()["graphs"] == graphs
-
-
 def test_compiled_vae_equals_eager_and_does_not_recompile_through_cuts():
     """The VAE's norms compiled (`--compile on`): a stream of 8 blocks of 3 latent frames with two
     cuts decodes every block within 1e-5 of eager (float32, the worker's chunked plan), and after
@@ -373,26 +349,33 @@ def test_a_cache_sized_to_the_longest_shot_equals_a_full_window(kind):
             torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
 
 
-def test_after_the_warm_up_a_served_mix_compiles_nothing():
+def served_mix(e: DiTEngine, w: int, h: int) -> list[torch.Tensor]:
+    """Batches of 1 to 4, an image block, a prompt switch (a re-cache), a cut: every latent."""
+    sessions = [e.open_session(w, h, seed=i) for i in range(4)]
+    for s in sessions:
+        e.set_scene(s, "a red ball", cut=True)
+    outs = [e.start_from_image(sessions[0], torch.zeros(h, w, 3, dtype=torch.uint8))]
+    for n in (1, 2, 3, 4):
+        outs += e.generate_blocks(sessions[:n], 3)
+    e.set_scene(sessions[1], "a blue ball", cut=False)  # every_switch: the switch re-caches
+    e.set_scene(sessions[2], "a new shot", cut=True, seed=7, shot_left=3)
+    return outs + e.generate_blocks(sessions, 3)
+
+
+def test_after_the_warm_up_a_served_mix_compiles_nothing_and_equals_eager():
     """What a worker warms before READY (`DiTEngine.warm`, compile forced on, inductor on the
     CPU) covers what it then serves: batches of 1 to 4, another frame size, an image-to-video
     block, a LongLive-style re-cache at every prompt switch and a storyboard's cut compile no
-    graph more (dynamo's counters), and every call ran compiled."""
-    spec = ModelSpec(preset="tiny-random", dtype="float32", compile="on", sampler={"recache": "every_switch"})
-    eng = DiTEngine(spec)
-    assert eng.i2v and eng.compiler.active
+    graph more (dynamo's counters), every call ran compiled, and every block equals eager within
+    1e-5 (float32)."""
+    spec = dict(preset="tiny-random", dtype="float32", sampler={"recache": "every_switch"})
+    eager, eng = DiTEngine(ModelSpec(**spec, compile="off")), DiTEngine(ModelSpec(**spec, compile="on"))
+    assert eng.i2v and eng.compiler.active and not eager.compiler.on
     eng.warm(256, 144, batch=True)
     graphs = compile_stats()["graphs"]
     assert graphs > 0
     for w, h in ((256, 144), (128, 64)):
-        sessions = [eng.open_session(w, h, seed=i) for i in range(4)]
-        for s in sessions:
-            eng.set_scene(s, "a red ball", cut=True)
-        eng.start_from_image(sessions[0], torch.zeros(h, w, 3, dtype=torch.uint8))
-        for n in (1, 2, 3, 4):
-            eng.generate_blocks(sessions[:n], 3)
-        eng.set_scene(sessions[1], "a blue ball", cut=False)  # the prompt switch re-caches
-        eng.set_scene(sessions[2], "a new shot", cut=True)
-        eng.generate_blocks(sessions, 3)
+        for a, b in zip(served_mix(eager, w, h), served_mix(eng, w, h), strict=True):
+            torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
     assert compile_stats()["graphs"] == graphs
     assert eng.compiler.active and eng.compiler.fallback is None
