@@ -449,7 +449,11 @@ def load_into(model: nn.Module, sd: Mapping[str, torch.Tensor], what: str) -> No
                     src.copy_into(t, f, staging)
                 else:
                     t.copy_(src)
-                finite.append(torch.isfinite(t).all() if t.is_floating_point() else torch.ones((), device=t.device))
+                finite.append(
+                    torch.isfinite(t).all()
+                    if t.is_floating_point()
+                    else torch.ones((), dtype=torch.bool, device=t.device)
+                )
     finally:
         for f in files.values():
             f.close()
