@@ -103,7 +103,7 @@ class Admission(SchedulerState):
         groups = [i for i, g in enumerate(self.topology.vae_groups) if not ready_only or all(self._ready(w) for w in g)]
         if not dits or not groups:
             return None
-        share, _ = self.capacity.load(self._running_demands())
+        share = self.capacity.load(self._running_demands())
         count: dict[str, int] = {}
         for s in self.running:
             count[s.dit] = count.get(s.dit, 0) + 1

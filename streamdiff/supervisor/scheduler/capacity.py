@@ -189,15 +189,13 @@ class CapacityModel:
                 d.memory[unit] = mem.cache_bytes_per_latent_pixel * latent_hw[0] * latent_hw[1]
         return d
 
-    def load(self, running: list[Demand]) -> tuple[dict[str, float], dict[str, float]]:
+    def load(self, running: list[Demand]) -> dict[str, float]:
+        """The busy share the demands ask of each unit (their memory, per process: `held`)."""
         share: dict[str, float] = {}
-        memory: dict[str, float] = {}
         for d in running:
             for u, x in d.share.items():
                 share[u] = share.get(u, 0.0) + x
-            for u, x in d.memory.items():
-                memory[u] = memory.get(u, 0.0) + x
-        return share, memory
+        return share
 
     def fits(self, new: Demand, running: list[Demand]) -> bool:
         """Whether `new` can join `running` on its units. A unit with nothing running takes any
@@ -208,7 +206,7 @@ class CapacityModel:
         running = [d for d in running if mine & (set(d.share) | set(d.memory)) or procs & set(self.held([d]))]
         if not running:
             return True
-        share, _ = self.load(running)
+        share = self.load(running)
         if any(share.get(u, 0.0) + x > self.target for u, x in new.share.items()):
             return False
         held = self.held([*running, new])
