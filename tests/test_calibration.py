@@ -3,12 +3,12 @@ them, read only where every rank of a group has its own, measured otherwise."""
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import fields, replace
 
 from streamdiff.ipc import messages as m
 from streamdiff.ipc.shm import RingSpec
 from streamdiff.models.spec import ModelSpec
-from streamdiff.workers.calibration import calibrated, key
+from streamdiff.workers.calibration import PER_START, SHAPES, calibrated, key
 from streamdiff.workers.spec import GroupSpec, WorkerSpec
 
 
@@ -32,7 +32,9 @@ def alone(verdicts: list[int]) -> list[int]:
 
 def test_the_key_is_what_shapes_the_figures(tmp_path):
     a = spec(tmp_path, group=GroupSpec("vae0", 0, 2, "tcp://127.0.0.1:1"))
-    renamed = replace(a, name="vae3.0", control_addr="ipc://b", incarnation=2, log_level="debug")
+    renamed = replace(
+        a, name="vae3.0", control_addr="ipc://b", incarnation=2, log_level="debug", supervisor_pid=4321, cpus=(1,)
+    )
     readdressed = replace(renamed, group=replace(a.group, name="vae3", init_addr="tcp://127.0.0.1:2"))
     assert key(a, "vae") == key(readdressed, "vae")
     for other in (
@@ -45,6 +47,13 @@ def test_the_key_is_what_shapes_the_figures(tmp_path):
     ):
         assert key(other, "vae") != key(a, "vae")
     assert key(a, "dit") != key(a, "vae")
+
+
+def test_every_spec_field_is_either_a_shape_or_per_start():
+    """A field added to WorkerSpec is classified here: one left out of the key by accident would
+    shape no figure, one left in by accident (a pid) changes the key at every start."""
+    names = {f.name for f in fields(WorkerSpec)}
+    assert set(SHAPES) | set(PER_START) == names and not set(SHAPES) & set(PER_START)
 
 
 def test_measured_once_then_read_back_equal(tmp_path):

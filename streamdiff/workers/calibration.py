@@ -33,26 +33,45 @@ _READY = {"dit": m.DiTReady, "vae": m.VAEReady}
 _FIELDS = {"dit": ("cost", "batch_ms", "memory"), "vae": ("cost", "batch_ms", "memory", "stages_ms")}
 
 
+# Every WorkerSpec field is one of these two (tests/test_calibration.py holds that): what shapes a
+# stage's figures, and what a start sets that does not. A field in neither fails that test, so a
+# new one is a decision, not a key that silently changes at every start (and measures again).
+SHAPES = (
+    "roles",
+    "device",
+    "threads",
+    "model",
+    "group",
+    "dit_group",
+    "vae_working_set_bytes",
+    "cpu_memory_budget_bytes",
+    "max_batch",
+    "low_priority",
+    "lend",
+    "vae_cut",
+)
+PER_START = (
+    "name",
+    "cpus",  # which cores it is pinned to; how many it has is `threads`
+    "control_addr",
+    "latent_ring",
+    "frame_ring",
+    "heartbeat_interval_s",
+    "log_level",
+    "incarnation",
+    "supervisor_pid",
+    "calibration_dir",
+    "faults",
+)
+
+
 def key(spec: WorkerSpec, stage: str) -> str:
-    """Everything in the spec that shapes the stage's figures, hashed: not its name, sockets,
-    rings, log level, heartbeat, incarnation, injected faults, the group's address, which cores
-    it is pinned to (how many it has is `threads`) or the lending ledger."""
+    """The fields of the spec that shape the stage's figures (SHAPES), hashed. Of a group, its
+    rank, size and sharding, not its name or address; of the lending ledger, whether there is
+    one."""
     group = dataclasses.replace(spec.group, name="", init_addr="") if spec.group else None
-    same = dataclasses.replace(
-        spec,
-        name="",
-        cpus=(),
-        control_addr="",
-        latent_ring=None,
-        frame_ring=None,
-        group=group,
-        heartbeat_interval_s=0.0,
-        log_level="",
-        incarnation=0,
-        faults=(),
-        lend=None,
-    )
-    return hashlib.sha256(f"{stage} {same!r} {spec.lend is not None}".encode()).hexdigest()[:20]
+    shapes = {f: getattr(spec, f) for f in SHAPES} | {"group": group, "lend": spec.lend is not None}
+    return hashlib.sha256(f"{stage} {shapes!r}".encode()).hexdigest()[:20]
 
 
 def _read(path: Path, stage: str) -> dict | None:
