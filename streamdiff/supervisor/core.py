@@ -23,6 +23,7 @@ import zmq
 import zmq.asyncio
 
 from ..config import Config, ConfigError
+from ..ipc import control
 from ..ipc import messages as m
 from ..ipc.shm import Ring, SharedMemoryFull, create_rings, sweep_stale
 from ..plan import plan_blocks
@@ -131,12 +132,9 @@ class Supervisor:
             ) from None
         self.latent_ring, self.frame_ring = rings["latent"], rings["frames"]
         self._ctx = zmq.asyncio.Context()
-        self._router = self._ctx.socket(zmq.ROUTER)  # recv_from_workers / send_to_workers
-        self._router.setsockopt(zmq.LINGER, 0)
-        self._router.setsockopt(zmq.ROUTER_MANDATORY, 1)
-        self._send_sock = zmq.Socket.shadow(self._router.underlying)  # send_to_workers
         addr = f"ipc://{self.runtime_dir}/control"
-        self._router.bind(addr)
+        self._router = control.router(self._ctx, addr)  # recv_from_workers / send_to_workers
+        self._send_sock = zmq.Socket.shadow(self._router.underlying)  # send_to_workers
         self.topology = build_topology(self.cfg, addr, self.latent_ring.spec, self.frame_ring.spec, self.runtime_dir)
         self.pool = WorkerPool(
             self.topology,
