@@ -117,11 +117,26 @@ def pytest_collection_modifyitems(config, items):
         fn = getattr(item, "function", None)
         if fn is not None and any(starts_processes(f) for f in [fn, *_fixture_funcs(item)]):
             item.add_marker(pytest.mark.slow)
+    _slow_files_first(items)
     if accelerator() is None:
         skip = pytest.mark.skip(reason="no CUDA or XPU accelerator on this machine")
         for item in items:
             if "device" in item.keywords:
                 item.add_marker(skip)
+
+
+def _slow_files_first(items) -> None:
+    """Files in order of how many slow tests they hold, most first, each file's tests together
+    (stable otherwise). `.ci/run` hands whole files to its two processes in this order
+    (`--dist loadfile --no-loadscope-reorder`): the process that draws a long one early still
+    has the many short files to balance against, where pytest-xdist's own order (most tests
+    first) left a single one-minute test to the end, run by one process while the other idled."""
+    slow: dict[str, int] = {}
+    for item in items:
+        f = item.nodeid.split("::")[0]
+        slow[f] = slow.get(f, 0) + ("slow" in item.keywords)
+    first = {f: i for i, f in enumerate(slow)}
+    items.sort(key=lambda item: (-slow[item.nodeid.split("::")[0]], first[item.nodeid.split("::")[0]]))
 
 
 @pytest.fixture(autouse=True)
