@@ -27,6 +27,14 @@ import httpx
 
 ROOT = Path(__file__).resolve().parents[1]
 
+# The client every test and tool request goes through: `http.get(...)` as `http.get(...)`,
+# without what each top-level httpx call builds and throws away: a TLS context that loads the CA
+# bundle, about 40 ms of CPU, for a plain-HTTP request to localhost (80 s of the suite's CPU
+# over its thousands of requests). No connection is kept alive, as with httpx.get: a test that
+# counts the daemon's connections or descriptors sees only the request in flight. httpx's
+# clients are safe to share between threads.
+http = httpx.Client(timeout=5.0, limits=httpx.Limits(max_keepalive_connections=0))
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -82,7 +90,7 @@ class Daemon:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"streamdiffd exited with {self.proc.returncode}:\n{self.logs()}")
             try:
-                r = httpx.get(self.url + "/health", timeout=2)
+                r = http.get(self.url + "/health", timeout=2)
                 if r.status_code == 200:
                     return r.json()
             except httpx.HTTPError:
@@ -101,7 +109,7 @@ class Daemon:
         raise TimeoutError(f"streamdiffd not fully ready after {timeout_s}s:\n{self.logs()}")
 
     def health(self) -> dict:
-        return httpx.get(self.url + "/health", timeout=5).json()
+        return http.get(self.url + "/health", timeout=5).json()
 
     def wait_idle(self, timeout_s: float = 60) -> dict:
         """The pipeline with nothing tracked and every ring slot free (a stream a test left or
@@ -150,14 +158,14 @@ def wait_until(pred, timeout_s: float = 60) -> None:
 
 
 def post_video(url: str, body: dict, **kw) -> httpx.Response:
-    return httpx.post(url + "/v1/videos", json=body, timeout=kw.pop("timeout", 120), **kw)
+    return http.post(url + "/v1/videos", json=body, timeout=kw.pop("timeout", 120), **kw)
 
 
 def stream_video(url: str, body: dict, timeout: float = 300) -> tuple[bytes, list[tuple[float, int]], dict]:
     """POST with stream=true; returns (bytes, [(arrival time, cumulative bytes)], headers)."""
     chunks, arrivals = [], []
     t0 = time.monotonic()
-    with httpx.stream("POST", url + "/v1/videos", json={**body, "stream": True}, timeout=timeout) as r:
+    with http.stream("POST", url + "/v1/videos", json={**body, "stream": True}, timeout=timeout) as r:
         assert r.status_code == 200, r.read()
         headers = dict(r.headers)
         total = 0

@@ -8,7 +8,6 @@ import json
 import subprocess
 import sys
 
-import httpx
 import pytest
 
 from streamdiff.testing import (  # noqa: F401  (re-exported for the tests)
@@ -23,6 +22,7 @@ from streamdiff.testing import (  # noqa: F401  (re-exported for the tests)
     ffprobe,
     fragments,
     free_port,
+    http,
     post_video,
     stream_video,
     wait_until,
@@ -55,13 +55,12 @@ def refused(*flags: str) -> str:
 def leave_mid_stream(url: str, body: dict, after_bytes: int = 5_000) -> None:
     """A client that streams `body` and goes away once `after_bytes` have arrived: closing the
     connection cancels its session."""
-    with httpx.Client(timeout=120) as client:
-        with client.stream("POST", url + "/v1/videos", json={**body, "stream": True}) as r:
-            got = 0
-            for chunk in r.iter_raw():
-                got += len(chunk)
-                if got > after_bytes:
-                    break
+    with http.stream("POST", url + "/v1/videos", json={**body, "stream": True}, timeout=120) as r:
+        got = 0
+        for chunk in r.iter_raw():
+            got += len(chunk)
+            if got > after_bytes:
+                break
 
 
 def assert_same_video(got: bytes, ref: bytes, min_psnr_db: float = 30.0) -> None:

@@ -18,6 +18,7 @@ from .helpers import (
     assert_same_as_one_dit_and_vae,
     assert_same_video,
     check_video,
+    http,
     leave_mid_stream,
     refused,
     stream_video,
@@ -76,7 +77,7 @@ def test_a_killed_rank_fails_its_stream_fast_and_the_group_comes_back(sp2):
     rank1 = sp2.health()["workers"]["dit1"]["pid"]
     chunks, killed = [], None
     body = {"prompt": "doomed", "num_frames": 237, "size": "128x64", "stream": True}
-    with httpx.stream("POST", sp2.url + "/v1/videos", timeout=120, json=body) as r:
+    with http.stream("POST", sp2.url + "/v1/videos", timeout=120, json=body) as r:
         video_id = r.headers["x-video-id"]
         try:
             for chunk in r.iter_raw():
@@ -88,7 +89,7 @@ def test_a_killed_rank_fails_its_stream_fast_and_the_group_comes_back(sp2):
             pass  # a truncated transfer
     # Under half the 120 s collective timeout, under any load: the group failed on the death, not the timeout.
     assert killed is not None and time.monotonic() - killed < 60
-    job = httpx.get(f"{sp2.url}/v1/videos/{video_id}", timeout=10).json()
+    job = http.get(f"{sp2.url}/v1/videos/{video_id}", timeout=10).json()
     assert job["status"] == "failed" and "dit1" in job["error"]["message"]
     health = sp2.wait_healthy(timeout_s=120)  # both ranks restarted on a fresh rendezvous
     assert health["workers"]["dit1"]["pid"] != rank1

@@ -13,12 +13,11 @@ import time
 import warnings
 import zlib
 
-import httpx
 import numpy as np
 import pytest
 import torch
 
-from .helpers import Daemon, decode, ffprobe
+from .helpers import Daemon, decode, ffprobe, http
 
 diffusers = pytest.importorskip("diffusers")
 pytest.importorskip("transformers")
@@ -107,7 +106,7 @@ def daemon(release):
 
 def stream_multipart(url: str, fields: dict, image: tuple) -> tuple[int, bytes]:
     form = {k: str(v) for k, v in {**fields, "stream": "true"}.items()}
-    with httpx.stream("POST", url + "/v1/videos", data=form, files={"input_reference": image}, timeout=300) as r:
+    with http.stream("POST", url + "/v1/videos", data=form, files={"input_reference": image}, timeout=300) as r:
         return r.status_code, r.read()
 
 
@@ -126,20 +125,18 @@ def test_multipart_image_streams_exact_frames_from_the_image(daemon, round_trip)
 
 def test_json_data_url_and_the_video_object_says_it_was_used(daemon):
     url = "data:image/png;base64," + base64.b64encode(picture(64, 128)).decode()
-    r = httpx.post(
-        daemon.url + "/v1/videos", json={"prompt": "a tall picture", "num_frames": 5, "input_reference": url}
-    )
+    r = http.post(daemon.url + "/v1/videos", json={"prompt": "a tall picture", "num_frames": 5, "input_reference": url})
     assert r.status_code == 200, r.text
     ref = r.json()["input_reference"]
     assert ref["format"] == "png" and (ref["width"], ref["height"]) == (64, 128) and ref["crop"] == [0, 32, 64, 64]
     vid = r.json()["id"]
     for _ in range(600):
-        v = httpx.get(f"{daemon.url}/v1/videos/{vid}").json()
+        v = http.get(f"{daemon.url}/v1/videos/{vid}").json()
         if v["status"] in ("completed", "failed"):
             break
         time.sleep(0.1)
     assert v["status"] == "completed", v
-    assert decode(httpx.get(f"{daemon.url}/v1/videos/{vid}/content").content)["frames"] == 5
+    assert decode(http.get(f"{daemon.url}/v1/videos/{vid}/content").content)["frames"] == 5
 
 
 def test_openai_sdk_input_reference(daemon):

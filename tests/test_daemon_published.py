@@ -9,12 +9,11 @@ import json
 import shutil
 import subprocess
 
-import httpx
 import pytest
 
 from streamdiff.models.catalog import CHECKPOINT_PRESETS
 
-from .helpers import Daemon
+from .helpers import Daemon, http
 from .published import write_base, write_published
 from .test_daemon_stream import check_video
 
@@ -50,7 +49,7 @@ def test_every_preset_streams_exact_frames_to_curl(preset, base, tmp_path):
     w, h = map(int, size.split("x"))
     d = Daemon(*pub.flags, "--mode", "aggregated", "--dit-gpus", "1", "--vae-gpus", "1", "--size", size)
     try:
-        loaded = httpx.get(d.url + "/v1/models", timeout=10).json()["data"][0]["loaded"]
+        loaded = http.get(d.url + "/v1/models", timeout=10).json()["data"][0]["loaded"]
         assert loaded["preset"] == preset and loaded["checkpoint"] == str(pub.files["checkpoint"])
         assert loaded["weights"] == cp.weights and loaded["sampler"]["steps"] == list(cp.steps)
         assert d.health()["model"] == loaded

@@ -8,11 +8,10 @@ from __future__ import annotations
 
 import json
 
-import httpx
 import pytest
 import torch
 
-from .helpers import Daemon, check_video, decode, ffprobe, stream_video, wait_until, write_tokenizer
+from .helpers import Daemon, check_video, decode, ffprobe, http, stream_video, wait_until, write_tokenizer
 from .test_live import Reader
 
 diffusers = pytest.importorskip("diffusers")
@@ -87,13 +86,13 @@ def test_live_video_steered_and_stopped(daemon):
     reader.start()
     wait_until(lambda: reader.fragment_count() >= 2, 120)
     vid = reader.video_id
-    first = httpx.post(f"{url}/v1/videos/{vid}/scenes", json={"prompt": "a blue square", "recache": True}, timeout=10)
+    first = http.post(f"{url}/v1/videos/{vid}/scenes", json={"prompt": "a blue square", "recache": True}, timeout=10)
     assert first.status_code == 200, first.text
     wait_until(lambda: reader.fragment_count() >= 4, 120)
-    second = httpx.post(f"{url}/v1/videos/{vid}/scenes", json={"prompt": "green", "transition": "cut"}, timeout=10)
+    second = http.post(f"{url}/v1/videos/{vid}/scenes", json={"prompt": "green", "transition": "cut"}, timeout=10)
     assert second.status_code == 200, second.text
     wait_until(lambda: reader.fragment_count() >= 7, 120)
-    stopped = httpx.post(f"{url}/v1/videos/{vid}/stop", timeout=10)
+    stopped = http.post(f"{url}/v1/videos/{vid}/stop", timeout=10)
     assert stopped.status_code == 200, stopped.text
     frames = stopped.json()["num_frames"]
     reader.join(120)

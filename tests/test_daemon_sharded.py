@@ -9,7 +9,7 @@ import time
 import httpx
 import pytest
 
-from .helpers import PICTURE, Daemon, assert_draws_the_picture, check_video, needs_trained, stream_video
+from .helpers import PICTURE, Daemon, assert_draws_the_picture, check_video, http, needs_trained, stream_video
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +49,7 @@ def test_uneven_bands_at_a_size_the_cpu_decodes_in_chunks(k3):
 def test_killed_shard_fails_its_stream_fast_and_the_group_comes_back(k3):
     shard = k3.health()["workers"]["vae0.1"]["pid"]
     chunks, killed = [], None
-    with httpx.stream(
+    with http.stream(
         "POST",
         k3.url + "/v1/videos",
         timeout=120,
@@ -67,7 +67,7 @@ def test_killed_shard_fails_its_stream_fast_and_the_group_comes_back(k3):
     ended = time.monotonic()
     # Under half the 120 s collective timeout, under any load: the group failed on the death, not the timeout.
     assert killed is not None and ended - killed < 60
-    job = httpx.get(f"{k3.url}/v1/videos/{video_id}", timeout=10).json()
+    job = http.get(f"{k3.url}/v1/videos/{video_id}", timeout=10).json()
     assert job["status"] == "failed"
     assert "vae0" in job["error"]["message"]
     health = k3.wait_healthy(timeout_s=120)  # the whole group was restarted

@@ -10,10 +10,9 @@ import os
 import time
 from pathlib import Path
 
-import httpx
 import pytest
 
-from .helpers import SHORT_STORY, Daemon, assert_same_as_one_dit_and_vae, check_video, stream_video
+from .helpers import SHORT_STORY, Daemon, assert_same_as_one_dit_and_vae, check_video, http, stream_video
 
 
 @pytest.mark.timeout(300)
@@ -37,7 +36,7 @@ def test_workers_lend_their_cores_while_they_wait_and_stream_the_same_video():
         while (borrowed := d.health()["workers"]["vae0.0"]["borrowed_s"]) == 0 and time.monotonic() < deadline:
             time.sleep(0.2)
         assert borrowed > 0 or len(every) == 1
-        assert 'streamdiff_worker_borrowed_seconds{worker="vae0.0"}' in httpx.get(d.url + "/metrics").text
+        assert 'streamdiff_worker_borrowed_seconds{worker="vae0.0"}' in http.get(d.url + "/metrics").text
     finally:
         assert d.stop() == 0, d.logs()
     assert d.segments() == []

@@ -9,7 +9,6 @@ from __future__ import annotations
 import threading
 import time
 
-import httpx
 import pytest
 
 from .helpers import (
@@ -19,6 +18,7 @@ from .helpers import (
     assert_same_video,
     check_video,
     fragments,
+    http,
     needs_trained,
     stream_video,
 )
@@ -60,37 +60,34 @@ def test_storyboard_streams_progressively(layout_daemon):
         # While the stream is running, the job is in progress.
         while "id" not in headers_seen:
             time.sleep(0.01)
-        status_at_first_fragment.update(httpx.get(f"{d.url}/v1/videos/{headers_seen['id']}", timeout=10).json())
+        status_at_first_fragment.update(http.get(f"{d.url}/v1/videos/{headers_seen['id']}", timeout=10).json())
 
     seen: dict = {}
-    chunks, arrivals = [], []
-    t0 = time.monotonic()
-    with httpx.stream("POST", d.url + "/v1/videos", json={**STORYBOARD, "stream": True}, timeout=300) as r:
+    chunks = []
+    with http.stream("POST", d.url + "/v1/videos", json={**STORYBOARD, "stream": True}, timeout=300) as r:
         assert r.status_code == 200
         assert r.headers["content-type"] == "video/mp4"
         watcher = None
         for chunk in r.iter_raw():
             chunks.append(chunk)
-            arrivals.append(time.monotonic() - t0)
             data = b"".join(chunks)
             if watcher is None and fragments(data) and "end" in fragments(data)[0]:
                 seen["id"] = r.headers["x-video-id"]
                 watcher = threading.Thread(target=watch, args=(seen,))
                 watcher.start()
                 watcher.join()
-    t_end = time.monotonic() - t0
     data = b"".join(chunks)
     frags, dec = check_video(data, STORY_FRAMES, 256, 144, 16)
-    # The first fragment came while the job was still generating, well before the end.
+    # The first fragment came while the job was still generating (what the job said then, not a
+    # clock: how soon it came depends on the machine's load).
     assert status_at_first_fragment["status"] == "in_progress"
     assert status_at_first_fragment["progress"] < 100
-    assert arrivals[0] < t_end / 2
     # Scene boundaries travel as emsg boxes in front of the fragment where each scene starts.
     events = [(i, e["message"]["scene"], e["message"]["start_frame"]) for i, f in enumerate(frags) for e in f["emsg"]]
     starts = [sum(f["samples"] for f in frags[:i]) for i in range(len(frags))]
     assert [(s, sf) for _, s, sf in events] == [(0, 0), (1, 32), (2, 62)]
     assert [starts[i] for i, _, _ in events] == [0, 32, 62]
-    job = httpx.get(f"{d.url}/v1/videos/{r.headers['x-video-id']}", timeout=10).json()
+    job = http.get(f"{d.url}/v1/videos/{r.headers['x-video-id']}", timeout=10).json()
     assert job["status"] == "completed" and job["progress"] == 100 and job["num_frames"] == STORY_FRAMES
     assert [s["start_frame"] for s in job["scenes"]] == [0, 32, 62]
 
@@ -165,14 +162,14 @@ def dit_batch_counts(d: Daemon) -> dict[int, float]:
     """Blocks the DiT computed, by the size of the batch they were in (from /metrics)."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    text = httpx.get(d.url + "/metrics").text
+    text = http.get(d.url + "/metrics").text
     fam = next(f for f in text_string_to_metric_families(text) if f.name == "streamdiff_dit_batched_blocks")
     return {int(s.labels["batch"]): s.value for s in fam.samples if s.name.endswith("_total")}
 
 
 def test_client_disconnect_frees_the_session(daemon):
     body = {"prompt": "an endless train", "seconds": 60, "stream": True}
-    with httpx.stream("POST", daemon.url + "/v1/videos", json=body, timeout=60) as r:
+    with http.stream("POST", daemon.url + "/v1/videos", json=body, timeout=60) as r:
         video_id = r.headers["x-video-id"]
         data = b""
         for chunk in r.iter_raw():
@@ -182,7 +179,7 @@ def test_client_disconnect_frees_the_session(daemon):
     # The session is cancelled at the next block boundary and every slot comes back.
     p = daemon.wait_idle(30)
     assert p["running"] == 0 and p["queued"] == 0
-    job = httpx.get(f"{daemon.url}/v1/videos/{video_id}", timeout=10).json()
+    job = http.get(f"{daemon.url}/v1/videos/{video_id}", timeout=10).json()
     assert job["status"] == "failed" and job["error"]["code"] == "cancelled"
     assert job["frames_done"] < 960
     data, _, _ = stream_video(daemon.url, {"prompt": "after the disconnect", "num_frames": 12})
@@ -191,7 +188,7 @@ def test_client_disconnect_frees_the_session(daemon):
 
 @pytest.mark.parametrize("body,status,param", BAD_REQUESTS, ids=[str(i) for i in range(len(BAD_REQUESTS))])
 def test_invalid_requests_get_openai_errors(daemon, body, status, param):
-    r = httpx.post(daemon.url + "/v1/videos", json=body, timeout=30)
+    r = http.post(daemon.url + "/v1/videos", json=body, timeout=30)
     assert r.status_code == status, r.text
     err = r.json()["error"]
     assert err["param"] == param and err["message"] and err["type"] == "invalid_request_error"
@@ -215,11 +212,11 @@ def test_malformed_bodies_get_400_while_a_stream_runs(daemon):
         (b"x" * 400_000, {"Content-Type": "application/json"}, 413),
     ]
     for body, headers, status in cases:
-        r = httpx.post(daemon.url + "/v1/videos", content=body, headers=headers, timeout=30)
+        r = http.post(daemon.url + "/v1/videos", content=body, headers=headers, timeout=30)
         assert r.status_code == status, (body[:20], r.text)
         assert set(r.json()["error"]) == {"message", "type", "param", "code"}
     for body, status, _ in BAD_REQUESTS[:6]:
-        assert httpx.post(daemon.url + "/v1/videos", json=body, timeout=30).status_code == status
+        assert http.post(daemon.url + "/v1/videos", json=body, timeout=30).status_code == status
     t.join(timeout=300)
     check_video(result["data"], 81, 256, 144, 16)
     assert daemon.health()["status"] == "ok"

@@ -6,10 +6,9 @@ from __future__ import annotations
 
 import threading
 
-import httpx
 import pytest
 
-from .helpers import Daemon, check_video, ffprobe, refused, stream_video
+from .helpers import Daemon, check_video, ffprobe, http, refused, stream_video
 from .test_daemon_stream import STORY_FRAMES, STORYBOARD
 
 
@@ -25,7 +24,7 @@ def test_health_and_models_name_the_decoder(daemon):
     h = daemon.wait_healthy_all()
     assert h["model"]["decoder"] == {"name": "taehv", "weights": None, "embedded": True}
     assert {w for w in h["workers"] if w.startswith("vae")} == {"vae0.0", "vae1.0"}  # two replicas
-    m = httpx.get(daemon.url + "/v1/models", timeout=10).json()["data"][0]
+    m = http.get(daemon.url + "/v1/models", timeout=10).json()["data"][0]
     assert m["decoder"] == "taehv" and m["loaded"]["decoder"]["name"] == "taehv"
 
 

@@ -13,12 +13,11 @@ steer that continues the shot (the DiT follows the picture in its cache, not the
 
 from __future__ import annotations
 
-import httpx
 import pytest
 
 from streamdiff.synthetic import Caption, check
 
-from .helpers import decode, fragments, needs_trained, shared_daemon, stream_video, wait_until
+from .helpers import decode, fragments, http, needs_trained, shared_daemon, stream_video, wait_until
 from .test_live import Reader
 
 pytestmark = needs_trained
@@ -53,7 +52,7 @@ def story():
     """STORY streamed once by the run's shared plain daemon: each scene's frames."""
     url = shared_daemon().url
     data, _, headers = stream_video(url, STORY)
-    job = httpx.get(f"{url}/v1/videos/{headers['x-video-id']}", timeout=10).json()
+    job = http.get(f"{url}/v1/videos/{headers['x-video-id']}", timeout=10).json()
     frames = decode(data)["pixels"]
     starts = [s["start_frame"] for s in job["scenes"]] + [len(frames)]
     return [frames[starts[i] : starts[i + 1]] for i in range(len(STORY["scenes"]))]
@@ -78,11 +77,11 @@ def steered(daemon, first: str, then: dict) -> tuple[list, int]:
     reader = Reader(daemon.url, {"prompt": first, "live": True, "size": "256x144", "seed": 3, "seconds": 20})
     reader.start()
     wait_until(lambda: reader.fragment_count() >= 2, 60)
-    steer = httpx.post(f"{daemon.url}/v1/videos/{reader.video_id}/scenes", json=then, timeout=10)
+    steer = http.post(f"{daemon.url}/v1/videos/{reader.video_id}/scenes", json=then, timeout=10)
     assert steer.status_code == 200, steer.text
     at = steer.json()["start_frame"]
     wait_until(lambda: sum(f["samples"] for f in fragments(bytes(reader.data)) if "end" in f) >= at + 3 * BLOCK, 60)
-    assert httpx.post(f"{daemon.url}/v1/videos/{reader.video_id}/stop", timeout=10).status_code == 200
+    assert http.post(f"{daemon.url}/v1/videos/{reader.video_id}/stop", timeout=10).status_code == 200
     reader.join(60)
     return decode(bytes(reader.data))["pixels"], at
 
@@ -108,7 +107,7 @@ def test_a_live_steer_changes_the_colour_at_its_acknowledged_frame(plain_daemon)
 def test_the_daemon_says_it_serves_the_shipped_weights(plain_daemon):
     from streamdiff.supervisor.core import describe_loaded
 
-    model = httpx.get(f"{plain_daemon.url}/health", timeout=10).json()["model"]
+    model = http.get(f"{plain_daemon.url}/health", timeout=10).json()["model"]
     assert (model["trained"], model["decoder"]["trained"]) == ("tiny-dit.safetensors", "tiny-vae.safetensors")
     line = describe_loaded(model)
     assert "embedded trained weights (tiny-dit.safetensors)" in line and "decoder wan (tiny-vae.safetensors)" in line

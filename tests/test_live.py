@@ -10,10 +10,9 @@ import threading
 import time
 
 import aiohttp
-import httpx
 import pytest
 
-from .helpers import decode, fragments, post_video, wait_until
+from .helpers import decode, fragments, http, post_video, wait_until
 
 
 @pytest.fixture
@@ -34,7 +33,7 @@ class Reader(threading.Thread):
 
     def run(self) -> None:
         try:
-            with httpx.stream("POST", self.url + "/v1/videos", json={**self.body, "stream": True}, timeout=120) as r:
+            with http.stream("POST", self.url + "/v1/videos", json={**self.body, "stream": True}, timeout=120) as r:
                 self.status = r.status_code
                 self.video_id = r.headers.get("X-Video-Id")
                 for chunk in r.iter_raw():
@@ -52,16 +51,16 @@ def test_a_live_stream_steered_twice_and_stopped(daemon):
     reader.start()
     wait_until(lambda: reader.fragment_count() >= 2, 60)
     vid = reader.video_id
-    first = httpx.post(f"{url}/v1/videos/{vid}/scenes", json={"prompt": "a blue square", "recache": True}, timeout=10)
+    first = http.post(f"{url}/v1/videos/{vid}/scenes", json={"prompt": "a blue square", "recache": True}, timeout=10)
     assert first.status_code == 200, first.text
     wait_until(lambda: reader.fragment_count() >= 4, 60)
-    second = httpx.post(f"{url}/v1/videos/{vid}/scenes", json={"prompt": "green", "transition": "cut"}, timeout=10)
+    second = http.post(f"{url}/v1/videos/{vid}/scenes", json={"prompt": "green", "transition": "cut"}, timeout=10)
     assert second.status_code == 200, second.text
     a, b = first.json(), second.json()
     assert (a["scene"], b["scene"]) == (1, 2) and 0 < a["start_frame"] < b["start_frame"]
     assert a["start_seconds"] == a["start_frame"] / 16
     wait_until(lambda: reader.fragment_count() >= 7, 60)
-    stopped = httpx.post(f"{url}/v1/videos/{vid}/stop", timeout=10)
+    stopped = http.post(f"{url}/v1/videos/{vid}/stop", timeout=10)
     assert stopped.status_code == 200, stopped.text
     frames = stopped.json()["num_frames"]
     assert b["start_frame"] < frames < 60 * 16  # the cap was a minute
@@ -73,7 +72,7 @@ def test_a_live_stream_steered_twice_and_stopped(daemon):
     assert (dec["frames"], dec["width"], dec["height"]) == (frames, 128, 64)  # every frame up to the stop
     marks = [(e["message"]["scene"], e["message"]["start_frame"]) for f in fragments(data) for e in f["emsg"]]
     assert marks == [(0, 0), (1, a["start_frame"]), (2, b["start_frame"])]
-    video = httpx.get(f"{url}/v1/videos/{vid}", timeout=10).json()
+    video = http.get(f"{url}/v1/videos/{vid}", timeout=10).json()
     assert video["status"] == "completed" and video["live"] is True and video["num_frames"] == frames
     assert [(s["prompt"], s["start_frame"], s["transition"]) for s in video["scenes"]] == [
         ("a red ball", 0, "cut"),
@@ -93,20 +92,20 @@ def test_a_live_stream_is_paced_to_its_player(daemon):
     frames = sum(f["samples"] for f in fragments(bytes(reader.data)) if "end" in f)
     played = time.monotonic() - t0 - 0.5  # the player starts startup_buffer_s after the first fragment
     assert frames / 16 <= played + 1.0 + 0.75 + 0.5  # + the lead, one block, and slack for the machine
-    assert httpx.post(f"{daemon.url}/v1/videos/{reader.video_id}/stop", timeout=10).status_code == 200
+    assert http.post(f"{daemon.url}/v1/videos/{reader.video_id}/stop", timeout=10).status_code == 200
     reader.join(60)
     assert reader.error is None
 
 
 def test_steering_refusals(daemon):
     url = daemon.url
-    missing = httpx.post(f"{url}/v1/videos/video_nope/scenes", json={"prompt": "x"}, timeout=10)
+    missing = http.post(f"{url}/v1/videos/video_nope/scenes", json={"prompt": "x"}, timeout=10)
     assert missing.status_code == 404 and missing.json()["error"]["param"] == "video_id"
     done = post_video(url, {"prompt": "short", "num_frames": 9, "size": "128x64"}).json()
-    wait_until(lambda: httpx.get(f"{url}/v1/videos/{done['id']}").json()["status"] == "completed", 60)
-    late = httpx.post(f"{url}/v1/videos/{done['id']}/scenes", json={"prompt": "x"}, timeout=10)
+    wait_until(lambda: http.get(f"{url}/v1/videos/{done['id']}").json()["status"] == "completed", 60)
+    late = http.post(f"{url}/v1/videos/{done['id']}/scenes", json={"prompt": "x"}, timeout=10)
     assert late.status_code == 409 and late.json()["error"]["code"] == "video_finished"
-    assert httpx.post(f"{url}/v1/videos/{done['id']}/stop", timeout=10).status_code == 409
+    assert http.post(f"{url}/v1/videos/{done['id']}/stop", timeout=10).status_code == 409
     reader = Reader(url, {"prompt": "steer me", "live": True, "size": "128x64", "seconds": 20})
     reader.start()
     wait_until(lambda: reader.video_id is not None and reader.fragment_count() >= 1, 60)
@@ -119,11 +118,11 @@ def test_steering_refusals(daemon):
         ({"prompt": "x", "seed": -1}, "seed"),
         ({"prompt": "x", "transition": "cut", "recache": True}, "recache"),
     ):
-        r = httpx.post(steer, json=body, timeout=10)
+        r = http.post(steer, json=body, timeout=10)
         assert r.status_code == 400 and r.json()["error"]["param"] == param, (body, r.text)
-    statuses = [httpx.post(steer, json={"prompt": f"p{i}"}, timeout=10).status_code for i in range(3)]
+    statuses = [http.post(steer, json={"prompt": f"p{i}"}, timeout=10).status_code for i in range(3)]
     assert statuses[:2] == [200, 200] and statuses[2] == 429  # two are waiting for their first block
-    httpx.post(f"{url}/v1/videos/{reader.video_id}/stop", timeout=10)
+    http.post(f"{url}/v1/videos/{reader.video_id}/stop", timeout=10)
     reader.join(60)
     assert reader.error is None
 
@@ -170,7 +169,7 @@ async def _websocket_flow(url: str) -> None:
     assert updated["request_id"] == start["request_id"] and updated["scene"] == 1 and updated["start_frame"] > 0
     assert refused["param"] == "prompt"
     assert done["stopped"] is True and done["chunks"] == binaries - 1
-    video = httpx.get(f"{url}/v1/videos/{start['request_id']}", timeout=10).json()
+    video = http.get(f"{url}/v1/videos/{start['request_id']}", timeout=10).json()
     assert video["status"] == "completed" and decode(bytes(data))["frames"] == video["num_frames"]
     marks = [e["message"]["start_frame"] for f in fragments(bytes(data)) for e in f["emsg"]]
     assert marks == [0, updated["start_frame"]]
@@ -200,12 +199,12 @@ def test_a_running_storyboard_can_be_steered_and_keeps_its_length(daemon):
     reader = Reader(url, {"scenes": scenes, "size": "128x64", "seed": 5})
     reader.start()
     wait_until(lambda: reader.video_id is not None and reader.fragment_count() >= 1, 60)
-    r = httpx.post(f"{url}/v1/videos/{reader.video_id}/scenes", json={"prompt": "three"}, timeout=10)
+    r = http.post(f"{url}/v1/videos/{reader.video_id}/scenes", json={"prompt": "three"}, timeout=10)
     assert r.status_code == 200, r.text
     landed = r.json()
     reader.join(120)
     assert reader.error is None
-    video = httpx.get(f"{url}/v1/videos/{reader.video_id}", timeout=10).json()
+    video = http.get(f"{url}/v1/videos/{reader.video_id}", timeout=10).json()
     assert video["num_frames"] == 320 and decode(bytes(reader.data))["frames"] == 320
     assert video["scenes"][-1]["prompt"] == "three" and video["scenes"][-1]["start_frame"] == landed["start_frame"]
     assert sum(s["num_frames"] for s in video["scenes"]) == 320

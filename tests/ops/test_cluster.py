@@ -14,10 +14,9 @@ import sys
 import threading
 import time
 
-import httpx
 import pytest
 
-from ..helpers import DEFAULT_LAYOUT, ROOT, Daemon, check_video, decode, stream_video
+from ..helpers import DEFAULT_LAYOUT, ROOT, Daemon, check_video, decode, http, stream_video
 from .test_faults import start_stream
 
 pytestmark = pytest.mark.skipif(shutil.which("haproxy") is None, reason="needs Debian's haproxy")
@@ -58,7 +57,7 @@ def direct(cluster, node: str) -> str:
 def wait_done(url: str, vid: str, timeout_s: float = 120) -> dict:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        v = httpx.get(f"{url}/v1/videos/{vid}", timeout=10).json()
+        v = http.get(f"{url}/v1/videos/{vid}", timeout=10).json()
         if v.get("status") in ("completed", "failed"):
             return v
         time.sleep(0.2)
@@ -69,7 +68,7 @@ def wait_done(url: str, vid: str, timeout_s: float = 120) -> dict:
 def test_jobs_created_through_the_balancer_are_found_by_id(cluster):
     lb, made = cluster["lb"], []
     for seed in range(4):
-        r = httpx.post(lb + "/v1/videos", json={**BODY, "seed": seed}, timeout=30)
+        r = http.post(lb + "/v1/videos", json={**BODY, "seed": seed}, timeout=30)
         assert r.status_code == 200
         node = r.headers["x-streamdiff-node"]
         assert r.json()["id"].endswith("_" + node)
@@ -77,23 +76,23 @@ def test_jobs_created_through_the_balancer_are_found_by_id(cluster):
     for vid, node in made:
         v = wait_done(lb, vid)  # through the balancer: always the node that holds it
         assert v["status"] == "completed"
-        r = httpx.get(f"{lb}/v1/videos/{vid}/content", timeout=30)
+        r = http.get(f"{lb}/v1/videos/{vid}/content", timeout=30)
         assert r.status_code == 200 and r.headers["x-streamdiff-node"] == node
-        assert r.content == httpx.get(f"{direct(cluster, node)}/v1/videos/{vid}/content").content
-        part = httpx.get(f"{lb}/v1/videos/{vid}/content", headers={"Range": "bytes=100-199"})
+        assert r.content == http.get(f"{direct(cluster, node)}/v1/videos/{vid}/content").content
+        part = http.get(f"{lb}/v1/videos/{vid}/content", headers={"Range": "bytes=100-199"})
         assert part.status_code == 206 and part.content == r.content[100:200]
         assert decode(r.content)["frames"] == 25
     # Another node, asked directly: a finished video from the shared store; an id it cannot
     # answer for, a clear error naming the node that holds it, never another video.
     vid, node = made[0]
     other = next(n for n in cluster["nodes"] if n != node)
-    r = httpx.get(f"{direct(cluster, other)}/v1/videos/{vid}/content")
+    r = http.get(f"{direct(cluster, other)}/v1/videos/{vid}/content")
     assert r.status_code == 200 and r.headers["x-streamdiff-node"] == other
-    assert r.content == httpx.get(f"{lb}/v1/videos/{vid}/content").content
+    assert r.content == http.get(f"{lb}/v1/videos/{vid}/content").content
     unknown = "video_" + "0" * 24 + "_" + node
-    r = httpx.get(f"{direct(cluster, other)}/v1/videos/{unknown}")
+    r = http.get(f"{direct(cluster, other)}/v1/videos/{unknown}")
     assert r.status_code == 421 and r.json()["error"]["code"] == "wrong_node" and node in r.json()["error"]["message"]
-    assert httpx.get(f"{direct(cluster, node)}/v1/videos/{unknown}").status_code == 404
+    assert http.get(f"{direct(cluster, node)}/v1/videos/{unknown}").status_code == 404
 
 
 @pytest.mark.timeout(300)
@@ -117,15 +116,15 @@ def test_a_drained_node_finishes_its_stream_while_new_ones_go_elsewhere(cluster)
     while "node" not in out:
         time.sleep(0.05)
     node = out["node"]
-    r = httpx.post(direct(cluster, node) + "/admin/drain", timeout=10)
+    r = http.post(direct(cluster, node) + "/admin/drain", timeout=10)
     assert r.status_code == 202 and r.json()["state"] == "draining"
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:  # the agent says "drain" and /health turns 503 within a check or two
-        r = httpx.post(cluster["lb"] + "/v1/videos", json=BODY, timeout=30)
+        r = http.post(cluster["lb"] + "/v1/videos", json=BODY, timeout=30)
         if r.status_code == 200 and r.headers["x-streamdiff-node"] != node:
             break
         time.sleep(0.2)
-    placed = [httpx.post(cluster["lb"] + "/v1/videos", json=BODY, timeout=30) for _ in range(4)]
+    placed = [http.post(cluster["lb"] + "/v1/videos", json=BODY, timeout=30) for _ in range(4)]
     assert all(p.status_code == 200 and p.headers["x-streamdiff-node"] != node for p in placed)
     t.join()
     assert out.get("complete"), out.get("error")
@@ -138,26 +137,26 @@ def test_a_killed_node_is_marked_down_and_its_videos_answer(cluster):
     lb, drained = cluster["lb"], cluster["drained"]
     victim = next(n for n in cluster["nodes"] if n != drained)
     url = direct(cluster, victim)
-    finished = httpx.post(url + "/v1/videos", json={**BODY, "seed": 31}, timeout=30).json()["id"]
+    finished = http.post(url + "/v1/videos", json={**BODY, "seed": 31}, timeout=30).json()["id"]
     wait_done(url, finished)
     time.sleep(0.5)  # the store write runs off the loop
-    content = httpx.get(f"{url}/v1/videos/{finished}/content").content
-    running = httpx.post(url + "/v1/videos", json={**BODY, "num_frames": 400, "seed": 32}, timeout=30).json()["id"]
+    content = http.get(f"{url}/v1/videos/{finished}/content").content
+    running = http.post(url + "/v1/videos", json={**BODY, "num_frames": 400, "seed": 32}, timeout=30).json()["id"]
     os.kill(cluster["nodes"][victim]["pid"], signal.SIGKILL)
     t_kill = time.monotonic()
-    while httpx.get(f"{lb}/v1/videos/{running}", timeout=10).status_code != 421:
+    while http.get(f"{lb}/v1/videos/{running}", timeout=10).status_code != 421:
         # Checks every 500 ms mark it down in about 1.5 s; 30 s only ends the loop if it never does.
         assert time.monotonic() - t_kill < 30, "the balancer did not mark the node down"
         time.sleep(0.1)
     marked_down = time.monotonic() - t_kill
-    lost = httpx.get(f"{lb}/v1/videos/{running}", timeout=10).json()["error"]
+    lost = http.get(f"{lb}/v1/videos/{running}", timeout=10).json()["error"]
     assert lost["code"] == "wrong_node" and victim in lost["message"]
     # Its finished video: from the shared store, through the balancer, ranges included.
-    v = httpx.get(f"{lb}/v1/videos/{finished}", timeout=10)
+    v = http.get(f"{lb}/v1/videos/{finished}", timeout=10)
     assert v.status_code == 200 and v.json()["status"] == "completed" and v.json()["id"] == finished
-    r = httpx.get(f"{lb}/v1/videos/{finished}/content", timeout=10)
+    r = http.get(f"{lb}/v1/videos/{finished}/content", timeout=10)
     assert r.status_code == 200 and r.content == content
-    part = httpx.get(f"{lb}/v1/videos/{finished}/content", headers={"Range": "bytes=10-19"}, timeout=10)
+    part = http.get(f"{lb}/v1/videos/{finished}/content", headers={"Range": "bytes=10-19"}, timeout=10)
     assert part.status_code == 206 and part.content == content[10:20]
     # New sessions: the one node left that takes them.
     data, _, headers = stream_video(lb, {**BODY, "seed": 33})
@@ -185,28 +184,28 @@ def test_one_node_ids_agent_drain_and_store_across_a_restart(tmp_path):
     auth = {"Authorization": "Bearer k1"}
     try:
         assert agent_says(agent) == "up ready 100%\n"
-        r = httpx.post(d.url + "/v1/videos", json=BODY, headers=auth, timeout=30)
+        r = http.post(d.url + "/v1/videos", json=BODY, headers=auth, timeout=30)
         vid = r.json()["id"]
         assert r.headers["x-streamdiff-node"] == "alpha" and vid.endswith("_alpha")
         wait_done_auth = time.monotonic() + 120
-        while httpx.get(f"{d.url}/v1/videos/{vid}", headers=auth).json()["status"] != "completed":
+        while http.get(f"{d.url}/v1/videos/{vid}", headers=auth).json()["status"] != "completed":
             assert time.monotonic() < wait_done_auth
             time.sleep(0.2)
-        content = httpx.get(f"{d.url}/v1/videos/{vid}/content", headers=auth).content
-        assert httpx.get(d.url + "/health").headers["x-streamdiff-node"] == "alpha"
-        assert httpx.post(d.url + "/admin/drain").status_code == 401  # keys configured: a key is needed
-        assert httpx.post(d.url + "/admin/drain", headers=auth).status_code == 202
+        content = http.get(f"{d.url}/v1/videos/{vid}/content", headers=auth).content
+        assert http.get(d.url + "/health").headers["x-streamdiff-node"] == "alpha"
+        assert http.post(d.url + "/admin/drain").status_code == 401  # keys configured: a key is needed
+        assert http.post(d.url + "/admin/drain", headers=auth).status_code == 202
         assert agent_says(agent) == "drain\n"
-        assert httpx.post(d.url + "/v1/videos", json=BODY, headers=auth).status_code == 503
+        assert http.post(d.url + "/v1/videos", json=BODY, headers=auth).status_code == 503
     finally:
         d.stop()
     time.sleep(0.5)
     d = Daemon(*args, env={"STREAMDIFF_API_KEYS": "k1"})
     try:
-        v = httpx.get(f"{d.url}/v1/videos/{vid}", headers=auth).json()
+        v = http.get(f"{d.url}/v1/videos/{vid}", headers=auth).json()
         assert v["status"] == "completed" and v["id"] == vid
-        assert httpx.get(f"{d.url}/v1/videos/{vid}/content", headers=auth).content == content
-        assert httpx.delete(f"{d.url}/v1/videos/{vid}", headers=auth).status_code == 200
-        assert httpx.get(f"{d.url}/v1/videos/{vid}", headers=auth).status_code == 404
+        assert http.get(f"{d.url}/v1/videos/{vid}/content", headers=auth).content == content
+        assert http.delete(f"{d.url}/v1/videos/{vid}", headers=auth).status_code == 200
+        assert http.get(f"{d.url}/v1/videos/{vid}", headers=auth).status_code == 404
     finally:
         d.stop()

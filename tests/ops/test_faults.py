@@ -14,7 +14,7 @@ import time
 import httpx
 import pytest
 
-from ..helpers import Daemon, assert_same_video, check_video, stream_video, wait_until
+from ..helpers import Daemon, assert_same_video, check_video, http, stream_video, wait_until
 
 
 def fd_count(pid: int) -> int:
@@ -52,7 +52,7 @@ def start_stream(url: str, body: dict, out: dict) -> threading.Thread:
     def run():
         chunks = []
         try:
-            with httpx.stream("POST", url + "/v1/videos", json={**body, "stream": True}, timeout=300) as r:
+            with http.stream("POST", url + "/v1/videos", json={**body, "stream": True}, timeout=300) as r:
                 out["id"] = r.headers["x-video-id"]
                 out["node"] = r.headers.get("x-streamdiff-node")
                 for chunk in r.iter_raw():
@@ -89,8 +89,8 @@ def test_killed_worker_fails_its_session_only(layout, victim_role):
         wait_until(lambda: a.get("bytes", 0) > 0)
         tb = start_stream(d.url, body_b, b)
         wait_until(lambda: b.get("bytes", 0) > 0)
-        job_a = httpx.get(f"{d.url}/v1/videos/{a['id']}").json()
-        job_b = httpx.get(f"{d.url}/v1/videos/{b['id']}").json()
+        job_a = http.get(f"{d.url}/v1/videos/{a['id']}").json()
+        job_b = http.get(f"{d.url}/v1/videos/{b['id']}").json()
         victim = job_a["workers"]["dit"] if victim_role == "dit" else job_a["workers"]["vae"][0]
         survivor = job_b["workers"]["dit"] if victim_role == "dit" else job_b["workers"]["vae"][0]
         assert victim != survivor, (job_a["workers"], job_b["workers"])
@@ -99,7 +99,7 @@ def test_killed_worker_fails_its_session_only(layout, victim_role):
         ta.join(120)
         tb.join(300)
         assert "error" in a and not a.get("complete")  # truncated, not a short clip that looks finished
-        failed = httpx.get(f"{d.url}/v1/videos/{a['id']}").json()
+        failed = http.get(f"{d.url}/v1/videos/{a['id']}").json()
         assert failed["status"] == "failed" and victim in failed["error"]["message"]
         assert b.get("complete")
         assert_same_video(b["data"], reference_b)  # correct beside the failure
@@ -128,8 +128,8 @@ def test_sigterm_drains_running_streams(tmp_path):
     wait_until(lambda: out.get("bytes", 0) > 0)
     d.proc.send_signal(signal.SIGTERM)
     time.sleep(0.3)
-    assert httpx.get(d.url + "/health", timeout=10).status_code == 503
-    r = httpx.post(d.url + "/v1/videos", json={"prompt": "too late", "num_frames": 5}, timeout=10)
+    assert http.get(d.url + "/health", timeout=10).status_code == 503
+    r = http.post(d.url + "/v1/videos", json={"prompt": "too late", "num_frames": 5}, timeout=10)
     assert r.status_code == 503 and r.headers["retry-after"] and r.json()["error"]["code"] == "unavailable"
     t.join(120)
     assert out.get("complete"), out.get("error")
@@ -169,7 +169,7 @@ def test_hundred_disconnects_at_random_points():
         segments = d.segments()
         for i in range(100):
             stop_at = rng.choice([0, 1, 200, 5_000, 30_000, 80_000, 150_000])
-            with httpx.stream(
+            with http.stream(
                 "POST",
                 d.url + "/v1/videos",
                 timeout=60,
@@ -186,7 +186,7 @@ def test_hundred_disconnects_at_random_points():
         assert fd_count(d.proc.pid) <= base_fds + 2
         data, _, _ = stream_video(d.url, {"prompt": "still fine", "num_frames": 33, "size": "128x64"})
         check_video(data, 33, 128, 64, 16)
-        metrics = httpx.get(d.url + "/metrics").text
+        metrics = http.get(d.url + "/metrics").text
         assert 'streamdiff_sessions_total{outcome="cancelled"} 100' in metrics
     finally:
         assert d.stop() == 0

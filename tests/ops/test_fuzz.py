@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from streamdiff.server.api import KNOWN_FIELDS, SCENE_FIELDS
 
-from ..helpers import Daemon
+from ..helpers import Daemon, http
 
 FIELDS = sorted(KNOWN_FIELDS)  # the API's own field names, so the fuzzer reaches every branch
 SCENE_KEYS = sorted(SCENE_FIELDS)
@@ -50,7 +50,7 @@ def d(tmp_path_factory):
 def check(d: Daemon, r: httpx.Response) -> None:
     assert r.status_code in (200, 400, 404, 408, 413, 415, 429), (r.status_code, r.text)
     if r.status_code == 200:
-        httpx.delete(f"{d.url}/v1/videos/{r.json()['id']}", timeout=30)  # keep the machine free
+        http.delete(f"{d.url}/v1/videos/{r.json()['id']}", timeout=30)  # keep the machine free
     else:
         err = r.json()["error"]
         assert set(err) == {"message", "type", "param", "code"} and err["message"]
@@ -61,7 +61,7 @@ def check(d: Daemon, r: httpx.Response) -> None:
 def test_fuzzed_json_bodies(d, body):
     check(
         d,
-        httpx.post(
+        http.post(
             d.url + "/v1/videos",
             content=json.dumps(body, allow_nan=True),
             headers={"Content-Type": "application/json"},
@@ -86,9 +86,7 @@ def test_fuzzed_json_bodies(d, body):
     ),
 )
 def test_fuzzed_raw_bodies_and_content_types(d, raw, ctype):
-    check(
-        d, httpx.post(d.url + "/v1/videos", content=raw, headers={"Content-Type": ctype} if ctype else {}, timeout=30)
-    )
+    check(d, http.post(d.url + "/v1/videos", content=raw, headers={"Content-Type": ctype} if ctype else {}, timeout=30))
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
@@ -96,21 +94,19 @@ def test_fuzzed_raw_bodies_and_content_types(d, raw, ctype):
 def test_fuzzed_multipart_forms(d, form):
     check(
         d,
-        httpx.post(
-            d.url + "/v1/videos", files={k: (None, v) for k, v in form.items()} or {"x": (None, "")}, timeout=30
-        ),
+        http.post(d.url + "/v1/videos", files={k: (None, v) for k, v in form.items()} or {"x": (None, "")}, timeout=30),
     )
 
 
 def test_no_server_errors_and_still_healthy(d):
     for size in (300_000, 2_000_000):
-        r = httpx.post(
+        r = http.post(
             d.url + "/v1/videos",
             content=b"{" + b" " * size + b"}",
             headers={"Content-Type": "application/json"},
             timeout=30,
         )
         assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
-    metrics = httpx.get(d.url + "/metrics").text
+    metrics = http.get(d.url + "/metrics").text
     assert 'streamdiff_http_requests_total{status="5xx"}' not in metrics, metrics
     assert d.health()["status"] == "ok"

@@ -5,10 +5,9 @@ from __future__ import annotations
 import socket
 import time
 
-import httpx
 import pytest
 
-from ..helpers import Daemon
+from ..helpers import Daemon, http
 
 
 def daemon_with(tmp_path, text: str, **kw) -> Daemon:
@@ -25,19 +24,19 @@ def test_admission_queue_and_429(tmp_path):
     )
     try:
         body = {"prompt": "long", "seconds": 60, "size": "128x64"}
-        a = httpx.post(d.url + "/v1/videos", json=body).json()
-        b = httpx.post(d.url + "/v1/videos", json=body).json()
+        a = http.post(d.url + "/v1/videos", json=body).json()
+        b = http.post(d.url + "/v1/videos", json=body).json()
         time.sleep(0.3)
-        assert httpx.get(f"{d.url}/v1/videos/{b['id']}").json()["status"] == "queued"
-        c = httpx.post(d.url + "/v1/videos", json=body)
+        assert http.get(f"{d.url}/v1/videos/{b['id']}").json()["status"] == "queued"
+        c = http.post(d.url + "/v1/videos", json=body)
         assert c.status_code == 429 and int(c.headers["retry-after"]) > 0
         assert c.json()["error"]["type"] == "rate_limit_error"
-        httpx.delete(f"{d.url}/v1/videos/{a['id']}")
+        http.delete(f"{d.url}/v1/videos/{a['id']}")
         deadline = time.monotonic() + 30
-        while httpx.get(f"{d.url}/v1/videos/{b['id']}").json()["status"] == "queued":
+        while http.get(f"{d.url}/v1/videos/{b['id']}").json()["status"] == "queued":
             assert time.monotonic() < deadline
             time.sleep(0.05)
-        httpx.delete(f"{d.url}/v1/videos/{b['id']}")
+        http.delete(f"{d.url}/v1/videos/{b['id']}")
     finally:
         d.stop()
 
@@ -73,7 +72,7 @@ def test_slow_request_body_gets_408_and_a_stalled_reader_is_dropped(tmp_path):
         video_id = next(ln.split(":", 1)[1].strip() for ln in head.split("\r\n") if ln.lower().startswith("x-video-id"))
         deadline = time.monotonic() + 60
         while True:
-            job = httpx.get(f"{d.url}/v1/videos/{video_id}").json()
+            job = http.get(f"{d.url}/v1/videos/{video_id}").json()
             if job["status"] == "failed":
                 break
             assert time.monotonic() < deadline, job
@@ -98,21 +97,21 @@ def test_bearer_keys_from_env_and_file(tmp_path):
             {"Authorization": "Basic env-key"},
             {"Authorization": "Bearer env-key-but-longer"},
         ):
-            r = httpx.get(url, headers=headers)
+            r = http.get(url, headers=headers)
             assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key", headers
             assert r.headers["www-authenticate"] == "Bearer"
         for key in ("env-key", "file-key-1", "file-key-2"):
-            assert httpx.get(url, headers={"Authorization": f"Bearer {key}"}).status_code == 200
-        assert httpx.post(d.url + "/v1/videos", json={"prompt": "x"}).status_code == 401
-        assert httpx.get(d.url + "/health").status_code == 200  # always open
-        assert httpx.get(d.url + "/metrics").status_code == 200  # open unless metrics_require_auth
-        assert httpx.get(d.url + "/").status_code == 200
+            assert http.get(url, headers={"Authorization": f"Bearer {key}"}).status_code == 200
+        assert http.post(d.url + "/v1/videos", json={"prompt": "x"}).status_code == 401
+        assert http.get(d.url + "/health").status_code == 200  # always open
+        assert http.get(d.url + "/metrics").status_code == 200  # open unless metrics_require_auth
+        assert http.get(d.url + "/").status_code == 200
     finally:
         d.stop()
     d = daemon_with(tmp_path, "[server]\nmetrics_require_auth = true\n", env={"STREAMDIFF_API_KEYS": "k"})
     try:
-        assert httpx.get(d.url + "/metrics").status_code == 401
-        assert httpx.get(d.url + "/metrics", headers={"Authorization": "Bearer k"}).status_code == 200
+        assert http.get(d.url + "/metrics").status_code == 401
+        assert http.get(d.url + "/metrics", headers={"Authorization": "Bearer k"}).status_code == 200
     finally:
         d.stop()
 
@@ -138,25 +137,25 @@ def test_admission_from_the_capacity_model(tmp_path):
     d = daemon_with(tmp_path, "[limits]\ntarget_utilization = 0.01\nmax_queue_wait_s = 1\n")
     try:
         body = {"prompt": "long", "seconds": 20, "size": "128x64"}
-        a = httpx.post(d.url + "/v1/videos", json=body).json()
-        b = httpx.post(d.url + "/v1/videos", json=body)
+        a = http.post(d.url + "/v1/videos", json=body).json()
+        b = http.post(d.url + "/v1/videos", json=body)
         assert b.status_code == 429 and 10 <= int(b.headers["retry-after"]) <= 21, b.headers
         assert "predicted to start" in b.json()["error"]["message"]
-        httpx.delete(f"{d.url}/v1/videos/{a['id']}")
+        http.delete(f"{d.url}/v1/videos/{a['id']}")
     finally:
         d.stop()
     d = daemon_with(tmp_path, "[limits]\ntarget_utilization = 0.01\nmax_queue_wait_s = 60\n")
     try:
-        a = httpx.post(d.url + "/v1/videos", json=body).json()
-        b = httpx.post(d.url + "/v1/videos", json=body).json()
+        a = http.post(d.url + "/v1/videos", json=body).json()
+        b = http.post(d.url + "/v1/videos", json=body).json()
         time.sleep(0.5)
-        assert httpx.get(f"{d.url}/v1/videos/{b['id']}").json()["status"] == "queued"
-        httpx.delete(f"{d.url}/v1/videos/{a['id']}")
+        assert http.get(f"{d.url}/v1/videos/{b['id']}").json()["status"] == "queued"
+        http.delete(f"{d.url}/v1/videos/{a['id']}")
         deadline = time.monotonic() + 30
-        while httpx.get(f"{d.url}/v1/videos/{b['id']}").json()["status"] == "queued":
+        while http.get(f"{d.url}/v1/videos/{b['id']}").json()["status"] == "queued":
             assert time.monotonic() < deadline
             time.sleep(0.05)
-        assert "streamdiff_block_cost_ratio_bucket" in httpx.get(d.url + "/metrics").text
-        httpx.delete(f"{d.url}/v1/videos/{b['id']}")
+        assert "streamdiff_block_cost_ratio_bucket" in http.get(d.url + "/metrics").text
+        http.delete(f"{d.url}/v1/videos/{b['id']}")
     finally:
         d.stop()

@@ -8,10 +8,9 @@ from __future__ import annotations
 
 import threading
 
-import httpx
 import pytest
 
-from ..helpers import Daemon, assert_same_video, decode, stream_video
+from ..helpers import Daemon, assert_same_video, decode, http, stream_video
 from .test_faults import start_stream, wait_idle
 
 FAULTS = ",".join(
@@ -43,16 +42,16 @@ def test_a_refused_block_fails_only_its_session_and_the_group_stays_up(d):
     before = restarts(d)
     out = {}
     t = start_stream(d.url, {**BODY, "seed": 1}, out)
-    r = httpx.post(d.url + "/v1/videos", json={**BODY, "seed": 666, "stream": True}, timeout=120)
+    r = http.post(d.url + "/v1/videos", json={**BODY, "seed": 666, "stream": True}, timeout=120)
     assert r.status_code == 400 and r.headers["content-type"].startswith("application/json")
     err = r.json()["error"]
     assert err["code"] == "invalid_request" and "vae0.1" in err["message"]
     t.join()
     assert out.get("complete")
     assert_same_video(out["data"], reference)  # the neighbour, frame for frame
-    job = httpx.post(d.url + "/v1/videos", json={**BODY, "seed": 666}).json()  # not streaming
+    job = http.post(d.url + "/v1/videos", json={**BODY, "seed": 666}).json()  # not streaming
     for _ in range(600):
-        job = httpx.get(f"{d.url}/v1/videos/{job['id']}").json()
+        job = http.get(f"{d.url}/v1/videos/{job['id']}").json()
         if job["status"] in ("completed", "failed"):
             break
         threading.Event().wait(0.1)
@@ -66,7 +65,7 @@ def test_a_refused_block_fails_only_its_session_and_the_group_stays_up(d):
 @pytest.mark.timeout(300)
 def test_a_session_the_dit_refuses_to_open_gets_a_json_400(d):
     before = restarts(d)
-    r = httpx.post(d.url + "/v1/videos", json={**BODY, "seed": 668, "stream": True}, timeout=120)
+    r = http.post(d.url + "/v1/videos", json={**BODY, "seed": 668, "stream": True}, timeout=120)
     assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_request"
     assert restarts(d) == before
     wait_idle(d)
@@ -75,7 +74,7 @@ def test_a_session_the_dit_refuses_to_open_gets_a_json_400(d):
 @pytest.mark.timeout(300)
 def test_a_device_error_restarts_its_worker_instead_of_failing_every_later_block(d):
     before = restarts(d)
-    r = httpx.post(d.url + "/v1/videos", json={**BODY, "seed": 667, "stream": True}, timeout=120)
+    r = http.post(d.url + "/v1/videos", json={**BODY, "seed": 667, "stream": True}, timeout=120)
     assert r.status_code == 500 and r.json()["error"]["type"] == "server_error"
     d.wait_healthy_all(120)
     after = restarts(d)
@@ -98,7 +97,7 @@ def test_a_lost_control_message_fails_its_session_and_frees_its_slots(d):
 
     before = restarts(d)
     t0 = time.monotonic()
-    r = httpx.post(d.url + "/v1/videos", json={**BODY, "seed": 669, "stream": True}, timeout=120)
+    r = http.post(d.url + "/v1/videos", json={**BODY, "seed": 669, "stream": True}, timeout=120)
     assert r.status_code == 500 and "never did (a lost control message)" in r.json()["error"]["message"]
     assert time.monotonic() - t0 < 60  # found lost within seconds; waiting for it would take the client's 120 s
     assert restarts(d) == before
@@ -111,7 +110,7 @@ def test_a_lost_control_message_fails_its_session_and_frees_its_slots(d):
 def test_an_out_of_memory_block_fails_its_sessions_and_the_worker_stays_up(d):
     before = restarts(d)
     pids = {n: w["pid"] for n, w in d.health()["workers"].items()}
-    r = httpx.post(d.url + "/v1/videos", json={**BODY, "seed": 670, "stream": True}, timeout=120)
+    r = http.post(d.url + "/v1/videos", json={**BODY, "seed": 670, "stream": True}, timeout=120)
     assert r.status_code == 500, r.text
     err = r.json()["error"]
     assert err["code"] == "generation_failed" and "dit0" in err["message"] and "out of memory" in err["message"]

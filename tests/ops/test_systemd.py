@@ -10,10 +10,9 @@ import subprocess
 import threading
 import time
 
-import httpx
 import pytest
 
-from ..helpers import ROOT, Daemon, check_video, wait_until
+from ..helpers import ROOT, Daemon, check_video, http, wait_until
 from .test_faults import start_stream
 
 
@@ -125,7 +124,7 @@ def test_ready_watchdog_and_stopping(tmp_path):
         extend = [t for t, f in fake.messages if f.startswith("EXTEND_TIMEOUT_USEC=")]
         assert extend and extend[0] < t_ready
         # READY means every worker is up and the port listens.
-        assert httpx.get(d.url + "/health", timeout=5).status_code == 200
+        assert http.get(d.url + "/health", timeout=5).status_code == 200
         time.sleep(2.5)
         pings = [t for t in fake.times("WATCHDOG=1") if t > t_ready]
         assert len(pings) >= 3  # every 0.5 s (half of WatchdogSec)
@@ -133,10 +132,10 @@ def test_ready_watchdog_and_stopping(tmp_path):
         # the watchdog keeps being fed while it restarts the worker itself.
         os.kill(d.health()["workers"]["vae0.0"]["pid"], signal.SIGKILL)
         deadline = time.monotonic() + 5
-        while httpx.get(d.url + "/health", timeout=5).status_code == 200 and time.monotonic() < deadline:
+        while http.get(d.url + "/health", timeout=5).status_code == 200 and time.monotonic() < deadline:
             time.sleep(0.05)
         unhealthy_from = time.monotonic()
-        down = httpx.get(d.url + "/health", timeout=5)
+        down = http.get(d.url + "/health", timeout=5)
         assert down.status_code == 503 and down.json()["pipelines_serving"] == 0
         d.wait_healthy(120)
         healthy_again = time.monotonic()
@@ -178,7 +177,7 @@ def test_degraded_is_not_down(tmp_path):
         out, statuses = {}, []
         t = start_stream(d.url, {"prompt": "on the other pipeline", "num_frames": 157, "size": "128x64"}, out)
         while t.is_alive():
-            r = httpx.get(d.url + "/health", timeout=5)
+            r = http.get(d.url + "/health", timeout=5)
             statuses.append((r.status_code, r.json()["degraded"], r.json()["pipelines_serving"]))
             time.sleep(0.2)
         t.join()

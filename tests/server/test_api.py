@@ -7,7 +7,7 @@ import time
 import httpx
 import pytest
 
-from ..helpers import Daemon, decode, ffprobe, fragments, stream_video
+from ..helpers import Daemon, decode, ffprobe, fragments, http, stream_video
 
 
 @pytest.fixture
@@ -18,7 +18,7 @@ def d(plain_daemon):
 def wait_done(d: Daemon, video_id: str, timeout_s: float = 120) -> dict:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        v = httpx.get(f"{d.url}/v1/videos/{video_id}", timeout=10).json()
+        v = http.get(f"{d.url}/v1/videos/{video_id}", timeout=10).json()
         if v["status"] in ("completed", "failed"):
             return v
         time.sleep(0.1)
@@ -26,7 +26,7 @@ def wait_done(d: Daemon, video_id: str, timeout_s: float = 120) -> dict:
 
 
 def test_create_retrieve_download(d):
-    r = httpx.post(d.url + "/v1/videos", json={"prompt": "a quiet harbour", "num_frames": 25, "size": "128x64"})
+    r = http.post(d.url + "/v1/videos", json={"prompt": "a quiet harbour", "num_frames": 25, "size": "128x64"})
     assert r.status_code == 200 and r.headers.get("openai-poll-after-ms")
     v = r.json()
     assert v["object"] == "video" and v["status"] in ("queued", "in_progress") and v["id"].startswith("video_")
@@ -34,64 +34,64 @@ def test_create_retrieve_download(d):
     done = wait_done(d, v["id"])
     assert done["status"] == "completed" and done["progress"] == 100 and done["completed_at"] >= done["created_at"]
     assert done["expires_at"] > done["completed_at"]
-    body = httpx.get(f"{d.url}/v1/videos/{v['id']}/content", timeout=30)
+    body = http.get(f"{d.url}/v1/videos/{v['id']}/content", timeout=30)
     assert body.status_code == 200 and body.headers["content-type"] == "video/mp4"
     assert body.headers["accept-ranges"] == "bytes"
     assert decode(body.content)["frames"] == 25
 
 
 def test_content_streams_from_the_start_while_running(d):
-    v = httpx.post(d.url + "/v1/videos", json={"prompt": "rain", "num_frames": 81, "size": "128x64"}).json()
-    with httpx.stream("GET", f"{d.url}/v1/videos/{v['id']}/content", timeout=120) as r:
+    v = http.post(d.url + "/v1/videos", json={"prompt": "rain", "num_frames": 81, "size": "128x64"}).json()
+    with http.stream("GET", f"{d.url}/v1/videos/{v['id']}/content", timeout=120) as r:
         assert r.status_code == 200
         chunks, status = [], None
         for chunk in r.iter_raw():
             if not chunks:
-                status = httpx.get(f"{d.url}/v1/videos/{v['id']}", timeout=10).json()["status"]
+                status = http.get(f"{d.url}/v1/videos/{v['id']}", timeout=10).json()["status"]
             chunks.append(chunk)
         data = b"".join(chunks)
     assert data[4:8] == b"ftyp"
     assert status == "in_progress"
     assert decode(data)["frames"] == 81
     # The same bytes as the finished file.
-    assert httpx.get(f"{d.url}/v1/videos/{v['id']}/content", timeout=30).content == data
+    assert http.get(f"{d.url}/v1/videos/{v['id']}/content", timeout=30).content == data
 
 
 def test_byte_ranges_of_a_finished_video(d):
-    v = httpx.post(d.url + "/v1/videos", json={"prompt": "dunes", "num_frames": 9, "size": "128x64"}).json()
+    v = http.post(d.url + "/v1/videos", json={"prompt": "dunes", "num_frames": 9, "size": "128x64"}).json()
     wait_done(d, v["id"])
     url = f"{d.url}/v1/videos/{v['id']}/content"
-    full = httpx.get(url).content
-    part = httpx.get(url, headers={"Range": "bytes=10-99"})
+    full = http.get(url).content
+    part = http.get(url, headers={"Range": "bytes=10-99"})
     assert part.status_code == 206 and part.content == full[10:100]
     assert part.headers["content-range"] == f"bytes 10-99/{len(full)}"
-    assert httpx.get(url, headers={"Range": "bytes=-16"}).content == full[-16:]
-    assert httpx.get(url, headers={"Range": "bytes=100-"}).content == full[100:]
-    bad = httpx.get(url, headers={"Range": f"bytes={len(full)}-"})
+    assert http.get(url, headers={"Range": "bytes=-16"}).content == full[-16:]
+    assert http.get(url, headers={"Range": "bytes=100-"}).content == full[100:]
+    bad = http.get(url, headers={"Range": f"bytes={len(full)}-"})
     assert bad.status_code == 416 and bad.headers["content-range"] == f"bytes */{len(full)}"
-    assert httpx.get(url, headers={"Range": "bytes=-0"}).status_code == 416
-    assert httpx.get(url, headers={"Range": f"bytes=5-{10 * len(full)}"}).content == full[5:]
+    assert http.get(url, headers={"Range": "bytes=-0"}).status_code == 416
+    assert http.get(url, headers={"Range": f"bytes=5-{10 * len(full)}"}).content == full[5:]
 
 
 def test_range_headers_per_rfc_9110(d):
-    v = httpx.post(d.url + "/v1/videos", json={"prompt": "reeds", "num_frames": 9, "size": "128x64"}).json()
+    v = http.post(d.url + "/v1/videos", json={"prompt": "reeds", "num_frames": 9, "size": "128x64"}).json()
     wait_done(d, v["id"])
     url = f"{d.url}/v1/videos/{v['id']}/content"
-    whole = httpx.get(url)
+    whole = http.get(url)
     full, etag, modified = whole.content, whole.headers["etag"], whole.headers["last-modified"]
     # Malformed, reversed and multi-range headers are ignored: the whole video, 200.
     for header in ("bytes=abc", "bytes=9-2", "bytes=0-1,5-6", "items=0-9", "bytes="):
-        r = httpx.get(url, headers={"Range": header})
+        r = http.get(url, headers={"Range": header})
         assert r.status_code == 200 and r.content == full and "content-range" not in r.headers, header
     # If-Range: the range only when the validator still names this video.
     for validator, status in ((etag, 206), (modified, 206), ('"video_other"', 200), ("W/" + etag, 200)):
-        r = httpx.get(url, headers={"Range": "bytes=0-9", "If-Range": validator})
+        r = http.get(url, headers={"Range": "bytes=0-9", "If-Range": validator})
         assert r.status_code == status and r.content == (full[:10] if status == 206 else full), validator
 
 
 def test_integer_fields_are_exact(d):
     body = {"prompt": "a lighthouse", "num_frames": 5, "size": "128x64"}
-    top = httpx.post(d.url + "/v1/videos", json={**body, "seed": 2**63 - 1}).json()
+    top = http.post(d.url + "/v1/videos", json={**body, "seed": 2**63 - 1}).json()
     assert top["seed"] == 2**63 - 1
     videos = []
     for seed in (2**53 + 1, 2**53 + 2):
@@ -99,10 +99,10 @@ def test_integer_fields_are_exact(d):
         videos.append(decode(data)["pixels"])
     assert any((a != b).any() for a, b in zip(*videos))
     for seed, param in ((2**63, "seed"), (1.5, "seed"), ("12x", "seed"), (-1, "seed")):
-        r = httpx.post(d.url + "/v1/videos", json={**body, "seed": seed})
+        r = http.post(d.url + "/v1/videos", json={**body, "seed": seed})
         assert r.status_code == 400 and r.json()["error"]["param"] == param, seed
-    assert httpx.post(d.url + "/v1/videos", json={**body, "seed": 5.0}).json()["seed"] == 5
-    form = httpx.post(d.url + "/v1/videos", data={**body, "num_frames": "5", "seed": str(2**63 - 1)}).json()
+    assert http.post(d.url + "/v1/videos", json={**body, "seed": 5.0}).json()["seed"] == 5
+    form = http.post(d.url + "/v1/videos", data={**body, "num_frames": "5", "seed": str(2**63 - 1)}).json()
     assert form["seed"] == 2**63 - 1
 
 
@@ -113,23 +113,23 @@ def test_unknown_ids_are_404(d):
         ("DELETE", "/v1/videos/video_nope"),
         ("GET", "/v1/models/sora-2"),
     ):
-        r = httpx.request(method, d.url + path)
+        r = http.request(method, d.url + path)
         assert r.status_code == 404, path
         assert set(r.json()["error"]) == {"message", "type", "param", "code"}
-    r = httpx.get(d.url + "/v1/nothing-here")
+    r = http.get(d.url + "/v1/nothing-here")
     assert r.status_code == 404 and r.json()["error"]["code"] == "not_found"
-    r = httpx.put(d.url + "/v1/videos")
+    r = http.put(d.url + "/v1/videos")
     assert r.status_code == 405 and r.json()["error"]["type"] == "invalid_request_error"
 
 
 def test_delete_cancels_a_running_job_and_frees_its_work(d):
-    v = httpx.post(d.url + "/v1/videos", json={"prompt": "forever", "seconds": 60, "size": "128x64"}).json()
+    v = http.post(d.url + "/v1/videos", json={"prompt": "forever", "seconds": 60, "size": "128x64"}).json()
     deadline = time.monotonic() + 60
-    while httpx.get(f"{d.url}/v1/videos/{v['id']}").json()["frames_done"] == 0 and time.monotonic() < deadline:
+    while http.get(f"{d.url}/v1/videos/{v['id']}").json()["frames_done"] == 0 and time.monotonic() < deadline:
         time.sleep(0.05)
-    r = httpx.delete(f"{d.url}/v1/videos/{v['id']}")
+    r = http.delete(f"{d.url}/v1/videos/{v['id']}")
     assert r.json() == {"id": v["id"], "object": "video.deleted", "deleted": True}
-    assert httpx.get(f"{d.url}/v1/videos/{v['id']}").status_code == 404
+    assert http.get(f"{d.url}/v1/videos/{v['id']}").status_code == 404
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
         p = d.health()["pipeline"]
@@ -141,27 +141,27 @@ def test_delete_cancels_a_running_job_and_frees_its_work(d):
 
 
 def test_delete_of_a_finished_job_removes_it(d):
-    v = httpx.post(d.url + "/v1/videos", json={"prompt": "done", "num_frames": 5, "size": "128x64"}).json()
+    v = http.post(d.url + "/v1/videos", json={"prompt": "done", "num_frames": 5, "size": "128x64"}).json()
     wait_done(d, v["id"])
-    assert httpx.delete(f"{d.url}/v1/videos/{v['id']}").json()["deleted"] is True
-    assert httpx.get(f"{d.url}/v1/videos/{v['id']}/content").status_code == 404
-    assert httpx.delete(f"{d.url}/v1/videos/{v['id']}").status_code == 404
+    assert http.delete(f"{d.url}/v1/videos/{v['id']}").json()["deleted"] is True
+    assert http.get(f"{d.url}/v1/videos/{v['id']}/content").status_code == 404
+    assert http.delete(f"{d.url}/v1/videos/{v['id']}").status_code == 404
 
 
 def test_list_pagination_and_order(d):
     ids = [
-        httpx.post(d.url + "/v1/videos", json={"prompt": f"p{i}", "num_frames": 1, "size": "64x64"}).json()["id"]
+        http.post(d.url + "/v1/videos", json={"prompt": f"p{i}", "num_frames": 1, "size": "64x64"}).json()["id"]
         for i in range(5)
     ]
     for i in ids:
         wait_done(d, i)
-    listed = httpx.get(d.url + "/v1/videos", params={"limit": 100, "order": "asc"}).json()
+    listed = http.get(d.url + "/v1/videos", params={"limit": 100, "order": "asc"}).json()
     assert listed["object"] == "list"
     order = [v["id"] for v in listed["data"] if v["id"] in ids]
     assert order == ids
-    page1 = httpx.get(d.url + "/v1/videos", params={"limit": 2, "order": "desc"}).json()
+    page1 = http.get(d.url + "/v1/videos", params={"limit": 2, "order": "desc"}).json()
     assert len(page1["data"]) == 2 and page1["has_more"] is True and page1["data"][0]["id"] == ids[-1]
-    page2 = httpx.get(d.url + "/v1/videos", params={"limit": 2, "order": "desc", "after": page1["last_id"]}).json()
+    page2 = http.get(d.url + "/v1/videos", params={"limit": 2, "order": "desc", "after": page1["last_id"]}).json()
     assert [v["id"] for v in page2["data"]] == ids[-4:-2][::-1]
     for params, param in (
         ({"limit": 0}, "limit"),
@@ -169,25 +169,25 @@ def test_list_pagination_and_order(d):
         ({"order": "up"}, "order"),
         ({"after": "video_nope"}, "after"),
     ):
-        r = httpx.get(d.url + "/v1/videos", params=params)
+        r = http.get(d.url + "/v1/videos", params=params)
         assert r.status_code == 400 and r.json()["error"]["param"] == param
 
 
 def test_models_and_health(d):
-    models = httpx.get(d.url + "/v1/models").json()
+    models = http.get(d.url + "/v1/models").json()
     assert models["object"] == "list" and models["data"][0]["id"] == "tiny"
-    assert httpx.get(d.url + "/v1/models/tiny").json()["fps"] == 16
-    h = httpx.get(d.url + "/health")
+    assert http.get(d.url + "/v1/models/tiny").json()["fps"] == 16
+    h = http.get(d.url + "/health")
     assert h.status_code == 200 and h.json()["status"] == "ok"
     assert set(h.json()["workers"]) == {"dit0", "vae0.0"}
 
 
 def test_openai_style_multipart_and_size_field(d):
-    r = httpx.post(d.url + "/videos", data={"prompt": "form", "seconds": "0.5", "size": "64x64", "fps": "8"})
+    r = http.post(d.url + "/videos", data={"prompt": "form", "seconds": "0.5", "size": "64x64", "fps": "8"})
     assert r.status_code == 200, r.text
     v = wait_done(d, r.json()["id"])
     assert v["num_frames"] == 4 and v["fps"] == 8
-    r = httpx.post(
+    r = http.post(
         d.url + "/v1/videos",
         files={"input_reference": ("a.png", b"png", "image/png")},
         data={"prompt": "with an image"},
@@ -197,7 +197,7 @@ def test_openai_style_multipart_and_size_field(d):
 
 def test_failed_stream_is_a_truncated_transfer_and_a_failed_job(d):
     """Cancel a streaming job with DELETE: its stream must end without the final chunk."""
-    with httpx.stream(
+    with http.stream(
         "POST",
         d.url + "/v1/videos",
         timeout=60,
@@ -209,7 +209,7 @@ def test_failed_stream_is_a_truncated_transfer_and_a_failed_job(d):
             for chunk in r.iter_raw():
                 got += chunk
                 if len([f for f in fragments(got) if "end" in f]) == 1:
-                    httpx.delete(f"{d.url}/v1/videos/{vid}")
+                    http.delete(f"{d.url}/v1/videos/{vid}")
 
 
 def test_truncated_download_decodes_up_to_its_last_whole_fragment(d):
@@ -228,7 +228,7 @@ def test_truncated_download_decodes_up_to_its_last_whole_fragment(d):
 
 def test_metrics(d):
     stream_video(d.url, {"prompt": "metrics", "num_frames": 25, "size": "128x64"})
-    text = httpx.get(d.url + "/metrics").text
+    text = http.get(d.url + "/metrics").text
     assert "# TYPE streamdiff_stage_block_seconds histogram" in text
     for stage in ("dit", "vae", "encode"):
         assert f'streamdiff_stage_block_seconds_count{{stage="{stage}"}}' in text
@@ -311,21 +311,21 @@ def test_finished_videos_are_kept_within_the_byte_budget(tmp_path):
     try:
         ids = []
         for i in range(3):
-            v = httpx.post(
+            v = http.post(
                 daemon.url + "/v1/videos", json={"prompt": f"v{i}", "num_frames": 33, "size": "128x64", "seed": i}
             ).json()
             wait_done(daemon, v["id"])
             ids.append(v["id"])
         sizes = [
-            len(httpx.get(f"{daemon.url}/v1/videos/{i}/content").content)
-            if httpx.get(f"{daemon.url}/v1/videos/{i}/content").status_code == 200
+            len(http.get(f"{daemon.url}/v1/videos/{i}/content").content)
+            if http.get(f"{daemon.url}/v1/videos/{i}/content").status_code == 200
             else None
             for i in ids
         ]
         assert sizes[0] is None  # the oldest expired first
         assert sizes[-1] is not None
-        gone = httpx.get(f"{daemon.url}/v1/videos/{ids[0]}/content")
+        gone = http.get(f"{daemon.url}/v1/videos/{ids[0]}/content")
         assert gone.status_code == 404 and gone.json()["error"]["code"] == "expired"
-        assert httpx.get(f"{daemon.url}/v1/videos/{ids[0]}").json()["status"] == "completed"
+        assert http.get(f"{daemon.url}/v1/videos/{ids[0]}").json()["status"] == "completed"
     finally:
         daemon.stop()

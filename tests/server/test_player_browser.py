@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import shutil
 
-import httpx
 import pytest
 
-from ..helpers import Daemon
+from ..helpers import Daemon, http
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 pytestmark = pytest.mark.skipif(CHROMIUM is None, reason="chromium is not installed (.ci/run installs it)")
@@ -56,7 +55,7 @@ def test_page_plays_a_two_scene_stream_while_it_is_generated(daemon, tmp_path):
         page.wait_for_function("window.player.firstAdvanceAt !== null", timeout=120_000)
         video_id = page.evaluate("window.player.videoId")
         # currentTime advanced while the server was still generating the video.
-        job = httpx.get(f"{daemon.url}/v1/videos/{video_id}", timeout=10).json()
+        job = http.get(f"{daemon.url}/v1/videos/{video_id}", timeout=10).json()
         advanced_while = job["status"]
         page.wait_for_function("window.player.state === 'complete'", timeout=120_000)
         page.wait_for_function("window.player.sceneChanges >= 2", timeout=60_000)
@@ -108,7 +107,7 @@ def test_page_steers_a_live_video_while_it_plays_and_stops_it(daemon, tmp_path):
     assert at_change >= landed["start_seconds"] - 0.1  # the indicator moved when playback got there
     assert later > at_change  # and playback went on
     assert state["mediaError"] is None and state["mediaErrors"] == [], (state, console)
-    video = httpx.get(f"{daemon.url}/v1/videos/{state['videoId']}", timeout=10).json()
+    video = http.get(f"{daemon.url}/v1/videos/{state['videoId']}", timeout=10).json()
     assert video["status"] == "completed" and video["live"] is True and state["frames"] == video["num_frames"]
     assert [s["start_frame"] for s in video["scenes"]] == [0, landed["start_frame"]]
 
@@ -131,7 +130,7 @@ def test_page_plays_an_image_to_video_stream_decoded_by_taehv(tmp_path):
     png.write_bytes(buf.getvalue())
     d = Daemon("--decoder", "taehv")
     try:
-        assert httpx.get(d.url + "/v1/models", timeout=10).json()["data"][0]["decoder"] == "taehv"
+        assert http.get(d.url + "/v1/models", timeout=10).json()["data"][0]["decoder"] == "taehv"
         with sync_playwright() as p:
             browser, page, console = open_player(p, d.url)
             page.wait_for_selector("#image-row:not([hidden])")
@@ -144,7 +143,7 @@ def test_page_plays_an_image_to_video_stream_decoded_by_taehv(tmp_path):
             state = page.evaluate("""() => ({mediaErrors: window.player.mediaErrors, frames: window.player.frames,
                 mediaError: document.getElementById('video').error, videoId: window.player.videoId})""")
             browser.close()
-        video = httpx.get(f"{d.url}/v1/videos/{state['videoId']}", timeout=10).json()
+        video = http.get(f"{d.url}/v1/videos/{state['videoId']}", timeout=10).json()
     finally:
         d.stop()
     assert state["mediaError"] is None and state["mediaErrors"] == [], (state, console)

@@ -485,9 +485,7 @@ def stage_means(metrics_text: str) -> dict:
 
 def stream_and_check(dev: str, a, flags: list[str], frames: int, prompt: str) -> dict:
     """Start `streamdiffd --device dev *flags`, stream `frames` at a.size, check the bytes."""
-    import httpx
-
-    from streamdiff.testing import Daemon, check_video, stream_video
+    from streamdiff.testing import Daemon, check_video, http, stream_video
 
     w, h = (int(v) for v in a.size.split("x"))
     t_start = time.monotonic()
@@ -500,7 +498,7 @@ def stream_and_check(dev: str, a, flags: list[str], frames: int, prompt: str) ->
         wall = time.monotonic() - t0
         frags, _ = check_video(data, frames, w, h, 16)
         health = d.health()
-        stages = stage_means(httpx.get(d.url + "/metrics", timeout=10).text)
+        stages = stage_means(http.get(d.url + "/metrics", timeout=10).text)
         said = [ln for ln in d.logs().splitlines() if any(w in ln for w in (" ready ", "layout", "profile", "plan"))]
     finally:
         d.stop()
