@@ -2,8 +2,9 @@
 
 - `slow`: the test starts a process — a daemon, a worker, a process group, the CLI, any
   subprocess. Found by reading the code the test runs: the test function and its fixtures, and
-  every function of tests/ they call, transitively; a name that resolves to `Daemon`, to the
-  `subprocess` or `multiprocessing` modules, or to a function that does, makes the test slow.
+  every function of tests/ they call, transitively; a name that resolves to `Daemon`, to
+  `torch_context` (streamdiff/spawn.py), to the `subprocess` or `multiprocessing` modules, or to
+  a function that does, makes the test slow.
   A test the rule misses fails when it starts a daemon or a streamdiff process anyway
   (`_rule_miss`), so the fast tier stays in-process.
 - `device`: needs a CUDA or XPU accelerator; skipped cleanly when none is present.
@@ -21,14 +22,15 @@ import types
 
 import pytest
 
-from streamdiff import testing
+from streamdiff import spawn, testing
 
 from . import helpers
 from .helpers import shared_daemon, stop_shared_daemon
 
 TESTS = __name__.rpartition(".")[0] or "tests"
-# What starts a process: the daemon, and the modules every other process start goes through.
-STARTERS = (testing.Daemon, subprocess, multiprocessing)
+# What starts a process: the daemon, the fork server torch's children come from, and the modules
+# every other process start goes through.
+STARTERS = (testing.Daemon, spawn.torch_context, subprocess, multiprocessing)
 # A name imported inside a function is not in its module's globals: read it as the helpers'.
 IMPORTED = {**vars(helpers), "subprocess": subprocess, "multiprocessing": multiprocessing}
 

@@ -5,12 +5,13 @@ path records device events on CUDA/XPU (tests/device/test_platform_timing.py).""
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import queue
 import time
 import traceback
 
 import torch
+
+from streamdiff.spawn import torch_context
 
 from ..helpers import free_port
 
@@ -72,7 +73,7 @@ def rank_main(rank: int, addr: str, out) -> None:
 
 
 def test_own_and_wait_time_add_up_to_the_wall_time_over_gloo():
-    ctx = mp.get_context("spawn")
+    ctx = torch_context()
     out = ctx.Queue()
     addr = f"tcp://127.0.0.1:{free_port()}"
     procs = [ctx.Process(target=rank_main, args=(r, addr, out)) for r in range(2)]

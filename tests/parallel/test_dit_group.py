@@ -5,7 +5,6 @@ counts that do not divide by the group."""
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import queue
 import time
 import traceback
@@ -15,6 +14,7 @@ import torch
 
 from streamdiff.models.wan.dit import DiTConfig, WanDiT
 from streamdiff.models.wan.rows import split_rows
+from streamdiff.spawn import torch_context
 
 from ..helpers import free_port
 
@@ -69,7 +69,7 @@ def rank_main(rank: int, world: int, addr: str, h: int, w: int, out) -> None:
 
 
 def run_group(world: int, h: int, w: int, timeout_s: float = 120) -> dict:
-    ctx = mp.get_context("spawn")
+    ctx = torch_context()
     out = ctx.Queue()
     addr = f"tcp://127.0.0.1:{free_port()}"
     procs = [ctx.Process(target=rank_main, args=(r, world, addr, h, w, out)) for r in range(world)]
@@ -144,7 +144,7 @@ def test_a_group_holds_one_text_encoder_and_every_rank_gets_its_embeddings():
 
     alone = DiTEngine(ModelSpec(preset="tiny"))
     ref = [alone.encode_prompt(p) for p in ("a red ball", "a blue cube", "a red ball")]
-    ctx = mp.get_context("spawn")
+    ctx = torch_context()
     out, addr = ctx.Queue(), f"tcp://127.0.0.1:{free_port()}"
     procs = [ctx.Process(target=prompt_rank, args=(r, 2, addr, out)) for r in range(2)]
     for p in procs:

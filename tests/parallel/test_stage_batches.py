@@ -5,7 +5,6 @@ its batch decode."""
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import queue
 import traceback
@@ -18,6 +17,7 @@ import torch
 from streamdiff.ipc import messages as m
 from streamdiff.ipc.shm import Ring
 from streamdiff.models.spec import ModelSpec
+from streamdiff.spawn import torch_context
 from streamdiff.workers.stage_common import put_activation
 
 from ..helpers import free_port
@@ -126,7 +126,7 @@ def test_a_vae_stage_decodes_the_supervisors_batches_each_equal_to_its_session_a
                 else:
                     x = latent(msg.session, msg.block)
                     latents.array(msg.latent_slot, x.shape, np.float32)[...] = x
-        ctx = mp.get_context("spawn")
+        ctx = torch_context()
         out = ctx.Queue()
         addr = f"tcp://127.0.0.1:{free_port()}"
         procs = [

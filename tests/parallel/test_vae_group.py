@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import queue
 import time
@@ -14,6 +13,7 @@ import torch
 from streamdiff.models.wan.kernels import CPU_DECODE_WORKING_SET_BYTES, plan_block
 from streamdiff.models.wan.rows import split_rows
 from streamdiff.models.wan.vae import VAEConfig, WanVAEDecoder
+from streamdiff.spawn import torch_context
 
 from ..helpers import free_port
 
@@ -150,7 +150,7 @@ def run_group(
     group per world size a module, not one per test), and dropped after a job that fails."""
     job = (sessions, shard_front, die_at, working_set_bytes, batch, weights)
     if die_at is not None:
-        ctx = mp.get_context("spawn")
+        ctx = torch_context()
         out = ctx.Queue()
         addr = f"tcp://127.0.0.1:{free_port()}"
         procs = [ctx.Process(target=shard_main, args=(r, world, addr, job, out)) for r in range(world)]
@@ -175,7 +175,7 @@ def run_group(
 
 class Pool:
     def __init__(self, world: int) -> None:
-        ctx = mp.get_context("spawn")
+        ctx = torch_context()
         self.out = ctx.Queue()
         self.jobs = [ctx.Queue() for _ in range(world)]
         addr = f"tcp://127.0.0.1:{free_port()}"
