@@ -160,7 +160,8 @@ def test_drain_deadline_cuts_long_streams(tmp_path):
 @pytest.mark.timeout(600)
 def test_hundred_disconnects_at_random_points():
     # The seeded weights' noise, so that the stop points fall across the stream: the trained
-    # default's frames compress so well that a 20 s video is shorter than the later ones.
+    # default's frames compress so well that a 20 s video is shorter than the later ones. The
+    # latest point is some blocks in, with more in flight: later ones cost CPU and test the same.
     d = Daemon("--model", "tiny-random")
     try:
         rng = random.Random(7)
@@ -168,7 +169,7 @@ def test_hundred_disconnects_at_random_points():
         base_fds, children = fd_count(d.proc.pid), set(d.children())
         segments = d.segments()
         for i in range(100):
-            stop_at = rng.choice([0, 1, 200, 5_000, 30_000, 80_000, 150_000])
+            stop_at = rng.choice([0, 1, 200, 5_000, 30_000, 80_000])
             with http.stream(
                 "POST",
                 d.url + "/v1/videos",
