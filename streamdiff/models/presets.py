@@ -92,6 +92,10 @@ def tiny_layers(ratio: float) -> int:
 
 # Wan 2.1 T2V 14B (Wan-AI/Wan2.1-T2V-14B config.json): the 1.3B's blocks, wider and deeper.
 WAN_14B = DiTConfig(dim=5120, ffn_dim=13824, num_heads=40, num_layers=40)
+# Wan 2.2 TI2V 5B (Wan-AI/Wan2.2-TI2V-5B config.json): the 1.3B's blocks at width 3072 (24 heads
+# of 128) on the Wan 2.2 VAE's 48 latent channels. Its timestep is per frame (an image-to-video
+# start frame at t = 0), which WanDiT takes as (B, frames) already.
+WAN22_5B = DiTConfig(dim=3072, ffn_dim=14336, num_heads=24, num_layers=30, in_channels=48, out_channels=48)
 
 
 def get_preset(spec: ModelSpec) -> Preset:

@@ -7,11 +7,17 @@ import torch
 from diffusers import AutoencoderKLWan, WanTransformer3DModel
 from diffusers.loaders.single_file_utils import convert_wan_transformer_to_diffusers, convert_wan_vae_to_diffusers
 
+from streamdiff.models.presets import WAN22_5B
 from streamdiff.models.wan.dit import DiTConfig, WanDiT, count_params, sinusoidal_embedding
-from streamdiff.models.wan.loading import normalize_dit_state_dict, normalize_vae_state_dict
+from streamdiff.models.wan.loading import (
+    dit_config_from_json,
+    load_into,
+    normalize_dit_state_dict,
+    normalize_vae_state_dict,
+)
 from streamdiff.models.wan.vae import VAEConfig, WanVAEDecoder
 
-from .conftest import TEXT_LEN
+from .conftest import SMALL_DIT, TEXT_LEN, perturb_
 
 
 @pytest.mark.parametrize("shape", [(5, 6, 10), (3, 8, 8), (2, 4, 14)], ids=["5x6x10", "3x8x8", "2x4x14"])
@@ -81,6 +87,67 @@ def test_real_dit_config_key_mapping_covers_diffusers():
     assert len(ours.state_dict()) == 825
     mapped = {k: tuple(v.shape) for k, v in normalize_dit_state_dict(ref.state_dict()).items()}
     assert mapped == shapes(ours)
+
+
+# diffusers' configuration of Wan2.2-TI2V-5B (its convert_wan_to_diffusers.py), and the
+# original release's config.json (../shared/notes/wan22.md, section 1).
+WAN22_5B_DIFFUSERS = {**REAL_DIT, "num_attention_heads": 24, "ffn_dim": 14336, "in_channels": 48, "out_channels": 48}
+WAN22_5B_ORIGINAL = {
+    "_class_name": "WanModel",
+    "model_type": "ti2v",
+    "dim": 3072,
+    "ffn_dim": 14336,
+    "freq_dim": 256,
+    "in_dim": 48,
+    "out_dim": 48,
+    "num_heads": 24,
+    "num_layers": 30,
+    "text_len": 512,
+    "eps": 1e-06,
+}
+
+
+def test_the_wan22_5b_configuration_is_diffusers_and_the_releases():
+    with torch.device("meta"):
+        ref = WanTransformer3DModel(**WAN22_5B_DIFFUSERS)
+        ours = WanDiT(WAN22_5B)
+    assert count_params(ours) == count_params(ref)
+    mapped = {k: tuple(v.shape) for k, v in normalize_dit_state_dict(ref.state_dict()).items()}
+    assert mapped == shapes(ours)
+    for cfg in (WAN22_5B_ORIGINAL, {k: v for k, v in WAN22_5B_DIFFUSERS.items() if k != "qk_norm"}):
+        assert dit_config_from_json(cfg) == WAN22_5B
+    # 880 tokens a latent frame at 1280x704 (44 x 80 latent pixels, 2x2 patches), not a constant
+    assert WAN22_5B.tokens_per_frame(704 // 16, 1280 // 16) == 880
+
+
+def test_48_channels_with_an_image_frame_at_t0_match_diffusers_per_token():
+    """The 5B's shape at small dims: 48 latent channels in and out, and a block whose first
+    frame is the start image's latent at t = 0 (image-to-video), the rest at the step's t."""
+    torch.manual_seed(0)
+    ref = WanTransformer3DModel(**{**SMALL_DIT, "in_channels": 48, "out_channels": 48}).eval()
+    perturb_(ref, 0.1, 1)
+    ours = WanDiT(
+        DiTConfig(
+            dim=48,
+            ffn_dim=64,
+            num_heads=2,
+            num_layers=2,
+            text_dim=32,
+            text_len=TEXT_LEN,
+            in_channels=48,
+            out_channels=48,
+        )
+    ).eval()
+    load_into(ours, normalize_dit_state_dict(ref.state_dict()), "diffusers DiT")
+    g = torch.Generator().manual_seed(6)
+    x = torch.randn(1, 48, 4, 4, 6, generator=g)
+    ctx = torch.randn(1, TEXT_LEN, 32, generator=g)
+    per_frame = torch.tensor([[0.0, 999.8, 999.8, 999.8]])
+    with torch.no_grad():
+        expected = ref(x, per_frame.repeat_interleave(2 * 3, dim=1), ctx).sample
+    got = ours.forward_full(x, per_frame, ctx)
+    assert got.shape == expected.shape == x.shape
+    assert (got - expected).abs().max().item() <= 1e-4
 
 
 def test_our_names_are_the_original_names_diffusers_converts():
