@@ -46,7 +46,7 @@ from .wan.loading import (
 )
 from .wan.lora import merge_lora_file
 from .wan.sampler import SamplerConfig
-from .wan.taehv import TINY_TAEHV, TAEHVDecoder, load_taehv, random_taehv
+from .wan.taehv import TINY_TAEHV, TAEHVDecoder, load_taehv, published_config, random_taehv
 from .wan.text import TinyTextEncoder, UMT5TextEncoder
 from .wan.vae import VAEConfig, WanVAEDecoder
 from .wan.vae_encoder import WanVAEEncoder, encoder_state_dict
@@ -338,7 +338,7 @@ def build_taehv(spec: ModelSpec, preset: Preset, device: str = "cpu") -> TAEHVDe
     """TAEHV from `decoder_weights` (the published file's widths), or, for the embedded default
     only, at its small widths with weights drawn from the default's seed."""
     if spec.decoder_weights:
-        model = load_taehv(spec.decoder_weights)
+        model = load_taehv(spec.decoder_weights, published_config(preset.dit.in_channels))
     elif preset.embedded:
         model = random_taehv(TINY_TAEHV, seed=spec.seed + 3)
     else:

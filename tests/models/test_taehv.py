@@ -4,6 +4,8 @@ and a plain transcription of the authors' whole-clip decode gives the same frame
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -11,7 +13,15 @@ import torch.nn.functional as F
 from streamdiff.models.engines import VAEEngine
 from streamdiff.models.spec import ModelSpec
 from streamdiff.models.wan.loading import CheckpointError
-from streamdiff.models.wan.taehv import TINY_TAEHV, TAEHVConfig, load_taehv, random_taehv
+from streamdiff.models.wan.taehv import (
+    TAEW2_2,
+    TINY_TAEHV,
+    TAEHVConfig,
+    TAEHVDecoder,
+    load_taehv,
+    published_config,
+    random_taehv,
+)
 from streamdiff.models.wan.vae import VAEConfig
 
 SMALL = TAEHVConfig(widths=(16, 8, 8, 8), encoder_width=8)  # the published structure, narrow
@@ -169,6 +179,8 @@ def authors_decode_video(m, z: torch.Tensor) -> torch.Tensor:
             x = b.conv(x).reshape(-1, c, *x.shape[2:])
         else:
             x = b(x)
+    if m.cfg.patch_size > 1:  # postprocess_output_frames
+        x = F.pixel_shuffle(x, m.cfg.patch_size)
     x = x.reshape(n, -1, *x.shape[1:]).clamp(0, 1)
     return x[:, 3:]  # (N, T, 3, H, W)
 
@@ -202,3 +214,39 @@ def test_no_height_sharding():
     eng = VAEEngine(ModelSpec(decoder="taehv"), "cpu")
     with pytest.raises(ValueError, match="never height-sharded"):
         eng.plan((16, 3, 18, 32), world=2)
+
+
+# taew2_2 (the authors' TAEHV with patch_size 2 and 48 latent channels): its first and last convs.
+TAEW2_2_SHAPES = {
+    "decoder.1.weight": (256, 48, 3, 3),
+    "decoder.22.weight": (12, 64, 3, 3),
+    "encoder.0.weight": (64, 12, 3, 3),
+    "encoder.17.weight": (48, 64, 3, 3),
+}
+SMALL_2_2 = replace(TAEW2_2, widths=(16, 8, 8, 8), encoder_width=8)
+
+
+def test_taew2_2_has_the_published_layout_and_factors():
+    with torch.device("meta"):
+        sd = TAEHVDecoder(TAEW2_2).state_dict()
+    assert {k: tuple(sd[k].shape) for k in TAEW2_2_SHAPES} == TAEW2_2_SHAPES
+    assert (TAEW2_2.spatial_factor, TAEW2_2.temporal_factor) == (16, 4)
+    assert published_config(48) == TAEW2_2 and published_config(16) == TAEHVConfig()
+    with pytest.raises(ValueError, match="no published TAEHV decodes 32-channel"):
+        published_config(32)
+
+
+def test_taew2_2_streamed_in_blocks_matches_the_authors_whole_clip_decode():
+    m = random_taehv(SMALL_2_2, seed=5)
+    z = torch.randn(2, 48, 7, 3, 4)
+    st = m.new_state()
+    ours = torch.cat([m.decode(z[:, :, :1], st), m.decode(z[:, :, 1:4], st), m.decode(z[:, :, 4:], st)], dim=2)
+    assert ours.shape == (2, 3, 1 + 4 * 6, 48, 64)  # 16x in space, the Wan VAE's frame count
+    ref = authors_decode_video(m, z).permute(0, 2, 1, 3, 4) * 2 - 1
+    torch.testing.assert_close(ours, ref, rtol=0, atol=1e-5)
+
+
+def test_a_taew2_1_file_is_refused_for_wan_2_2_latents(tmp_path):
+    torch.save(random_taehv(SMALL).state_dict(), str(tmp_path / "taew2_1.pth"))
+    with pytest.raises(CheckpointError, match=r"decoder\.1\.weight: checkpoint \(16, 16, 3, 3\)"):
+        load_taehv(str(tmp_path / "taew2_1.pth"), SMALL_2_2)

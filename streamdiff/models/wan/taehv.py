@@ -1,4 +1,4 @@
-"""TAEHV, the tiny real-time decoder for Wan 2.1 latents, streaming per block (runs in the VAE worker process).
+"""TAEHV, the tiny real-time decoder for Wan latents, streaming per block (runs in the VAE worker process).
 
 TAEHV (madebyollin/taehv, weights `taew2_1.pth` / `taew2_1.safetensors`) is a small
 convolutional decoder distilled to map the same normalised 16-channel latents the Wan 2.1 VAE
@@ -18,6 +18,9 @@ latent frames give 4n - 3 = 1 + 4(n - 1), the Wan VAE's count. We drop those 3 f
 shot's start (its first block: `TAEHVState.latent_frames == 0`) and nowhere else, so a block
 has exactly the Wan VAE's frame count (`VAEConfig.frames_out`) and the plan, the API and the
 fragments do not change with the decoder.
+
+`taew2_2` is the same network on Wan 2.2's 48 latent channels, its last convolution giving 12
+channels that a 2x2 pixel shuffle turns into RGB (`patch_size` 2): 16x in space.
 
 Streaming: `TAEHVState` holds, per MemBlock, its input of the last frame decoded; a block's
 frames run in parallel through each layer with the memory shifted in front. Decoding block by
@@ -44,6 +47,9 @@ class TAEHVConfig:
     encoder_width: int = 64  # the published encoder's channels (loaded and checked, not run)
     encoder_time_downscale: tuple[bool, bool, bool] = (True, True, False)
     image_channels: int = 3
+    # The RGB frames pixel-shuffled by this patch: the decoder's last conv gives image_channels *
+    # patch^2 channels, shuffled into patch x patch pixels (taew2_2: 2, for Wan 2.2's 16x latents)
+    patch_size: int = 1
 
     @property
     def temporal_factor(self) -> int:
@@ -51,7 +57,7 @@ class TAEHVConfig:
 
     @property
     def spatial_factor(self) -> int:
-        return 2 ** sum(self.space_upscale)
+        return 2 ** sum(self.space_upscale) * self.patch_size
 
     def frames_out(self, latent_frames: int, first_block: bool) -> int:
         """The Wan VAE's count: a shot's first latent frame yields 1 frame, later ones 4."""
@@ -133,7 +139,7 @@ def build_decoder(cfg: TAEHVConfig) -> nn.Sequential:
         layers += [MemBlock(w[i], w[i]) for _ in range(3)]
         layers += [Upsample(2 if cfg.space_upscale[i] else 1), TGrow(w[i], 2 if cfg.time_upscale[i] else 1)]
         layers.append(conv3x3(w[i], w[i + 1], bias=False))
-    layers += [nn.ReLU(), conv3x3(w[3], cfg.image_channels)]
+    layers += [nn.ReLU(), conv3x3(w[3], cfg.image_channels * cfg.patch_size**2)]
     return nn.Sequential(*layers)
 
 
@@ -141,7 +147,7 @@ def build_encoder(cfg: TAEHVConfig) -> nn.Sequential:
     """The published encoder's layers (`encoder.N.*` keys), so the released file loads whole and a
     file that is not TAEHV's is refused; never run."""
     e = cfg.encoder_width
-    layers: list[nn.Module] = [conv3x3(cfg.image_channels, e), nn.ReLU()]
+    layers: list[nn.Module] = [conv3x3(cfg.image_channels * cfg.patch_size**2, e), nn.ReLU()]
     for down in cfg.encoder_time_downscale:
         layers += [TPool(e, 2 if down else 1), conv3x3(e, e, bias=False, stride=2)]
         layers += [MemBlock(e, e) for _ in range(3)]
@@ -174,7 +180,8 @@ class TAEHVDecoder(nn.Module):
         return []  # nothing to move between shards: TAEHV is never height-sharded
 
     def decode(self, z: torch.Tensor, state: TAEHVState) -> torch.Tensor:
-        """z: (B, 16, T, h, w) normalised latents of one block -> (B, 3, T_out, 8h, 8w) in [-1, 1]."""
+        """z: (B, C, T, h, w) normalised latents of one block -> (B, 3, T_out, f*h, f*w) in [-1, 1]
+        (f the spatial factor: 8 for taew2_1, 16 for taew2_2)."""
         return self.decode_rows(z, state)
 
     @torch.no_grad()
@@ -241,6 +248,8 @@ class TAEHVDecoder(nn.Module):
                 x = y.reshape(b * t, y.shape[1] // layer.stride, *y.shape[2:])
             else:
                 x = layer(x)
+        if self.cfg.patch_size > 1:  # channel c*p^2 + i*p + j -> pixel (i, j) of channel c
+            x = F.pixel_shuffle(x, self.cfg.patch_size)
         out = x.view(b, t, *x.shape[1:]).transpose(1, 2)  # (B, 3, T_out, H, W) in ~[0, 1]
         if state.latent_frames == 0:  # a shot's first latent frame yields 1 frame, as the Wan VAE's
             out = out[:, :, self.cfg.temporal_factor - 1 :]
@@ -263,6 +272,18 @@ def random_taehv(cfg: TAEHVConfig | None = None, seed: int = 0) -> TAEHVDecoder:
 # The embedded default's TAEHV: the published architecture at an eighth of its widths, as the tiny
 # preset's Wan VAE is (`TAEHVConfig()` whenever weights are given: the published file's widths).
 TINY_TAEHV = TAEHVConfig(widths=(32, 16, 8, 8), encoder_width=8)
+# taew2_2 (madebyollin/taehv): the same decoder on Wan 2.2's 48 latent channels, its frames
+# pixel-shuffled by 2 (16x in space, 4x in time).
+TAEW2_2 = TAEHVConfig(latent_channels=48, patch_size=2)
+
+
+def published_config(latent_channels: int) -> TAEHVConfig:
+    """The published TAEHV for a DiT's latents: taew2_1 for Wan 2.1's 16 channels, taew2_2 for
+    Wan 2.2's 48."""
+    for cfg in (TAEHVConfig(), TAEW2_2):
+        if cfg.latent_channels == latent_channels:
+            return cfg
+    raise ValueError(f"no published TAEHV decodes {latent_channels}-channel latents (taew2_1: 16, taew2_2: 48)")
 
 
 def load_taehv(path: str, cfg: TAEHVConfig | None = None) -> TAEHVDecoder:
