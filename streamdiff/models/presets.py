@@ -40,6 +40,7 @@ from .wan.loading import (
     read_config,
     read_state_dict,
     read_state_dicts,
+    refuse_quantized,
     select_weight_set,
     vae_config_from_json,
     vae_config_from_state_dict,
@@ -279,7 +280,9 @@ def build_dit(spec: ModelSpec, device: str = "cpu") -> tuple[WanDiT, Preset]:
     else:
         # Straight to the device in the served dtype: the parameters are made there once, each
         # filled from its file (`load_into`), with no float32 copy of the model on the host.
-        sd = normalize_dit_state_dict(_dit_weights(spec, preset))
+        sd = _dit_weights(spec, preset)
+        refuse_quantized(sd, spec.dit_checkpoint or spec.path)
+        sd = normalize_dit_state_dict(sd)
         if spec.lora:
             lora = preset.checkpoint.lora if preset.checkpoint else None
             alpha = spec.lora_alpha or (lora.alpha if lora else None)

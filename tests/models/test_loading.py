@@ -276,3 +276,29 @@ def test_a_nan_in_a_stored_tensor_is_named_after_the_whole_model_is_read(checkpo
     (bad / "config.json").write_text((checkpoints / "original" / "config.json").read_text())
     with pytest.raises(CheckpointError, match=r"tensor blocks\.0\.ffn\.0\.weight, head\.head\.bias holds NaN or Inf"):
         build_dit(ModelSpec(preset="wan2.1-t2v-1.3b", path=str(bad)))
+
+
+def test_an_fp8_release_is_refused_by_name(checkpoints, tmp_path):
+    """A TorchAO-style FP8 file in the release layout: refused naming the tensor and its dtype,
+    not read as weights (safetensors' F8_E4M3 included)."""
+    sd = read_state_dict(checkpoints / "original" / "diffusion_pytorch_model.safetensors")
+    sd["blocks.0.ffn.0.weight"] = sd["blocks.0.ffn.0.weight"].to(torch.float8_e4m3fn)
+    fp8 = tmp_path / "fp8"
+    fp8.mkdir()
+    save_file(sd, str(fp8 / "diffusion_pytorch_model.safetensors"))
+    (fp8 / "config.json").write_text((checkpoints / "original" / "config.json").read_text())
+    with pytest.raises(CheckpointError, match=r"holds FP8 weights \(blocks\.0\.ffn\.0\.weight: torch\.float8_e4m3fn\)"):
+        build_dit(ModelSpec(preset="wan2.1-t2v-1.3b", path=str(fp8)))
+
+
+def test_an_nvfp4_generator_is_refused_by_name(checkpoints, tmp_path):
+    """LongLive 2.0's NVFP4 layout: a generator whose linears carry FourOverSix's 4-bit codes."""
+    sd = read_state_dict(checkpoints / "original" / "diffusion_pytorch_model.safetensors")
+    sd = {f"model.{k}": v for k, v in sd.items() if k != "blocks.0.self_attn.q.weight"}
+    sd["model.blocks.0.self_attn.q.quantized_weight_values"] = torch.zeros(8, 4, dtype=torch.uint8)
+    torch.save({"generator": sd}, str(tmp_path / "model_4o6.pt"))
+    spec = ModelSpec(
+        preset="wan2.1-t2v-1.3b", path=str(checkpoints / "original"), dit_checkpoint=str(tmp_path / "model_4o6.pt")
+    )
+    with pytest.raises(CheckpointError, match=r"model_4o6\.pt is an NVFP4 checkpoint \(model\.blocks\.0\.self_attn"):
+        build_dit(spec)
