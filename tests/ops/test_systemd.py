@@ -117,7 +117,16 @@ class FakeSystemd:
 @pytest.mark.timeout(300)
 def test_ready_watchdog_and_stopping(tmp_path):
     fake = FakeSystemd(str(tmp_path / "notify"))
-    d = Daemon(env={"NOTIFY_SOCKET": str(tmp_path / "notify"), "WATCHDOG_USEC": "1000000"}, wait=False)
+    # The killed worker's first two restarts exit at start: the back-off between them (0.5 s,
+    # then 1 s) keeps the daemon without a pipeline for at least 1.5 s, which the 50 ms polls
+    # below see however loaded the machine (load only lengthens it). Without them a restart that
+    # reads the run's stored calibration is READY within ~0.3 s, between two polls.
+    env = {
+        "NOTIFY_SOCKET": str(tmp_path / "notify"),
+        "WATCHDOG_USEC": "1000000",
+        "STREAMDIFF_FAULTS": "vae0.0:start:exit#1,vae0.0:start:exit#2",
+    }
+    d = Daemon(env=env, wait=False)
     try:
         t_ready = fake.wait_for("READY=1")
         # Model loading asked for more start-up time before READY.
