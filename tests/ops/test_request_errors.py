@@ -10,7 +10,7 @@ import threading
 
 import pytest
 
-from ..helpers import Daemon, assert_same_video, decode, http, stream_video
+from ..helpers import Daemon, assert_same_video, decode, http, stream_video, wait_until
 from .test_faults import start_stream, wait_idle
 
 FAULTS = ",".join(
@@ -76,6 +76,9 @@ def test_a_device_error_restarts_its_worker_instead_of_failing_every_later_block
     before = restarts(d)
     r = http.post(d.url + "/v1/videos", json={**BODY, "seed": 667, "stream": True}, timeout=120)
     assert r.status_code == 500 and r.json()["error"]["type"] == "server_error"
+    # The failure can reach the client (a send to the exited worker fails) before the supervisor
+    # has handled the exit: wait for the restart to be counted, then for the worker to be ready.
+    wait_until(lambda: restarts(d)["dit0"] == before["dit0"] + 1)
     d.wait_healthy_all(120)
     after = restarts(d)
     assert after["dit0"] == before["dit0"] + 1
