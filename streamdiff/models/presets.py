@@ -40,12 +40,12 @@ from .wan.loading import (
     read_config,
     read_state_dict,
     read_state_dicts,
-    refuse_quantized,
     select_weight_set,
     vae_config_from_json,
     vae_config_from_state_dict,
 )
 from .wan.lora import merge_lora_file
+from .wan.quantized import refuse_quantized
 from .wan.sampler import SamplerConfig
 from .wan.taehv import TINY_TAEHV, TAEHVDecoder, load_taehv, published_config, random_taehv
 from .wan.text import TinyTextEncoder, UMT5TextEncoder

@@ -34,14 +34,22 @@ def perturb_(module: torch.nn.Module, scale: float, seed: int) -> None:
             p.add_(torch.randn(p.shape, generator=g) * scale)
 
 
-@pytest.fixture(scope="session")
-def dit_pair():
+def make_dit_pair(channels: int = 16):
+    """diffusers' DiT at SMALL_DIT with `channels` latent channels in and out (16: Wan 2.1's, 48:
+    Wan 2.2's), perturbed, and ours holding its weights."""
     torch.manual_seed(0)
-    ref = diffusers.WanTransformer3DModel(**SMALL_DIT).eval()
+    ref = diffusers.WanTransformer3DModel(**{**SMALL_DIT, "in_channels": channels, "out_channels": channels}).eval()
     perturb_(ref, 0.1, 1)
-    ours = WanDiT(DiTConfig(dim=48, ffn_dim=64, num_heads=2, num_layers=2, text_dim=32, text_len=TEXT_LEN)).eval()
+    small = dict(dim=48, ffn_dim=64, num_heads=2, num_layers=2, text_dim=32, text_len=TEXT_LEN)
+    cfg = DiTConfig(**small, in_channels=channels, out_channels=channels)
+    ours = WanDiT(cfg).eval()
     load_into(ours, normalize_dit_state_dict(ref.state_dict()), "diffusers DiT")
     return ref, ours
+
+
+@pytest.fixture(scope="session")
+def dit_pair():
+    return make_dit_pair()
 
 
 @pytest.fixture(scope="session")

@@ -11,13 +11,12 @@ from streamdiff.models.presets import WAN22_5B
 from streamdiff.models.wan.dit import DiTConfig, WanDiT, count_params, sinusoidal_embedding
 from streamdiff.models.wan.loading import (
     dit_config_from_json,
-    load_into,
     normalize_dit_state_dict,
     normalize_vae_state_dict,
 )
 from streamdiff.models.wan.vae import VAEConfig, WanVAEDecoder
 
-from .conftest import SMALL_DIT, TEXT_LEN, perturb_
+from .conftest import TEXT_LEN, make_dit_pair
 
 
 @pytest.mark.parametrize("shape", [(5, 6, 10), (3, 8, 8), (2, 4, 14)], ids=["5x6x10", "3x8x8", "2x4x14"])
@@ -123,22 +122,7 @@ def test_the_wan22_5b_configuration_is_diffusers_and_the_releases():
 def test_48_channels_with_an_image_frame_at_t0_match_diffusers_per_token():
     """The 5B's shape at small dims: 48 latent channels in and out, and a block whose first
     frame is the start image's latent at t = 0 (image-to-video), the rest at the step's t."""
-    torch.manual_seed(0)
-    ref = WanTransformer3DModel(**{**SMALL_DIT, "in_channels": 48, "out_channels": 48}).eval()
-    perturb_(ref, 0.1, 1)
-    ours = WanDiT(
-        DiTConfig(
-            dim=48,
-            ffn_dim=64,
-            num_heads=2,
-            num_layers=2,
-            text_dim=32,
-            text_len=TEXT_LEN,
-            in_channels=48,
-            out_channels=48,
-        )
-    ).eval()
-    load_into(ours, normalize_dit_state_dict(ref.state_dict()), "diffusers DiT")
+    ref, ours = make_dit_pair(48)
     g = torch.Generator().manual_seed(6)
     x = torch.randn(1, 48, 4, 4, 6, generator=g)
     ctx = torch.randn(1, TEXT_LEN, 32, generator=g)
