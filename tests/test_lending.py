@@ -51,7 +51,8 @@ def test_a_restarted_worker_clears_its_stale_byte(tmp_path):
 
 def test_hooks_go_before_every_dit_block_and_vae_convolution(tmp_path):
     from streamdiff.models.wan.dit import Block, DiTConfig, WanDiT
-    from streamdiff.models.wan.vae import CausalConv3d, VAEConfig, WanVAEDecoder
+    from streamdiff.models.wan.vae import VAEConfig, WanVAEDecoder
+    from streamdiff.models.wan.vae_blocks import CausalConv3d
 
     dit, vae = _pair(tmp_path)
     dec = WanVAEDecoder(VAEConfig(base_dim=4, num_res_blocks=0))

@@ -29,7 +29,8 @@ from .wan.dit import DiTState
 from .wan.kernels import CPU_DECODE_WORKING_SET_BYTES, DecodePlan, plan_block
 from .wan.sampler import denoise_block, denoise_sessions, sigma_of, step_timesteps
 from .wan.taehv import TAEHVState
-from .wan.vae import Halo, VAEState, to_uint8_frames
+from .wan.vae import to_uint8_frames
+from .wan.vae_blocks import Halo, VAEState
 
 
 def to_host(x: torch.Tensor) -> torch.Tensor:
@@ -377,7 +378,8 @@ class VAEEngine:
                 raise ValueError(f"TAEHV is never height-sharded: a group of {world} shards")
             width, elem = self.model.cfg.widths[-1], self.model.weight.element_size()
         else:
-            width, elem = cfg.base_dim, self.model.conv2.weight.element_size()
+            # the last stage's channels per output pixel (Wan 2.2's runs at half size, in patches)
+            width, elem = cfg.decoder_dim // cfg.patch_size**2, self.model.conv2.weight.element_size()
         return plan_block(
             latent_shape,
             world,

@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from ..models.wan.kernels import empty, layout
-from ..models.wan.vae import Halo
+from ..models.wan.vae_blocks import Halo
 from ..platform import for_device
 from ..platform.base import WaitClock
 

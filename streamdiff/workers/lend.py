@@ -12,12 +12,14 @@ def install_lender(lender: Lender, module) -> int:
     many modules. The DiT's waits fall at the end of each VAE block, where the decoder's
     full-resolution norms and convolutions run, in spells shorter than one of those convolutions
     on one core (docs/design.md#processes-one-host)."""
-    from ..models.wan import vae
+    from ..models.wan import vae, vae_blocks
     from ..models.wan.dit import Block
 
     for sub in module.modules():
         if isinstance(sub, vae.WanVAEDecoder):
             sub.checkpoint = lender.adjust
     return lender.install(
-        sub for sub in module.modules() if isinstance(sub, Block) or type(sub).__module__ == vae.__name__
+        sub
+        for sub in module.modules()
+        if isinstance(sub, Block) or type(sub).__module__ in (vae.__name__, vae_blocks.__name__)
     )

@@ -6,12 +6,12 @@ import pytest
 import torch
 
 from streamdiff.models.wan.vae import (
-    Ctx,
     decode_stages,
     decode_stages_sessions,
     decoder_stages,
     to_uint8_frames,
 )
+from streamdiff.models.wan.vae_blocks import Ctx
 from streamdiff.models.wan.vae_shapes import stage_shapes
 
 
@@ -125,7 +125,7 @@ def test_the_middle_attention_gives_sdpa_a_unit_stride_last_dimension(monkeypatc
     """The fused kernels (flash, memory-efficient, cuDNN) need it; without it SDPA runs its math
     path, which holds every frame's (h*w)^2 scores. In the accelerators' row-major layout
     (`kernels.layout`) the transposed view's last stride is h*w; in the CPU's channels-last, 1."""
-    import streamdiff.models.wan.vae as vae
+    import streamdiff.models.wan.vae_blocks as vae
 
     block, sdpa, seen = vae.AttentionBlock(32).eval(), torch.nn.functional.scaled_dot_product_attention, []
     monkeypatch.setattr(

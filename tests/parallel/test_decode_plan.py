@@ -12,7 +12,8 @@ from hypothesis import strategies as st
 
 from streamdiff.config import LimitsConfig
 from streamdiff.models.wan.kernels import plan_block
-from streamdiff.models.wan.vae import Halo, VAEConfig, WanVAEDecoder
+from streamdiff.models.wan.vae import VAEConfig, WanVAEDecoder
+from streamdiff.models.wan.vae_blocks import Halo
 
 CFG = VAEConfig(base_dim=4, num_res_blocks=0)
 LIM = LimitsConfig()

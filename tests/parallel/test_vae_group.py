@@ -12,17 +12,28 @@ import torch
 
 from streamdiff.models.wan.kernels import CPU_DECODE_WORKING_SET_BYTES, plan_block
 from streamdiff.models.wan.rows import split_rows
-from streamdiff.models.wan.vae import VAEConfig, WanVAEDecoder
+from streamdiff.models.wan.vae import WAN22_LATENTS_MEAN, WAN22_LATENTS_STD, VAEConfig, WanVAEDecoder
 from streamdiff.spawn import torch_context
 
 from ..helpers import free_port
 
 CFG = VAEConfig(base_dim=8, num_res_blocks=1)
+# Wan 2.2's decoder, narrowed: 48 latent channels, residual stages, 2x2 patches (16x in space)
+CFG22 = VAEConfig(
+    base_dim=8,
+    z_dim=48,
+    num_res_blocks=1,
+    residual=True,
+    patch_size=2,
+    latents_mean=WAN22_LATENTS_MEAN,
+    latents_std=WAN22_LATENTS_STD,
+)
+CONFIGS = {"2.1": CFG, "2.2": CFG22}
 
 
-def make_decoder() -> WanVAEDecoder:
+def make_decoder(kind: str = "2.1") -> WanVAEDecoder:
     torch.manual_seed(0)
-    vae = WanVAEDecoder(CFG).eval()
+    vae = WanVAEDecoder(CONFIGS[kind]).eval()
     g = torch.Generator().manual_seed(1)
     with torch.no_grad():
         for p in vae.parameters():
@@ -30,8 +41,10 @@ def make_decoder() -> WanVAEDecoder:
     return vae
 
 
-def plan_for(z, world, working_set_bytes=CPU_DECODE_WORKING_SET_BYTES, weights=None):
-    return plan_block(z.shape, world, "cpu", CFG.base_dim, 8, 4, 4, working_set_bytes, 1, weights)
+def plan_for(z, world, working_set_bytes=CPU_DECODE_WORKING_SET_BYTES, weights=None, kind="2.1"):
+    c = CONFIGS[kind]
+    width = c.decoder_dim // c.patch_size**2
+    return plan_block(z.shape, world, "cpu", width, c.spatial_factor, 4, 4, working_set_bytes, 1, weights)
 
 
 def join(rank, world, addr) -> list[int]:
@@ -86,13 +99,14 @@ def shard_job(
     working_set_bytes=None,
     batch_sessions=False,
     weights=None,
+    kind="2.1",
 ):
     """Decode every session's blocks (interleaved in the given order) and send our strips."""
     try:
         from streamdiff.parallel.vae_group import ExchangeHalo, move_bands
 
         batched[0] = 0
-        vae = make_decoder()
+        vae = make_decoder(kind)
         states = {name: vae.new_state() for name in sessions}
         order = [
             (name, i)
@@ -123,7 +137,7 @@ def shard_job(
                 and split_rows(z.shape[-2], world, w) != split_rows(z.shape[-2], world, weights[i - 1])
             ):
                 move_bands(states[name], vae.band_slots(shard_front), *moved(z.shape[-2], world, weights, i), rank)
-            plan = plan_for(z, world, working_set_bytes or CPU_DECODE_WORKING_SET_BYTES, w)
+            plan = plan_for(z, world, working_set_bytes or CPU_DECODE_WORKING_SET_BYTES, w, kind)
             strip = vae.decode_rows(z, states[name], plan, rank, ExchangeHalo(rank, list(plan.bands)), shard_front)
             out.put((rank, name, i, strip.numpy()))
         out.put((rank, "done", None, batched[0]))
@@ -144,11 +158,12 @@ def run_group(
     working_set_bytes=None,
     batch=False,
     weights=None,
+    kind="2.1",
 ):
     """Every rank's strips and errors for one job: a dying shard's in a group of its own, every
     other in the module's group of `world` ranks, started at its first job and kept (one gloo
     group per world size a module, not one per test), and dropped after a job that fails."""
-    job = (sessions, shard_front, die_at, working_set_bytes, batch, weights)
+    job = (sessions, shard_front, die_at, working_set_bytes, batch, weights, kind)
     if die_at is not None:
         ctx = torch_context()
         out = ctx.Queue()
@@ -226,13 +241,15 @@ def collect(world, out, timeout_s, die_at):
     return strips, errors
 
 
-def latents(n_blocks, h, w, seed, frames=(1, 3, 2, 1, 3, 2)):
+def latents(n_blocks, h, w, seed, frames=(1, 3, 2, 1, 3, 2), kind="2.1"):
     g = torch.Generator().manual_seed(seed)
-    return [torch.randn(1, 16, frames[i % len(frames)], h, w, generator=g) for i in range(n_blocks)]
+    c = CONFIGS[kind].z_dim
+    return [torch.randn(1, c, frames[i % len(frames)], h, w, generator=g) for i in range(n_blocks)]
 
 
-def assert_matches_unsharded(world, sessions, strips, weights=None):
-    vae = make_decoder()
+def assert_matches_unsharded(world, sessions, strips, weights=None, kind="2.1"):
+    vae = make_decoder(kind)
+    f = vae.cfg.spatial_factor
     for name, blocks in sessions.items():
         state = vae.new_state()
         for i, z in enumerate(blocks):
@@ -242,7 +259,7 @@ def assert_matches_unsharded(world, sessions, strips, weights=None):
             assert got.shape == ref.shape
             assert (got - ref).abs().max().item() <= 1e-5, (name, i)
             for r, (r0, r1) in enumerate(bands):  # each strip is exactly its band of rows
-                assert strips[(r, name, i)].shape[-2] == 8 * (r1 - r0)
+                assert strips[(r, name, i)].shape[-2] == f * (r1 - r0)
 
 
 @pytest.mark.parametrize("world,height", [(2, 6), (3, 6), (4, 6), (3, 7), (2, 5)], ids=lambda v: str(v))
@@ -255,6 +272,29 @@ def test_sharded_equals_unsharded_over_streamed_blocks(world, height):
     # separate isend/irecv pairs): one batch per 3x3 conv of the sharded part, on every rank.
     counts = {strips[(r, "p2p")] for r in range(world)}
     assert len(counts) == 1 and counts.pop() > 0
+
+
+@pytest.mark.parametrize(
+    "world,height,weights,shard_front",
+    [(2, 5, None, False), (3, 7, (1.0, 3.0, 2.0), True), (4, 6, None, True)],
+    ids=lambda v: str(v),
+)
+def test_the_wan22_decoder_sharded_equals_unsharded(world, height, weights, shard_front):
+    """Wan 2.2's decoder height-sharded like 2.1's: halos at every 3x3 (its shortcuts and
+    patches are row-local), the middle attention over gathered rows, any k the rows allow,
+    equal or weighted bands, the front replicated or sharded, over a shot's streamed blocks."""
+    sessions = {"a": latents(4, height, 3, seed=world + height, frames=(1, 3, 2, 1), kind="2.2")}
+    strips, errors = run_group(world, sessions, shard_front=shard_front, weights=weights, kind="2.2")
+    assert not errors, errors
+    assert_matches_unsharded(world, sessions, strips, weights, kind="2.2")
+
+
+def test_wan22_bands_moved_in_the_middle_of_a_shot_equal_the_unsharded_decoder():
+    weights = [(1.0, 1.0, 1.0), (1.0, 3.0, 3.0), (4.0, 1.0, 1.0), (1.0, 1.0, 1.0)]
+    sessions = {"a": latents(4, 8, 3, seed=77, frames=(1, 3, 2, 1), kind="2.2")}
+    strips, errors = run_group(3, sessions, shard_front=True, weights=weights, kind="2.2")
+    assert not errors, errors
+    assert_matches_unsharded(3, sessions, strips, weights, kind="2.2")
 
 
 @pytest.mark.parametrize(

@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from .dit import DiTConfig
-from .vae import VAEConfig
+from .vae import WAN22_LATENTS_MEAN, WAN22_LATENTS_STD, VAEConfig
 
 
 class CheckpointError(ValueError):
@@ -350,8 +350,13 @@ def vae_key_from_diffusers(key: str, cfg: VAEConfig) -> str | None:
     if m:
         k = f"decoder.middle.{2 * int(m[1])}.{_RES_DIFFUSERS[m[2]]}.{m[3]}"
     m = re.match(r"^decoder\.up_blocks\.(\d+)\.resnets\.(\d+)\.(\w+)\.(.*)$", k)
-    if m:
+    if m and cfg.residual:  # Wan 2.2: one module per stage, its blocks then its upsampler
+        k = f"decoder.upsamples.{m[1]}.upsamples.{m[2]}.{_RES_DIFFUSERS[m[3]]}.{m[4]}"
+    elif m:
         k = f"decoder.upsamples.{int(m[1]) * per_stage + int(m[2])}.{_RES_DIFFUSERS[m[3]]}.{m[4]}"
+    m = re.match(r"^decoder\.up_blocks\.(\d+)\.upsampler\.(.*)$", k)  # Wan 2.2's
+    if m:
+        k = f"decoder.upsamples.{m[1]}.upsamples.{cfg.num_res_blocks + 1}.{m[2]}"
     m = re.match(r"^decoder\.up_blocks\.(\d+)\.upsamplers\.0\.(.*)$", k)
     if m:
         k = f"decoder.upsamples.{int(m[1]) * per_stage + cfg.num_res_blocks + 1}.{m[2]}"
@@ -385,6 +390,9 @@ def vae_config_from_json(cfg: dict, base: VAEConfig | None = None) -> VAEConfig:
         temporal_downsample=tuple(cfg.get("temperal_downsample", base.temporal_downsample)),
         latents_mean=tuple(cfg.get("latents_mean", base.latents_mean)),
         latents_std=tuple(cfg.get("latents_std", base.latents_std)),
+        decoder_base_dim=cfg.get("decoder_base_dim") or base.decoder_base_dim,
+        residual=cfg.get("is_residual", base.residual),
+        patch_size=cfg.get("patch_size") or base.patch_size,
     )
 
 
@@ -397,6 +405,25 @@ def vae_config_from_state_dict(sd: Mapping[str, torch.Tensor], base: VAEConfig) 
         z_dim = sd["conv2.weight"].shape[0]
     except KeyError as exc:
         raise CheckpointError(f"VAE checkpoint lacks {exc.args[0]}: not a Wan 2.1 VAE decoder") from exc
+    if "decoder.upsamples.0.upsamples.0.residual.0.gamma" in sd:  # Wan 2.2's stages
+        blocks = sum(f"decoder.upsamples.0.upsamples.{j}.residual.0.gamma" in sd for j in range(64))
+        rgb = sd["decoder.head.2.weight"].shape[0]
+        enc = sd.get("encoder.conv1.weight")
+        return replace(
+            base,
+            base_dim=base.base_dim if enc is None else enc.shape[0],
+            decoder_base_dim=base_dim,
+            z_dim=z_dim,
+            num_res_blocks=blocks - 1,
+            residual=True,
+            patch_size=round((rgb // 3) ** 0.5),
+            # the release's file has no config: its latents' statistics are Wan2_2_VAE's
+            **(
+                {}
+                if len(base.latents_mean) == z_dim
+                else {"latents_mean": WAN22_LATENTS_MEAN, "latents_std": WAN22_LATENTS_STD}
+            ),
+        )
     first_up = next((i for i in range(64) if f"decoder.upsamples.{i}.resample.1.weight" in sd), None)
     res_blocks = base.num_res_blocks if first_up is None else first_up - 1
     return replace(base, base_dim=base_dim, z_dim=z_dim, num_res_blocks=res_blocks)

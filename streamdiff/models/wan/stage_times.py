@@ -7,7 +7,8 @@ import statistics
 import torch
 
 from ...platform import for_device
-from .vae import Ctx, decoder_stages
+from .vae import decoder_stages
+from .vae_blocks import Ctx
 
 
 def stage_times(vae, state, next_input, device: str, runs: int = 3) -> list[float]:

@@ -1,8 +1,12 @@
-"""Wan 2.1 VAE decoder with an explicit causal temporal cache (runs in the VAE worker process).
+"""The Wan VAE decoder, 2.1's and 2.2's, with an explicit causal temporal cache (runs in the VAE
+worker process). Its blocks are in vae_blocks.py.
 
-Parameter names follow the original release (`conv2`, `decoder.conv1`, `decoder.middle.N`,
-`decoder.upsamples.N`, `decoder.head.N`), so `Wan2.1_VAE.pth` loads directly and diffusers'
-`AutoencoderKLWan` maps onto it (see `loading.py`).
+Parameter names follow the original releases (`conv2`, `decoder.conv1`, `decoder.middle.N`,
+`decoder.upsamples.N`, `decoder.head.N`; Wan 2.2's stages `decoder.upsamples.N.upsamples.M`), so
+`Wan2.1_VAE.pth` and `Wan2.2_VAE.pth` load directly and diffusers' `AutoencoderKLWan` maps onto
+them (see `loading.py`). Wan 2.2's decoder is wider (48 latent channels, 1024 at the middle),
+adds a parameter-free DupUp3D shortcut around each up stage, and ends in 2x2 patches: 16x in
+space, where 2.1's is 8x.
 
 Streaming: every causal conv keeps the last two input frames of the session in `VAEState`
 (one slot per conv, assigned when the decoder is built), so decoding a latent block by block,
@@ -20,50 +24,51 @@ halo. The cached frames are stored with their halo rows, so a shard never re-exc
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from .kernels import DecodePlan, cat_frames, conv2d, conv3d_valid_t, empty, frames, layout, unframes
-
-CACHE_T = 2  # frames each causal 3x3x3 conv keeps: its temporal kernel is 3
-WAN21_LATENTS_MEAN = (
-    -0.7571,
-    -0.7089,
-    -0.9113,
-    0.1075,
-    -0.1745,
-    0.9653,
-    -0.1517,
-    1.5508,
-    0.4134,
-    -0.0715,
-    0.5517,
-    -0.3632,
-    -0.1922,
-    -0.9497,
-    0.2503,
-    -0.2921,
+from .kernels import DecodePlan, conv2d, frames, layout, unframes
+from .vae_blocks import (
+    AttentionBlock,
+    CausalConv3d,
+    Ctx,
+    Halo,
+    Resample,
+    ResBlock,
+    ResidualUpStage,
+    RMSNorm,
+    VAEState,
+    rms_norm,
+    unpatchify,
 )
-WAN21_LATENTS_STD = (
-    2.8184,
-    1.4541,
-    2.3275,
-    2.6558,
-    1.2196,
-    1.7708,
-    2.6052,
-    2.0743,
-    3.2687,
-    2.1526,
-    2.8652,
-    1.5579,
-    1.6382,
-    1.1253,
-    2.8251,
-    1.9160,
+
+
+def _floats(text: str) -> tuple[float, ...]:
+    return tuple(float(v) for v in text.split())
+
+
+# The latents' per-channel mean and std (the DiT generates (z - mean) / std): Wan 2.1's 16, from
+# the release's `WanVAE`, and Wan 2.2's 48, from its `Wan2_2_VAE` (the same in diffusers' config).
+WAN21_LATENTS_MEAN = _floats(
+    "-0.7571 -0.7089 -0.9113 0.1075 -0.1745 0.9653 -0.1517 1.5508 "
+    "0.4134 -0.0715 0.5517 -0.3632 -0.1922 -0.9497 0.2503 -0.2921"
+)
+WAN21_LATENTS_STD = _floats(
+    "2.8184 1.4541 2.3275 2.6558 1.2196 1.7708 2.6052 2.0743 3.2687 2.1526 2.8652 1.5579 1.6382 1.1253 2.8251 1.9160"
+)
+WAN22_LATENTS_MEAN = _floats(
+    "-0.2289 -0.0052 -0.1323 -0.2339 -0.2799 0.0174 0.1838 0.1557 -0.1382 0.0542 0.2813 0.0891 "
+    "0.1570 -0.0098 0.0375 -0.1825 -0.2246 -0.1207 -0.0698 0.5109 0.2665 -0.2108 -0.2158 0.2502 "
+    "-0.2055 -0.0322 0.1109 0.1567 -0.0729 0.0899 -0.2799 -0.1230 -0.0313 -0.1649 0.0117 0.0723 "
+    "-0.2839 -0.2083 -0.0520 0.3748 0.0152 0.1957 0.1433 -0.2944 0.3573 -0.0548 -0.1681 -0.0667"
+)
+WAN22_LATENTS_STD = _floats(
+    "0.4765 1.0364 0.4514 1.1677 0.5313 0.4990 0.4818 0.5013 0.8158 1.0344 0.5894 1.0901 "
+    "0.6885 0.6165 0.8454 0.4978 0.5759 0.3523 0.7135 0.6804 0.5833 1.4146 0.8986 0.5659 "
+    "0.7069 0.5338 0.4889 0.4917 0.4069 0.4999 0.6866 0.4093 0.5709 0.6065 0.6415 0.4944 "
+    "0.5726 1.2042 0.5458 1.6887 0.3971 1.0600 0.3943 0.5537 0.5444 0.4089 0.7468 0.7744"
 )
 
 
@@ -76,10 +81,25 @@ class VAEConfig:
     temporal_downsample: tuple[bool, ...] = (False, True, True)  # encoder order; decoder reverses it
     latents_mean: tuple[float, ...] = WAN21_LATENTS_MEAN
     latents_std: tuple[float, ...] = WAN21_LATENTS_STD
+    # Wan 2.2's VAE: a decoder of its own width (0: base_dim, Wan 2.1's one width), residual
+    # stages (a DupUp3D/AvgDown3D shortcut around each, resampling that keeps the channels), and
+    # RGB in 2x2 patches (12 channels at the encoder's input and the decoder's output).
+    decoder_base_dim: int = 0
+    residual: bool = False
+    patch_size: int = 1
+
+    @property
+    def decoder_dim(self) -> int:
+        return self.decoder_base_dim or self.base_dim
 
     @property
     def spatial_factor(self) -> int:
-        return 2 ** (len(self.dim_mult) - 1)
+        return 2 ** (len(self.dim_mult) - 1) * self.patch_size
+
+    @property
+    def rgb_channels(self) -> int:
+        """The decoder's output and the encoder's input: RGB, in patches."""
+        return 3 * self.patch_size**2
 
     @property
     def temporal_factor(self) -> int:
@@ -90,231 +110,40 @@ class VAEConfig:
         return latent_frames * self.temporal_factor - (self.temporal_factor - 1 if first_block else 0)
 
 
-# ----------------------------------------------------------------------------- state and hooks
-
-
-@dataclass
-class VAEState:
-    """Causal temporal cache of one session (one decoder shard): one entry per cached conv."""
-
-    cache: list[torch.Tensor | None]
-    latent_frames: int = 0  # latent frames decoded so far in this shot
-
-
-class Halo:
-    """Unsharded behaviour: zero rows at the top and bottom, whole frames already local.
-
-    `rows` is how many neighbour rows each side a 3x3 conv's input gets from the halo: 0 here
-    (the convolution pads with zeros itself, no copy), 1 in a VAE group. `post(x)` starts the
-    exchange of x's edge rows and `complete(pending, dest)` writes the received rows into the
-    first and last row of `dest`, so the transfer overlaps filling the conv's input buffer.
-    """
-
-    rows = 0
-
-    def post(self, x: torch.Tensor):
-        return None
-
-    def complete(self, pending, dest: torch.Tensor) -> None:
-        pass
-
-    def gather(self, x: torch.Tensor) -> torch.Tensor:
-        return x
-
-    def local(self, x: torch.Tensor) -> torch.Tensor:
-        return x
-
-
-NO_HALO = Halo()
-
-
-@dataclass
-class Ctx:
-    state: VAEState
-    halo: Halo = field(default_factory=Halo)
-    checkpoint: Callable[[], None] | None = None  # before each CPU conv2d (WanVAEDecoder.checkpoint)
-
-
-# ----------------------------------------------------------------------------- building blocks
-
-
-class CausalConv3d(nn.Conv3d):
-    """3D conv, causal in time (pads 2*p_t frames in front, or takes them from the cache)."""
-
-    def __init__(self, cin: int, cout: int, kernel, padding=0) -> None:
-        super().__init__(cin, cout, kernel, padding=padding)
-        self.slot = -1  # cache slot, assigned by the decoder when kernel_t > 1
-
-    def forward(self, x: torch.Tensor, ctx: Ctx | None = None) -> torch.Tensor:
-        kt, kh, kw = self.kernel_size
-        halo = ctx.halo if kh > 1 else NO_HALO
-        n = kt - 1  # cached frames in front; none at the start of a shot: zeros
-        x = with_halo(x, halo, ctx.state.cache[self.slot] if n else None, n)
-        if n:
-            ctx.state.cache[self.slot] = cat_frames(None, x[:, :, -n:], 0)  # stored with their halo rows
-        h_pad = 1 if kh > 1 and halo.rows == 0 else 0
-        return conv3d_valid_t(x, self.weight, self.bias, h_pad, self.padding[2], ctx.checkpoint)
-
-
-def with_halo(x: torch.Tensor, halo: Halo, prev: torch.Tensor | None = None, front: int = 0) -> torch.Tensor:
-    """A conv's input: `front` cached frames (prev, or zeros) before x in time (5D inputs) and
-    `halo.rows` neighbour rows above and below, in one fresh buffer of the device's layout.
-    The neighbours' rows travel while the buffer is being filled."""
-    r = halo.rows
-    if r == 0 and front == 0:
-        return x
-    pending = halo.post(x) if r else None
-    shape = list(x.shape)
-    shape[-2] += 2 * r
-    if front:
-        shape[2] += front
-    buf = empty(shape, x)
-    body = buf
-    if front:
-        if prev is None:
-            buf[:, :, :front].zero_()
-        else:
-            buf[:, :, :front] = prev
-        body = buf[:, :, front:]
-    body[..., r : r + x.shape[-2], :] = x
-    if pending is not None:
-        halo.complete(pending, body)
-    return buf
-
-
-def rms_norm(x: torch.Tensor, gamma: torch.Tensor, silu: bool) -> torch.Tensor:
-    """Inference's per-pixel RMS norm over channels (gamma already times sqrt(C)), then SiLU if
-    asked: three passes over x instead of five, in place. Tensors in, a tensor out, no Python
-    state: the part `torch.compile` takes (`WanVAEDecoder.compile_pointwise`), where the passes
-    fuse into one kernel."""
-    xf = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
-    inv = torch.linalg.vector_norm(xf, dim=1, keepdim=True).clamp_min_(1e-12).reciprocal_()
-    y = (xf * inv).to(x.dtype).mul_(gamma)
-    return F.silu(y, inplace=True) if silu else y
-
-
-class RMSNorm(nn.Module):
-    """Per-pixel RMS norm over channels: normalize(x, dim=1) * sqrt(C) * gamma."""
-
-    def __init__(self, dim: int, images: bool = True) -> None:
-        super().__init__()
-        self.scale = dim**0.5
-        self.gamma = nn.Parameter(torch.ones(dim, *((1, 1) if images else (1, 1, 1))))
-        self.kernel = rms_norm  # eager, or compiled by `WanVAEDecoder.compile_pointwise`
-
-    def forward(self, x: torch.Tensor, silu: bool = False) -> torch.Tensor:
-        """With silu=True also applies SiLU. Under autograd (training the embedded default) the
-        same arithmetic out of place."""
-        if torch.is_grad_enabled():
-            y = F.normalize(x, dim=1, eps=1e-12) * (self.gamma * self.scale)
-            return F.silu(y) if silu else y
-        return self.kernel(x, self.gamma * self.scale, silu)
-
-
-class ResBlock(nn.Module):
-    def __init__(self, cin: int, cout: int) -> None:
-        super().__init__()
-        # Indices match the original nn.Sequential: norm 0, conv 2, norm 3, conv 6.
-        self.residual = nn.Sequential(
-            RMSNorm(cin, images=False),
-            nn.SiLU(),
-            CausalConv3d(cin, cout, 3, padding=1),
-            RMSNorm(cout, images=False),
-            nn.SiLU(),
-            nn.Dropout(0.0),
-            CausalConv3d(cout, cout, 3, padding=1),
-        )
-        self.shortcut = CausalConv3d(cin, cout, 1) if cin != cout else nn.Identity()
-
-    def forward(self, x: torch.Tensor, ctx: Ctx) -> torch.Tensor:
-        r = self.residual
-        h = self.shortcut(x, ctx) if isinstance(self.shortcut, CausalConv3d) else x
-        x = r[2](r[0](x, silu=True), ctx)
-        x = r[6](r[3](x, silu=True), ctx)
-        return x + h
-
-
-class AttentionBlock(nn.Module):
-    """Single-head self-attention over all positions of each frame (global in H*W)."""
-
-    def __init__(self, dim: int) -> None:
-        super().__init__()
-        self.norm = RMSNorm(dim)
-        self.to_qkv = nn.Conv2d(dim, dim * 3, 1)
-        self.proj = nn.Conv2d(dim, dim, 1)
-
-    def forward(self, x: torch.Tensor, ctx: Ctx) -> torch.Tensor:
-        x = ctx.halo.gather(x)
-        b, c, t, h, w = x.shape
-        y = conv2d(self.norm(frames(x)), self.to_qkv.weight, self.to_qkv.bias, checkpoint=ctx.checkpoint)
-        # Contiguous (b*t, h*w, 3c) first: chunks of a transposed view have a last dimension of
-        # stride h*w, which the fused SDPA kernels refuse (the math path materialises every
-        # frame's (h*w)^2 scores). Chunks of the contiguous copy have stride 1 there.
-        q, k, v = y.reshape(b * t, 3 * c, h * w).transpose(1, 2).contiguous().unsqueeze(1).chunk(3, dim=-1)
-        y = F.scaled_dot_product_attention(q, k, v)  # (b*t, 1, h*w, c)
-        y = y.squeeze(1).transpose(1, 2).reshape(b * t, c, h, w)
-        y = conv2d(y, self.proj.weight, self.proj.bias, checkpoint=ctx.checkpoint)
-        return ctx.halo.local(x + unframes(y, b))
-
-
-class Resample(nn.Module):
-    """Decoder upsampling: optional causal temporal doubling (`time_conv`), then nearest 2x
-    in space and a 3x3 conv that halves the channels."""
-
-    def __init__(self, dim: int, temporal: bool) -> None:
-        super().__init__()
-        self.resample = nn.Sequential(
-            nn.Upsample(scale_factor=2.0, mode="nearest-exact"), nn.Conv2d(dim, dim // 2, 3, padding=1)
-        )
-        self.time_conv = CausalConv3d(dim, dim * 2, (3, 1, 1), padding=(1, 0, 0)) if temporal else None
-
-    def _double_frames(self, x: torch.Tensor, ctx: Ctx) -> torch.Tensor:
-        slot = self.time_conv.slot
-        head = None
-        if ctx.state.cache[slot] is None:
-            # The shot's first frame is not doubled; after it the cache starts from zeros.
-            head, x = x[:, :, :1], x[:, :, 1:]
-            ctx.state.cache[slot] = cat_frames(None, head[:, :, :0], CACHE_T)
-            if x.shape[2] == 0:
-                return head
-        b, c, t, h, w = x.shape
-        y = self.time_conv(x, ctx)  # (B, 2C, T, H, W): channel halves are the two output frames
-        out = empty((b, c, 2 * t, h, w), y)
-        out[:, :, 0::2] = y[:, :c]
-        out[:, :, 1::2] = y[:, c:]
-        return out if head is None else cat_frames(head, out, 0)
-
-    def forward(self, x: torch.Tensor, ctx: Ctx) -> torch.Tensor:
-        if self.time_conv is not None:
-            x = self._double_frames(x, ctx)
-        y = F.interpolate(frames(x).float(), scale_factor=2.0, mode="nearest-exact").to(x.dtype)
-        y = with_halo(y, ctx.halo)
-        conv = self.resample[1]
-        return unframes(conv2d(y, conv.weight, conv.bias, (1 - ctx.halo.rows, 1), ctx.checkpoint), x.shape[0])
-
-
 class Decoder3d(nn.Module):
+    """conv1, the middle (residual block, attention, residual block), the up stages, the head.
+    Wan 2.1's up stages are one flat list (residual blocks, a Resample after each stage but the
+    last); Wan 2.2's are one `ResidualUpStage` each."""
+
     def __init__(self, cfg: VAEConfig) -> None:
         super().__init__()
-        dim = cfg.base_dim
-        dims = [dim * u for u in (cfg.dim_mult[-1], *cfg.dim_mult[::-1])]
+        dims = [cfg.decoder_dim * u for u in (cfg.dim_mult[-1], *cfg.dim_mult[::-1])]
         temporal_up = cfg.temporal_downsample[::-1]
+        last = len(cfg.dim_mult) - 1
+        self.patch = cfg.patch_size
         self.conv1 = CausalConv3d(cfg.z_dim, dims[0], 3, padding=1)
         self.middle = nn.Sequential(ResBlock(dims[0], dims[0]), AttentionBlock(dims[0]), ResBlock(dims[0], dims[0]))
         ups: list[nn.Module] = []
         for i, (cin, cout) in enumerate(zip(dims[:-1], dims[1:], strict=False)):
+            if cfg.residual:
+                up = i != last
+                ups.append(ResidualUpStage(cin, cout, cfg.num_res_blocks + 1, up and temporal_up[i], up))
+                continue
             if i > 0:
                 cin //= 2  # each Resample halves the channels
             for _ in range(cfg.num_res_blocks + 1):
                 ups.append(ResBlock(cin, cout))
                 cin = cout
-            if i != len(cfg.dim_mult) - 1:
+            if i != last:
                 ups.append(Resample(cout, temporal=temporal_up[i]))
         self.upsamples = nn.Sequential(*ups)
-        self.head = nn.Sequential(RMSNorm(dims[-1], images=False), nn.SiLU(), CausalConv3d(dims[-1], 3, 3, padding=1))
-        # Where height sharding starts: the first upsampler (everything before it is the
-        # low-resolution front: conv1, middle with its global attention, the first stage).
-        self.split = next(i for i, m in enumerate(ups) if isinstance(m, Resample))
+        self.head = nn.Sequential(
+            RMSNorm(dims[-1], images=False), nn.SiLU(), CausalConv3d(dims[-1], cfg.rgb_channels, 3, padding=1)
+        )
+        # Where height sharding starts. Wan 2.1: the first upsampler (everything before it is
+        # the low-resolution front: conv1, the middle with its global attention, the first
+        # stage's blocks). Wan 2.2: the first stage, whose shortcut spans its upsampler.
+        self.split = 0 if cfg.residual else next(i for i, m in enumerate(ups) if isinstance(m, Resample))
 
     def front(self, x: torch.Tensor, ctx: Ctx) -> torch.Tensor:
         x = self.conv1(x, ctx)
@@ -328,7 +157,11 @@ class Decoder3d(nn.Module):
     def back(self, x: torch.Tensor, ctx: Ctx) -> torch.Tensor:
         for m in self.upsamples[self.split :]:
             x = m(x, ctx)
-        return self.head[2](self.head[0](x, silu=True), ctx)
+        return self.out(x, ctx)
+
+    def out(self, x: torch.Tensor, ctx: Ctx) -> torch.Tensor:
+        """The head: norm, SiLU, the last causal conv, and Wan 2.2's patches to pixels."""
+        return unpatchify(self.head[2](self.head[0](x, silu=True), ctx), self.patch)
 
 
 class WanVAEDecoder(nn.Module):
@@ -485,10 +318,7 @@ def decoder_stages(vae: WanVAEDecoder) -> list:
             x = m(x, ctx)
         return x
 
-    def head(x, ctx):
-        return d.head[2](d.head[0](x, silu=True), ctx)
-
-    return [first, *d.upsamples, head]
+    return [first, *d.upsamples, d.out]
 
 
 @torch.no_grad()

@@ -1,4 +1,5 @@
-"""Wan 2.1 VAE encoder for one image (runs in the DiT worker process of an image-to-video preset).
+"""The Wan VAE encoder (2.1's, and 2.2's residual one) for one image (runs in the DiT worker
+process of an image-to-video preset).
 
 Image-to-video (Causal Forcing's frame-wise checkpoint, `inference.py --i2v`) encodes the input
 picture into the shot's first latent frame. That is the Wan VAE's first causal chunk: one frame,
@@ -12,6 +13,10 @@ Parameter names follow the original release (`encoder.conv1`, `encoder.downsampl
 `encoder.middle.N`, `encoder.head.N`, `conv1` = quant conv), so `Wan2.1_VAE.pth` loads directly;
 diffusers' `AutoencoderKLWan` maps onto it with `encoder_state_dict`. The temporal downsamplers'
 weights are loaded with the rest (a file that lacks them is not a Wan VAE) but never run.
+
+Wan 2.2's encoder takes the picture in 2x2 patches (12 channels) and adds each stage's
+AvgDown3D shortcut; for one frame the shortcut's temporal pair is a zero frame and the frame,
+as the release's first chunk.
 """
 
 from __future__ import annotations
@@ -24,7 +29,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from .loading import _RES_DIFFUSERS, strip_prefixes
-from .vae import AttentionBlock, CausalConv3d, Ctx, ResBlock, RMSNorm, VAEConfig, VAEState
+from .vae import VAEConfig
+from .vae_blocks import AttentionBlock, AvgDown3D, CausalConv3d, Ctx, ResBlock, RMSNorm, VAEState, patchify
 
 
 class Downsample(nn.Module):
@@ -44,15 +50,44 @@ class Downsample(nn.Module):
         return y.reshape(b, t, c, *y.shape[-2:]).transpose(1, 2)
 
 
+class ResidualDownStage(nn.Module):
+    """A Wan 2.2 encoder stage: residual blocks, a Downsample (all but the last stage), and the
+    AvgDown3D shortcut of the stage's input added (`downsamples.N` as the release names them)."""
+
+    def __init__(self, cin: int, cout: int, blocks: int, temporal: bool, down: bool) -> None:
+        super().__init__()
+        self.avg_shortcut = AvgDown3D(cin, cout, 2 if temporal else 1, 2 if down else 1)
+        mods: list[nn.Module] = []
+        for _ in range(blocks):
+            mods.append(ResBlock(cin, cout))
+            cin = cout
+        if down:
+            mods.append(Downsample(cout, temporal))
+        self.downsamples = nn.Sequential(*mods)
+
+    def forward(self, x: torch.Tensor, ctx: Ctx) -> torch.Tensor:
+        short = self.avg_shortcut(x)
+        for m in self.downsamples:
+            x = m(x, ctx)
+        return x + short
+
+
 class Encoder3d(nn.Module):
     def __init__(self, cfg: VAEConfig) -> None:
         super().__init__()
         if cfg.num_res_blocks < 1:  # the blocks widen the channels before each downsampler
             raise ValueError(f"a Wan VAE encoder needs num_res_blocks >= 1, got {cfg.num_res_blocks}")
         dims = [cfg.base_dim * u for u in (1, *cfg.dim_mult)]
-        self.conv1 = CausalConv3d(3, dims[0], 3, padding=1)
+        self.conv1 = CausalConv3d(cfg.rgb_channels, dims[0], 3, padding=1)
         downs: list[nn.Module] = []
+        last = len(cfg.dim_mult) - 1
         for i, (cin, cout) in enumerate(zip(dims[:-1], dims[1:], strict=True)):
+            if cfg.residual:
+                down = i != last
+                downs.append(
+                    ResidualDownStage(cin, cout, cfg.num_res_blocks, down and cfg.temporal_downsample[i], down)
+                )
+                continue
             for _ in range(cfg.num_res_blocks):
                 downs.append(ResBlock(cin, cout))
                 cin = cout
@@ -89,15 +124,15 @@ class WanVAEEncoder(nn.Module):
 
     @torch.no_grad()
     def encode_image(self, image: torch.Tensor) -> torch.Tensor:
-        """(B, 3, 1, H, W) in [-1, 1], H and W multiples of the spatial factor -> (B, z_dim, 1,
-        H/8, W/8) float32: (mu - latents_mean) / latents_std, as the authors' `encode_to_latent`."""
+        """(B, 3, 1, H, W) in [-1, 1], H and W multiples of the spatial factor f -> (B, z_dim, 1,
+        H/f, W/f) float32: (mu - latents_mean) / latents_std, as the authors' `encode_to_latent`."""
         f = self.cfg.spatial_factor
         if image.dim() != 5 or image.shape[1] != 3 or image.shape[2] != 1:
             raise ValueError(f"encode_image takes one RGB frame (B, 3, 1, H, W), got {tuple(image.shape)}")
         if image.shape[-2] % f or image.shape[-1] % f:
             raise ValueError(f"image size {image.shape[-1]}x{image.shape[-2]} must be a multiple of {f}")
         w = self.conv1.weight
-        x = image.to(device=w.device, dtype=w.dtype)
+        x = patchify(image.to(device=w.device, dtype=w.dtype), self.cfg.patch_size)
         ctx = Ctx(VAEState(cache=[None] * self.num_slots))  # a fresh shot: zeros before the frame
         h = self.encoder(x, ctx)
         mu = F.conv3d(h, w, self.conv1.bias)[:, : self.cfg.z_dim].float()
@@ -119,6 +154,12 @@ def encoder_key_from_diffusers(key: str, cfg: VAEConfig) -> str | None:
     m = re.match(r"^encoder\.down_blocks\.(\d+)\.(norm1|conv1|norm2|conv2|conv_shortcut)\.(.*)$", k)
     if m:  # diffusers keeps the original's flat list of blocks: same indices
         k = f"encoder.downsamples.{m[1]}.{_RES_DIFFUSERS[m[2]]}.{m[3]}"
+    m = re.match(r"^encoder\.down_blocks\.(\d+)\.resnets\.(\d+)\.(\w+)\.(.*)$", k)
+    if m:  # Wan 2.2: one module per stage, its blocks then its downsampler
+        k = f"encoder.downsamples.{m[1]}.downsamples.{m[2]}.{_RES_DIFFUSERS[m[3]]}.{m[4]}"
+    m = re.match(r"^encoder\.down_blocks\.(\d+)\.downsampler\.(.*)$", k)
+    if m:
+        k = f"encoder.downsamples.{m[1]}.downsamples.{cfg.num_res_blocks}.{m[2]}"
     return k.replace("encoder.down_blocks.", "encoder.downsamples.", 1)
 
 

@@ -10,10 +10,12 @@ from dataclasses import dataclass
 class DecoderShape:
     """What fixes the decoder's stage shapes (models/wan/vae.py VAEConfig's fields)."""
 
-    base_dim: int
+    decoder_dim: int
     dim_mult: tuple[int, ...]
     num_res_blocks: int
     temporal_downsample: tuple[bool, ...]
+    residual: bool = False
+    patch_size: int = 1
 
 
 def stage_shapes(cfg, latent_frames: int, h: int, w: int) -> list[tuple[int, int, int, int]]:
@@ -21,16 +23,24 @@ def stage_shapes(cfg, latent_frames: int, h: int, w: int) -> list[tuple[int, int
     `latent_frames` latent frames of h x w (a shot's first block has fewer frames): what a cut
     after that stage hands over, which the supervisor sizes its ring with before any model is
     built. Mirrors `Decoder3d`'s construction. `cfg`: a VAEConfig or a DecoderShape."""
-    dims = [cfg.base_dim * u for u in (cfg.dim_mult[-1], *cfg.dim_mult[::-1])]
+    dims = [cfg.decoder_dim * u for u in (cfg.dim_mult[-1], *cfg.dim_mult[::-1])]
     temporal_up = cfg.temporal_downsample[::-1]
     t = latent_frames
     out = [(dims[0], t, h, w)]
     for i, cout in enumerate(dims[1:]):
+        up = i != len(cfg.dim_mult) - 1
+        if up:
+            t2, h2, w2 = t * (2 if temporal_up[i] else 1), 2 * h, 2 * w
+        if cfg.residual:  # one stage: its blocks, its upsampler and the shortcut around them
+            t, h, w = (t2, h2, w2) if up else (t, h, w)
+            out.append((cout, t, h, w))
+            continue
         out += [(cout, t, h, w)] * (cfg.num_res_blocks + 1)
-        if i != len(cfg.dim_mult) - 1:
-            t, h, w = t * (2 if temporal_up[i] else 1), 2 * h, 2 * w
+        if up:
+            t, h, w = t2, h2, w2
             out.append((cout // 2, t, h, w))
-    return [*out, (3, t, h, w)]
+    p = cfg.patch_size
+    return [*out, (3, t, h * p, w * p)]
 
 
 def _shape_of(spec) -> DecoderShape:
@@ -40,7 +50,9 @@ def _shape_of(spec) -> DecoderShape:
         v = get_preset(spec).vae
     except Exception as exc:  # the parent gets one picklable error naming it
         raise ValueError(str(exc)) from None
-    return DecoderShape(v.base_dim, tuple(v.dim_mult), v.num_res_blocks, tuple(v.temporal_downsample))
+    return DecoderShape(
+        v.decoder_dim, tuple(v.dim_mult), v.num_res_blocks, tuple(v.temporal_downsample), v.residual, v.patch_size
+    )
 
 
 def decoder_shape(spec) -> DecoderShape:
