@@ -127,6 +127,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="store the workers' start-up timings here, and read them at a later start with the same model, "
         "device and layout instead of timing blocks again (tests, development; default: time at every start)",
     )
+    p.add_argument(
+        "--calibration-given",
+        metavar="FILE",
+        help="JSON of the workers' start-up timings to report instead of timing blocks: the first estimate "
+        "the capacity model refines from every block (tests; default: timed at start)",
+    )
     p.add_argument("--host", help="listen address (default 127.0.0.1)")
     p.add_argument("--port", type=int, help="listen port (default 8000)")
     p.add_argument("--instance", help="instance name for shared memory and runtime files")
@@ -155,6 +161,7 @@ def overrides_from_args(a: argparse.Namespace, only: tuple[str, ...] | None = No
         ("agent_port", "server", "agent_port"),
         ("store_dir", "store", "dir"),
         ("calibration_dir", "pipeline", "calibration_dir"),
+        ("calibration_given", "pipeline", "calibration_given"),
         ("log_level", "server", "log_level"),
         ("dit_gpus", "topology", "dit_devices"),
         ("vae_gpus", "topology", "vae_devices"),

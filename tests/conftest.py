@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import json
 import multiprocessing
 import os
 import subprocess
@@ -94,7 +95,7 @@ def torch_mp():
 OWN = {
     "_rule_miss",
     "_stop_the_shared_daemon",
-    "_one_calibration_per_daemon_kind",
+    "_given_calibration",
 }  # this file's autouse fixtures: every test has them
 
 
@@ -172,14 +173,23 @@ def plain_daemon():
     return shared_daemon()
 
 
+# What every daemon of the suite reports as its workers' start-up timings instead of timing
+# blocks (pipeline.calibration_given): the tiny default's at 256x144 on a 2-vCPU Xeon, a pair of
+# DiT blocks as dear per block as one, a pair of decodes 15% dearer. About 60 daemons of 30-odd
+# models and layouts each timed its own (3-4 s a start on two cores); the capacity model refines
+# the figures from every block a stream runs. Timing them is tested in tests/test_calibration.py
+# and by a daemon of its own (tests/test_daemon_calibration.py).
+GIVEN_CALIBRATION = {
+    "dit": {"block_ms": 130.0, "batch_ms": {"2": 130.0}},
+    "vae": {"block_ms": 260.0, "batch_ms": {"2": 300.0}},
+}
+
+
 @pytest.fixture(scope="session", autouse=True)
-def _one_calibration_per_daemon_kind(tmp_path_factory):
-    """The run's daemons store their workers' start-up timings, and a later daemon of the same
-    model and layout reads them (workers/calibration.py): measured once per kind a run, not at
-    each of the dozens of starts."""
-    base = tmp_path_factory.getbasetemp()
-    shared = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base  # one store for the run's processes
-    testing.Daemon.flags = ("--calibration-dir", str(shared / "calibration"))
+def _given_calibration(tmp_path_factory):
+    path = tmp_path_factory.getbasetemp() / "given-calibration.json"
+    path.write_text(json.dumps(GIVEN_CALIBRATION))
+    testing.Daemon.flags = ("--calibration-given", str(path))
     yield
     testing.Daemon.flags = ()
 

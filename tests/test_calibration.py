@@ -5,6 +5,10 @@ from __future__ import annotations
 
 from dataclasses import fields, replace
 
+import pytest
+
+from streamdiff.config import ConfigError
+from streamdiff.config.loader import load as load_config
 from streamdiff.ipc import messages as m
 from streamdiff.ipc.shm import RingSpec
 from streamdiff.models.spec import ModelSpec
@@ -59,7 +63,8 @@ def test_every_spec_field_is_either_a_shape_or_per_start():
 def test_measured_once_then_read_back_equal(tmp_path):
     runs = []
 
-    def measure():
+    def measure(given):
+        assert given is None
         runs.append(1)
         return FIGURES
 
@@ -77,7 +82,8 @@ def test_a_group_measures_when_any_rank_lacks_its_figures(tmp_path):
     measures when a peer has none (the group's maximum of 'missing' says so)."""
     runs = []
 
-    def measure():
+    def measure(given):
+        assert given is None
         runs.append(1)
         return FIGURES
 
@@ -89,5 +95,44 @@ def test_a_group_measures_when_any_rank_lacks_its_figures(tmp_path):
 def test_an_unreadable_store_is_measured_again(tmp_path):
     s = spec(tmp_path)
     (tmp_path / f"vae-{key(s, 'vae')}.json").write_text("{not json")
-    assert calibrated(s, "vae", lambda: FIGURES, alone) == FIGURES
-    assert calibrated(s, "vae", lambda: {}, alone) == FIGURES  # stored whole this time
+    assert calibrated(s, "vae", lambda given: FIGURES, alone) == FIGURES
+    assert calibrated(s, "vae", lambda given: {}, alone) == FIGURES  # stored whole this time
+
+
+def test_given_timings_reach_the_stage_and_nothing_is_stored(tmp_path):
+    """`pipeline.calibration_given`: each stage gets its own timings from the file, every start,
+    whatever the store holds, and writes nothing to it."""
+    path = tmp_path / "given.json"
+    path.write_text('{"dit": {"block_ms": 150, "batch_ms": {"2": 90}}, "vae": {"block_ms": 300}}')
+    store = tmp_path / "store"
+    seen = {}
+
+    def measure(given):
+        seen["given"] = given
+        return FIGURES
+
+    s = spec(store, calibration_given=str(path))
+    assert calibrated(s, "vae", measure, alone) == FIGURES
+    assert seen["given"] == m.GivenTimes(300.0)
+    calibrated(s, "dit", measure, alone)
+    assert seen["given"] == m.GivenTimes(150.0, {"2": 90.0})
+    assert not store.exists()
+
+
+@pytest.mark.parametrize(
+    "text,names",
+    [
+        ("{not json", "JSON"),
+        ('{"dit": {"block_ms": 1}}', "vae"),
+        ('{"dit": {"block_ms": 0}, "vae": {"block_ms": 1}}', "block_ms"),
+        ('{"dit": {"block_ms": 1, "batch_ms": {"one": 2}}, "vae": {"block_ms": 1}}', "batch_ms"),
+        ('{"dit": {"block_ms": 1, "speed": 2}, "vae": {"block_ms": 1}}', "speed"),
+    ],
+)
+def test_a_bad_given_file_is_refused_at_start_naming_it(tmp_path, text, names):
+    path = tmp_path / "given.json"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=f"pipeline.calibration_given: calibration file {path}.*{names}"):
+        load_config(None, {"pipeline": {"calibration_given": str(path)}})
+    with pytest.raises(ConfigError, match="No such file"):
+        load_config(None, {"pipeline": {"calibration_given": str(tmp_path / "absent.json")}})

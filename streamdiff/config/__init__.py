@@ -133,6 +133,9 @@ class PipelineConfig:
     # the workers' start-up figures are stored here and read by a later start with the same model,
     # device and layout instead of measured (workers/calibration.py); empty: measured at every start
     calibration_dir: str = ""
+    # a JSON file of start-up timings every worker reports instead of timing blocks (the test
+    # suite's; ipc/messages.py GivenCalibration); empty: timed, or read from calibration_dir
+    calibration_given: str = ""
 
 
 @dataclass(frozen=True)

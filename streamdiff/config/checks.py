@@ -6,6 +6,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+from ..ipc.messages import read_given_calibration
 from ..models.catalog import checkpoint_preset
 from ..models.spec import EMBEDDED_PRESETS, known_presets
 from ..platform.base import KINDS
@@ -121,6 +122,11 @@ def validate(cfg: Config) -> None:
     broken = broken_rule(t, m.decoder)
     if broken is not None:
         raise ConfigError(f"{broken.key}: {broken.rule}, got {broken.value!r}")
+    if p.calibration_given:
+        try:
+            read_given_calibration(p.calibration_given)
+        except ValueError as exc:
+            raise ConfigError(f"pipeline.calibration_given: {exc}") from None
     _check(p.max_blocks_in_flight >= 1, "pipeline.max_blocks_in_flight", "must be >= 1", p.max_blocks_in_flight)
     _check(p.latent_slots >= 2, "pipeline.latent_slots", "must be >= 2", p.latent_slots)
     _check(p.frame_slots >= 2, "pipeline.frame_slots", "must be >= 2", p.frame_slots)

@@ -132,6 +132,36 @@ class VAEMemory(msgspec.Struct, frozen=True):
     transient_bytes: float = 0.0  # a decode's activations at the worker's largest batch
 
 
+class GivenTimes(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """A stage's start-up timings given instead of measured (`pipeline.calibration_given`), at
+    the preset's default size, as its calibration would have timed them."""
+
+    block_ms: float
+    batch_ms: dict[str, float] = {}  # per-block share of a batch of N sessions ("2": ...)
+
+
+class GivenCalibration(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """The file `pipeline.calibration_given` names (JSON): every DiT and VAE worker reports these
+    timings instead of timing blocks at start; what a session holds is still measured, and so
+    are a VAE cut's stage times."""
+
+    dit: GivenTimes
+    vae: GivenTimes
+
+
+def read_given_calibration(path: str) -> GivenCalibration:
+    """The file, checked: one ValueError naming the file and what is wrong with it."""
+    try:
+        given = msgspec.json.decode(open(path, "rb").read(), type=GivenCalibration)
+    except (OSError, msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise ValueError(f"calibration file {path}: {exc}") from None
+    for stage in ("dit", "vae"):
+        t = getattr(given, stage)
+        if not t.block_ms > 0 or not all(k.isdigit() and int(k) >= 2 and v > 0 for k, v in t.batch_ms.items()):
+            raise ValueError(f"calibration file {path}: {stage}: block_ms and batch_ms ('2', ...) must be > 0")
+    return given
+
+
 class StageTimes(msgspec.Struct, frozen=True):
     """Each VAE decoder stage's time at `size` (what the supervisor moves a cut by)."""
 

@@ -169,6 +169,7 @@ def build_topology(
             lend=lend.get(name),
             vae_cut=t.vae_cut,
             calibration_dir=p.calibration_dir,
+            calibration_given=p.calibration_given,
         )
         for name, roles, i in lay.procs
     ]

@@ -9,8 +9,14 @@ on one machine, and a restart on the same host can skip seconds of timing blocks
 another key, or with no directory (the default), measures. The figures are only the first
 estimate: the supervisor's capacity model learns from every block after.
 
-On an accelerator the calibration blocks also warm the compiled graphs; a stored calibration
-skips them, so the first request compiles. That is for tests and development, not a service."""
+Given timings (`pipeline.calibration_given`, a file of them) replace the timed blocks of every
+start: the test suite starts dozens of daemons of distinct models and layouts, each of which
+would time its blocks once. What a session holds (its caches, exact) is still measured, from
+one block.
+
+On an accelerator the calibration blocks also warm the compiled graphs; a stored or given
+calibration skips them, so the first request compiles. That is for tests and development, not a
+service."""
 
 from __future__ import annotations
 
@@ -61,6 +67,7 @@ PER_START = (
     "incarnation",
     "supervisor_pid",
     "calibration_dir",
+    "calibration_given",  # given timings are never stored: a start with them measures nothing to keep
     "faults",
 )
 
@@ -86,19 +93,27 @@ def _read(path: Path, stage: str) -> dict | None:
 
 
 def calibrated(
-    spec: WorkerSpec, stage: str, measure: Callable[[], dict], agree: Callable[[list[int]], list[int]]
+    spec: WorkerSpec,
+    stage: str,
+    measure: Callable[[m.GivenTimes | None], dict],
+    agree: Callable[[list[int]], list[int]],
 ) -> dict:
-    """`measure()`, or the figures an earlier start with the same key stored. `agree`: the
-    stage's group-wide maximum; a group's ranks read theirs only if every rank has them, since
-    measuring runs collectives that all must join."""
+    """`measure(None)`, or the figures an earlier start with the same key stored, or with
+    `spec.calibration_given`, `measure(given)`: the given timings, and what a session holds
+    measured from as little work as that needs (the same on every rank of a group: no
+    collective hangs on a rank that timed blocks). `agree`: the stage's group-wide maximum; a
+    group's ranks read stored figures only if every rank has them, since measuring runs
+    collectives that all must join."""
+    if spec.calibration_given:
+        return measure(getattr(m.read_given_calibration(spec.calibration_given), stage))
     if not spec.calibration_dir:
-        return measure()
+        return measure(None)
     path = Path(spec.calibration_dir) / f"{stage}-{key(spec, stage)}.json"
     stored = _read(path, stage)
     if not agree([int(stored is None)])[0]:
         log.info("%s calibration read from %s", stage, path)
         return stored
-    out = measure()
+    out = measure(None)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(f".{os.getpid()}.tmp")  # whole or absent: a concurrent start reads one or the other
     tmp.write_bytes(msgspec.json.encode(_READY[stage](**{f: out[f] for f in _FIELDS[stage] if f in out})))

@@ -108,17 +108,68 @@ class DiTStage:
         )
         return m.DiTReady(**self.calibration, rank=self.rank, world=self.world, facts=facts)
 
-    def calibrate(self) -> dict:
+    def calibrate(self, given: m.GivenTimes | None = None) -> dict:
         """One steady-state block at the preset's default size, timed (the admission model's
-        first estimate, refined by every block after), and what a session holds in memory."""
+        first estimate, refined by every block after), and what a session holds in memory.
+        `given`: timings given instead (workers/calibration.py): only the shot's first block
+        runs, for the caches it fills and its transients."""
         p, w, h = self.engine.preset, *self.engine.preset.default_size
+        fpb = p.sampler.frames_per_block
         sess = self.engine.open_session(w, h, seed=0)
         self.engine.set_scene(sess, "calibration", cut=True)
-        self.engine.generate_block(sess, p.sampler.frames_per_block)  # the first block has its own steps
-        # Steady state: a full attention window behind the timed block, as in most of a stream
-        # (timed after one block it came out 30-40% low, and sized a hybrid's first bands too wide).
-        # With a cut, the block's first VAE stages are part of its cost here (warmed like the DiT).
-        fpb = p.sampler.frames_per_block
+        # the first block has its own steps
+        _, first_t = self.platform.peak_during(lambda: self.engine.generate_block(sess, fpb))
+        if given is None:
+            ms, own_ms, alone_t = self._time_steady(sess)
+        else:
+            ms, own_ms, alone_t = given.block_ms, given.block_ms, first_t
+        kv = sess.state.kv
+        tokens = kv.k[0].shape[2]  # window * tokens per frame
+        # The rolling sampler holds a second cache (its window's context) beside the history.
+        # Every buffer is allocated when the session opens and reused by its shots, and scales
+        # with the tokens per frame: bytes per token of the window, exact at any frame size.
+        held = [kv] + ([sess.rolling.scratch.kv] if sess.rolling is not None else [])
+        per_token = sum(c.nbytes for c in held) / tokens
+        cross = sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in sess.state.cross)
+        # Per-block share of a batched forward of two sessions (larger batches are measured as
+        # the supervisor runs them), if half the memory free now holds a second session (the
+        # worker's budget is taken once all its stages have loaded and calibrated: Worker.start).
+        batch_ms, pair_t = ({}, None) if given is None else (dict(given.batch_ms), None)
+        budget = self.platform.memory_budget(self.cpu_budget, alone_t)
+        fits = int(self.max_batch > 1 and budget // 2 >= 2 * (per_token * tokens + cross))
+        if given is None and -self._agree([-fits])[0]:  # a group's ranks all time the pair or none does
+            other = self.engine.open_session(w, h, seed=1)
+            self.engine.set_scene(other, "calibration", cut=True)
+            self.engine.generate_block(other, fpb)
+            pair = [sess, other]
+            self.engine.generate_blocks(pair, fpb)  # cold: a new shape
+            ms2, pair_t = self.platform.peak_during(
+                lambda: timed_ms(self.platform, lambda: self.engine.generate_blocks(pair, fpb))
+            )
+            batch_ms["2"] = ms2 / 2
+        if self.engine.compiler.active:  # every shape it serves, so that none compiles after READY
+            self.engine.warm(w, h, batch=bool(batch_ms))
+        return {
+            "cost": m.StageCost(ms, [w, h], busy_ms=own_ms),
+            "batch_ms": batch_ms,
+            # keys, values, latents and tail, exact (KVCache.nbytes)
+            "memory": m.DiTMemory(
+                per_token,
+                kv.window,
+                cross,
+                0.0,
+                self.engine.least_cache_frames,
+                transient_at(self.max_batch, alone_t, pair_t),
+            ),
+        }
+
+    def _time_steady(self, sess) -> tuple[float, float, int]:
+        """A steady block of `sess` (after its first): (wall ms, this process's own ms, the
+        bytes it allocated). A full attention window behind the timed block, as in most of a
+        stream (timed after one block it came out 30-40% low, and sized a hybrid's first bands
+        too wide). With a cut, the block's first VAE stages are part of its cost here (warmed
+        like the DiT)."""
+        fpb = self.engine.preset.sampler.frames_per_block
         for i in range(-(-sess.state.kv.window // fpb) - 1):
             self._cut_stages([("calibration", i == 0, self.engine.generate_block(sess, fpb)[0], self.cut)])
         self.clock.start()
@@ -131,45 +182,7 @@ class DiTStage:
         _, own_s = self.clock.stop()
         self.vae_states.pop("calibration", None)
         self.vae_cuts.pop("calibration", None)
-        kv = sess.state.kv
-        tokens = kv.k[0].shape[2]  # window * tokens per frame
-        # The rolling sampler holds a second cache (its window's context) beside the history.
-        # Every buffer is allocated when the session opens and reused by its shots, and scales
-        # with the tokens per frame: bytes per token of the window, exact at any frame size.
-        held = [kv] + ([sess.rolling.scratch.kv] if sess.rolling is not None else [])
-        per_token = sum(c.nbytes for c in held) / tokens
-        cross = sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in sess.state.cross)
-        # Per-block share of a batched forward of two sessions (larger batches are measured as
-        # the supervisor runs them), if half the memory free now holds a second session (the
-        # worker's budget is taken once all its stages have loaded and calibrated: Worker.start).
-        batch_ms, pair_t = {}, None
-        budget = self.platform.memory_budget(self.cpu_budget, alone_t)
-        fits = int(self.max_batch > 1 and budget // 2 >= 2 * (per_token * tokens + cross))
-        if -self._agree([-fits])[0]:  # a group's ranks all time the pair or none does
-            other = self.engine.open_session(w, h, seed=1)
-            self.engine.set_scene(other, "calibration", cut=True)
-            self.engine.generate_block(other, p.sampler.frames_per_block)
-            pair, fpb = [sess, other], p.sampler.frames_per_block
-            self.engine.generate_blocks(pair, fpb)  # cold: a new shape
-            ms2, pair_t = self.platform.peak_during(
-                lambda: timed_ms(self.platform, lambda: self.engine.generate_blocks(pair, fpb))
-            )
-            batch_ms["2"] = ms2 / 2
-        if self.engine.compiler.active:  # every shape it serves, so that none compiles after READY
-            self.engine.warm(w, h, batch=bool(batch_ms))
-        return {
-            "cost": m.StageCost(ms, [w, h], busy_ms=1000 * own_s),
-            "batch_ms": batch_ms,
-            # keys, values, latents and tail, exact (KVCache.nbytes)
-            "memory": m.DiTMemory(
-                per_token,
-                kv.window,
-                cross,
-                0.0,
-                self.engine.least_cache_frames,
-                transient_at(self.max_batch, alone_t, pair_t),
-            ),
-        }
+        return ms, 1000 * own_s, alone_t
 
     def open(self, msg: m.OpenSession) -> None:
         self.seeds[msg.session] = msg.seed

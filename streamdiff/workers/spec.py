@@ -47,4 +47,5 @@ class WorkerSpec:
     vae_cut: int = 0  # the DiT runs the VAE decoder's first vae_cut stages, the VAE the rest (topology.vae_cut)
     supervisor_pid: int = 0  # set at spawn: the worker exits when this process is gone
     calibration_dir: str = ""  # reuse the start-up figures stored here (workers/calibration.py); empty: measure
+    calibration_given: str = ""  # report these timings instead of measuring them (pipeline.calibration_given)
     faults: tuple[Fault, ...] = ()  # deliberate faults (tests and drills only; see workers/faults.py)

@@ -87,11 +87,13 @@ class VAEStage:
             temporal_factor=p.vae.temporal_factor,
         )
 
-    def calibrate(self) -> dict:
+    def calibrate(self, given: m.GivenTimes | None = None) -> dict:
         """One steady-state block at the preset's default size, decoded by the whole group
         (every shard runs it: the same collectives), timed, alone and in batches of the sizes
         the supervisor may choose; and the temporal cache it leaves, per latent pixel of this
-        shard's share, for the memory side of admission."""
+        shard's share, for the memory side of admission. `given`: timings given instead
+        (workers/calibration.py): a shot's first block and one steady block run, untimed, for
+        the cache they leave and their transients."""
         p = self.engine.preset
         w, h = p.default_size
         sf, fpb = p.vae.spatial_factor, p.sampler.frames_per_block
@@ -106,16 +108,19 @@ class VAEStage:
 
         state = self.engine.open_session()
         decode([state], 1)  # a shot's first block, then steady ones: the first of a shape is cold
-        decode([state], fpb)
-        ms, alone_t = self.platform.peak_during(lambda: decode([state], fpb))
+        if given is None:
+            decode([state], fpb)
+            ms, alone_t = self.platform.peak_during(lambda: decode([state], fpb))
+        else:
+            ms, alone_t = given.block_ms, self.platform.peak_during(lambda: decode([state], fpb))[1]
         cache = sum(c.numel() * c.element_size() for c in state.cache if c is not None)
         # A pair decoded in one call, if half the memory free now holds it on every rank (their
         # free memory differs; all must run the same calibration collectives or none). The
         # worker's budget is taken once all its stages have loaded and calibrated (Worker.start).
-        batch_ms, pair_t = {}, None
+        batch_ms, pair_t = ({}, None) if given is None else (dict(given.batch_ms), None)
         budget = self.platform.memory_budget(self.cpu_budget, alone_t)
         fits = int(self.max_batch > 1 and budget // 2 >= 2 * cache)
-        if -self._agree([-fits])[0]:
+        if given is None and -self._agree([-fits])[0]:
             other = copy.deepcopy(state)  # the same cache phase, without decoding its blocks again
             decode([state, other], fpb)  # cold: a new shape
             ms2, pair_t = self.platform.peak_during(lambda: decode([state, other], fpb))

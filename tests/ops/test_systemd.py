@@ -120,7 +120,8 @@ def test_ready_watchdog_and_stopping(tmp_path):
     # The killed worker's first two restarts exit at start: the back-off between them (0.5 s,
     # then 1 s) keeps the daemon without a pipeline for at least 1.5 s, which the 50 ms polls
     # below see however loaded the machine (load only lengthens it). Without them a restart that
-    # reads the run's stored calibration is READY within ~0.3 s, between two polls.
+    # reports the suite's given timings (tests/conftest.py) is READY within ~0.3 s, between two
+    # polls.
     env = {
         "NOTIFY_SOCKET": str(tmp_path / "notify"),
         "WATCHDOG_USEC": "1000000",
@@ -166,10 +167,10 @@ def test_degraded_is_not_down(tmp_path):
     /health stays 200 (degraded), systemd's watchdog keeps being fed, and a stream on the other
     pipeline plays to its end."""
     cfg = tmp_path / "c.toml"
-    # The deadline also bounds the first start: four workers on two cores take about 10 s where
-    # they time their calibration blocks (20 s at twice the load), 4-5 s where they read the
-    # run's stored figures (tests/conftest.py). The hanging restart is killed at 30 s.
-    cfg.write_text("[pipeline]\nready_timeout_s = 30.0\n")
+    # The deadline also bounds the first start: four workers on two cores that report the
+    # suite's given timings (tests/conftest.py) and decode one block each for their caches are
+    # READY in 3-4 s (twice that at twice the load). The hanging restart is killed at 15 s.
+    cfg.write_text("[pipeline]\nready_timeout_s = 15.0\n")
     fake = FakeSystemd(str(tmp_path / "notify"))
     env = {
         "NOTIFY_SOCKET": str(tmp_path / "notify"),
