@@ -11,7 +11,7 @@ import torch
 
 from streamdiff.cli import placement as commands
 from streamdiff.config import Config, ConfigError, ModelConfig, TopologyConfig
-from streamdiff.models.presets import WAN_14B
+from streamdiff.models.presets import WAN22_5B, WAN_14B
 from streamdiff.models.spec import DIT_DIMS, preset_facts
 from streamdiff.models.wan.dit import DiTConfig, WanDiT, count_params
 from streamdiff.models.wan.sampler import SamplerConfig
@@ -32,7 +32,7 @@ from streamdiff.placement.profile.schema import Profile
 ROOT = Path(__file__).resolve().parents[1]
 B70 = ROOT / "docs" / "results" / "profile-b70.json"  # published 1.3B figures
 SIZE = (832, 480)
-CONFIGS = {"wan2.1-t2v-1.3b": DiTConfig(), "wan2.1-t2v-14b": WAN_14B}
+CONFIGS = {"wan2.1-t2v-1.3b": DiTConfig(), "wan2.1-t2v-14b": WAN_14B, "wan2.2-ti2v-5b": WAN22_5B}
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
@@ -125,3 +125,30 @@ def test_plan_command_prices_14b_from_a_13b_profile(capsys):
     assert "disagg-1+1" in out.out and "priced from wan2.1-t2v-1.3b" in out.err
     assert commands.plan_main([*args, "--memory-gib", "24"]) == 2
     assert "krea-realtime-14b (wan2.1-t2v-14b) needs" in capsys.readouterr().err
+
+
+def test_the_5b_is_priced_at_its_own_tokens_per_frame():
+    """Wan 2.2's VAE is 16x in space: 880 tokens a frame at 1280x704 (Self-Forcing's 1560 is
+    832x480 at 8x). One session's KV window (21 frames, the block sampler's) in bf16: 30 layers
+    x keys and values x 21 x 880 tokens x 3072."""
+    cost = model_cost("wan2.2-ti2v-5b", (1280, 704), 2)
+    kv = 30 * 2 * 21 * 880 * 3072 * 2
+    assert cost.session_bytes == kv + 30 * 2 * 512 * 3072 * 2
+    assert model_cost("wan2.2-ti2v-5b", (640, 352)).session_bytes - 30 * 2 * 512 * 3072 * 2 == kv // 4
+    assert 4.9e9 < cost.params < 5.1e9
+
+
+def test_the_5b_fits_80gb_and_is_refused_on_24gb_by_name():
+    cfg = Config(model=ModelConfig(preset="wan2.2-ti2v-5b"), topology=TopologyConfig(device="cuda"))
+    assert check_memory(cfg, (1280, 704), 80 * 10**9) is not None
+    with pytest.raises(ConfigError, match=r"wan2.2-ti2v-5b \(wan2.2-ti2v-5b\) needs"):
+        check_memory(cfg, (1280, 704), 24 * 10**9)
+
+
+def test_a_wan21_profile_does_not_price_the_5b(capsys):
+    """Its VAE is another (48 channels): the profile's decode figures do not carry."""
+    with pytest.raises(ValueError, match="wan2.2-ti2v-5b decodes 48-channel latents .* profile wan2.2-ti2v-5b itself"):
+        priced_profile(Profile.from_json(B70.read_text()), "wan2.2-ti2v-5b")
+    with pytest.raises(SystemExit):
+        commands.plan_main(["--profile", str(B70), "--preset", "wan2.2-ti2v-5b"])
+    assert "--preset: wan2.2-ti2v-5b decodes 48-channel latents" in capsys.readouterr().err

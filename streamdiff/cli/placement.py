@@ -133,7 +133,10 @@ def plan_main(argv: list[str]) -> int:
         for name in (a.preset, prof.preset):
             if dit_name(name) not in DIT_DIMS:
                 p.error(f"--preset: {name!r} has no DiT dimensions to price by (known: {', '.join(DIT_DIMS)})")
-        prof, priced = priced_profile(prof, a.preset), prof.preset
+        try:
+            prof, priced = priced_profile(prof, a.preset), prof.preset
+        except ValueError as exc:
+            p.error(f"--preset: {exc}")
         facts = preset_facts(a.preset)
     elif prof.preset != cfg.model.preset:  # plan for the profile's model (its facts; no weights needed)
         facts = {**preset_facts(prof.preset), "frames_per_block": facts["frames_per_block"]}

@@ -49,7 +49,7 @@ from .wan.quantized import refuse_quantized
 from .wan.sampler import SamplerConfig
 from .wan.taehv import TINY_TAEHV, TAEHVDecoder, load_taehv, published_config, random_taehv
 from .wan.text import TinyTextEncoder, UMT5TextEncoder
-from .wan.vae import VAEConfig, WanVAEDecoder
+from .wan.vae import WAN22_LATENTS_MEAN, WAN22_LATENTS_STD, VAEConfig, WanVAEDecoder
 from .wan.vae_encoder import WanVAEEncoder, encoder_state_dict
 
 DTYPES = {
@@ -97,6 +97,23 @@ WAN_14B = DiTConfig(dim=5120, ffn_dim=13824, num_heads=40, num_layers=40)
 # of 128) on the Wan 2.2 VAE's 48 latent channels. Its timestep is per frame (an image-to-video
 # start frame at t = 0), which WanDiT takes as (B, frames) already.
 WAN22_5B = DiTConfig(dim=3072, ffn_dim=14336, num_heads=24, num_layers=30, in_channels=48, out_channels=48)
+# Its VAE (Wan2.2_VAE.pth; diffusers' AutoencoderKLWan with is_residual, patch_size 2): encoder
+# width 160, decoder 256, 48 latent channels, 16x in space.
+WAN22_VAE = VAEConfig(
+    base_dim=160,
+    decoder_base_dim=256,
+    z_dim=48,
+    residual=True,
+    patch_size=2,
+    latents_mean=WAN22_LATENTS_MEAN,
+    latents_std=WAN22_LATENTS_STD,
+)
+# The Wan DiT configurations a local weights directory serves: DiT, VAE, default size, fps.
+WAN_ARCHS = {
+    "wan2.1-t2v-1.3b": (DiTConfig(), VAEConfig(), (832, 480), 16),
+    "wan2.1-t2v-14b": (WAN_14B, VAEConfig(), (832, 480), 16),
+    "wan2.2-ti2v-5b": (WAN22_5B, WAN22_VAE, (1280, 704), 24),
+}
 
 
 def get_preset(spec: ModelSpec) -> Preset:
@@ -126,11 +143,10 @@ def get_preset(spec: ModelSpec) -> Preset:
                 )
             dit, sampler = trained.config, replace(sampler, **trained.sampler)
         p = Preset(arch, dit, vae, sampler, "tiny", (256, 144), embedded=True)
-    elif arch in ("wan2.1-t2v-1.3b", "wan2.1-t2v-14b", "wan2.1"):
-        dit = WAN_14B if arch == "wan2.1-t2v-14b" else DiTConfig()
-        p = Preset(
-            arch if arch != "wan2.1" else "wan2.1-t2v-1.3b", dit, VAEConfig(), SamplerConfig(), "umt5", (832, 480)
-        )
+    elif arch in WAN_ARCHS or arch == "wan2.1":
+        arch = arch if arch != "wan2.1" else "wan2.1-t2v-1.3b"
+        dit, vae, size, fps = WAN_ARCHS[arch]
+        p = Preset(arch, dit, vae, SamplerConfig(), "umt5", size, fps=fps)
         if spec.path is None:
             raise ValueError(f"preset {spec.preset} needs a local weights directory (--model PATH)")
         root = Path(spec.path)
@@ -138,7 +154,9 @@ def get_preset(spec: ModelSpec) -> Preset:
             raise ValueError(f"model directory not found: {root}")
         # Configs written next to the weights win over the preset (other sizes of the family).
         tcfg = read_config(root / "transformer") or read_config(root)
-        p = replace(p, dit=dit_config_from_json(tcfg, p.dit), vae=vae_config_from_json(read_config(root / "vae")))
+        p = replace(
+            p, dit=dit_config_from_json(tcfg, p.dit), vae=vae_config_from_json(read_config(root / "vae"), p.vae)
+        )
     else:
         raise ValueError(f"unknown model preset {spec.preset!r} (known: {', '.join(known_presets())})")
     if cp is not None:

@@ -55,6 +55,16 @@ PRESET_FACTS = {
         "fps": 16,
         "default_size": (832, 480),
     },
+    # Wan 2.2 TI2V 5B: the Wan 2.2 VAE's 48 channels at 16x16 (the DiT's 2x2 patches make 32x32
+    # pixels a token: 880 a frame at 1280x704), 24 fps
+    "wan2.2-ti2v-5b": {
+        "latent_channels": 48,
+        "spatial_factor": 16,
+        "temporal_factor": 4,
+        "frames_per_block": 3,
+        "fps": 24,
+        "default_size": (1280, 704),
+    },
 }
 
 
@@ -71,6 +81,15 @@ _WAN = {"freq_dim": 256, "text_dim": 4096, "text_len": 512, "in_channels": 16, "
 DIT_DIMS = {
     "wan2.1-t2v-1.3b": {"dim": 1536, "ffn_dim": 8960, "num_heads": 12, "num_layers": 30, **_WAN},
     "wan2.1-t2v-14b": {"dim": 5120, "ffn_dim": 13824, "num_heads": 40, "num_layers": 40, **_WAN},
+    "wan2.2-ti2v-5b": {
+        "dim": 3072,
+        "ffn_dim": 14336,
+        "num_heads": 24,
+        "num_layers": 30,
+        **_WAN,
+        "in_channels": 48,
+        "out_channels": 48,
+    },
 }
 
 

@@ -14,7 +14,7 @@ import copy
 from dataclasses import dataclass
 
 from ..models.catalog import checkpoint_preset
-from ..models.spec import DIT_DIMS
+from ..models.spec import DIT_DIMS, PRESET_FACTS
 
 GIB = 2**30
 # The block sampler's defaults (models/wan/sampler.py SamplerConfig) for a bare DiT configuration.
@@ -104,7 +104,7 @@ def model_cost(preset: str, size: tuple[int, int], dtype_bytes: int = 2) -> Mode
         raise ValueError(f"no DiT dimensions for {preset!r} (known: {', '.join(DIT_DIMS)})")
     d = DIT_DIMS[dit]
     passes, window, frames = sampler_of(preset)
-    tpf = tokens_per_frame(size)
+    tpf = tokens_per_frame(size, PRESET_FACTS[dit]["spatial_factor"])
     params, text = dit_params(d), UMT5_XXL_ENCODER_PARAMS
     kv = d["num_layers"] * 2 * window * tpf * d["dim"] * dtype_bytes
     cross = d["num_layers"] * 2 * d["text_len"] * d["dim"] * dtype_bytes
@@ -128,11 +128,18 @@ def model_cost(preset: str, size: tuple[int, int], dtype_bytes: int = 2) -> Mode
 def priced_profile(profile, preset: str):
     """`profile` (measured or published for another DiT configuration) with its DiT figures
     scaled to `preset` by the ratio of one block's FLOPs at each size; the VAE's and encoder's
-    stay (the same VAE). A DiT group's all-to-alls move activations: scaled by width x depth."""
+    stay (the same VAE: a model on another VAE, Wan 2.2's, is refused). A DiT group's
+    all-to-alls move activations: scaled by width x depth."""
     out = copy.deepcopy(profile)
     src = DIT_DIMS.get(dit_name(profile.preset))
     if src is None:
         raise ValueError(f"the profile's model {profile.preset!r} has no DiT dimensions to price from")
+    mine, theirs = (PRESET_FACTS[dit_name(n)]["latent_channels"] for n in (preset, profile.preset))
+    if mine != theirs:  # another VAE: the profile's decode figures do not carry
+        raise ValueError(
+            f"{preset} decodes {mine}-channel latents with another VAE than the profile's {profile.preset} "
+            f"({theirs} channels): profile {preset} itself"
+        )
     dst = DIT_DIMS[dit_name(preset)]
     link = (dst["dim"] * dst["num_layers"]) / (src["dim"] * src["num_layers"])
     for key, fig in out.sizes.items():

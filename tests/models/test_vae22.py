@@ -8,7 +8,10 @@ import diffusers
 import pytest
 import torch
 
+from streamdiff.models.presets import WAN22_5B, WAN22_VAE, get_preset
+from streamdiff.models.spec import ModelSpec, preset_facts
 from streamdiff.models.wan.loading import (
+    check_keys,
     load_into,
     normalize_vae_state_dict,
     vae_config_from_json,
@@ -165,3 +168,57 @@ def test_the_release_layout_loads_and_reads_its_own_config(pair):
     assert "encoder.downsamples.1.downsamples.2.resample.1.weight" in sd
     assert not any("avg_shortcut" in k for k in sd)  # parameter-free
     assert vae_config_from_state_dict(sd, VAEConfig()) == CFG
+
+
+def release_vae(**kw):
+    return diffusers.AutoencoderKLWan(
+        base_dim=160,
+        decoder_base_dim=256,
+        z_dim=48,
+        is_residual=True,
+        in_channels=12,
+        out_channels=12,
+        patch_size=2,
+        scale_factor_temporal=4,
+        scale_factor_spatial=16,
+        latents_mean=list(WAN22_LATENTS_MEAN),
+        latents_std=list(WAN22_LATENTS_STD),
+        **kw,
+    )
+
+
+def test_the_release_vae_loads_into_ours_at_full_size():
+    """Every key and shape of diffusers' Wan 2.2 VAE, as its converter configures it, in ours
+    (on the meta device: no weights)."""
+    with torch.device("meta"):
+        ref, dec, enc = release_vae(), WanVAEDecoder(WAN22_VAE), WanVAEEncoder(WAN22_VAE)
+    assert vae_config_from_json(dict(ref.config), VAEConfig()) == WAN22_VAE
+    check_keys(dec, normalize_vae_state_dict(ref.state_dict(), WAN22_VAE), "diffusers Wan 2.2 VAE")
+    check_keys(enc, encoder_state_dict(ref.state_dict(), WAN22_VAE), "diffusers Wan 2.2 VAE encoder")
+
+
+def test_a_wan22_directory_is_the_5b_preset(tmp_path):
+    """`--model DIR --preset wan2.2-ti2v-5b` with diffusers' configs: the 5B DiT, the Wan 2.2 VAE,
+    1280x704 at 24 fps; sizes are multiples of 32 (16x VAE, 2x2 patches)."""
+    with torch.device("meta"):
+        release_vae().save_config(tmp_path / "vae")
+        diffusers.WanTransformer3DModel(
+            patch_size=(1, 2, 2),
+            num_attention_heads=24,
+            attention_head_dim=128,
+            in_channels=48,
+            out_channels=48,
+            text_dim=4096,
+            freq_dim=256,
+            ffn_dim=14336,
+            num_layers=30,
+            cross_attn_norm=True,
+            qk_norm="rms_norm_across_heads",
+            eps=1e-6,
+            rope_max_seq_len=1024,
+        ).save_config(tmp_path / "transformer")
+    p = get_preset(ModelSpec(preset="wan2.2-ti2v-5b", path=str(tmp_path)))
+    assert (p.dit, p.vae, p.default_size, p.fps) == (WAN22_5B, WAN22_VAE, (1280, 704), 24)
+    facts = preset_facts("wan2.2-ti2v-5b")
+    assert facts["spatial_factor"] == p.vae.spatial_factor and facts["latent_channels"] == p.dit.in_channels
+    assert facts["default_size"] == p.default_size and facts["fps"] == p.fps
