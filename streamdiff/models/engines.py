@@ -27,7 +27,7 @@ from .wan import rolling
 from .wan.canvas import commit_canvas
 from .wan.dit import DiTState
 from .wan.kernels import CPU_DECODE_WORKING_SET_BYTES, DecodePlan, plan_block
-from .wan.sampler import denoise_block, denoise_sessions, sigma_of, step_timesteps
+from .wan.sampler import denoise_block, denoise_sessions, sigma_of, step_timesteps, unipc_timesteps
 from .wan.taehv import TAEHVState
 from .wan.vae import to_uint8_frames
 from .wan.vae_blocks import Halo, VAEState
@@ -82,8 +82,14 @@ class DiTEngine:
         self.encoder = build_vae_encoder(spec, device) if self.i2v else None
         self.noise_dtype = self.model.patch_embedding.weight.dtype  # the authors draw in the model's dtype
         s = self.preset.sampler
-        self.timesteps = step_timesteps(s.steps, s.shift, s.warp)
-        self.first_timesteps = step_timesteps(s.first_block_steps or s.steps, s.shift, s.warp)
+        self.unipc = s.kind == "unipc"
+        timesteps = (
+            (lambda steps: unipc_timesteps(steps, s.shift))
+            if self.unipc
+            else (lambda steps: step_timesteps(steps, s.shift, s.warp))
+        )
+        self.timesteps = timesteps(s.steps)
+        self.first_timesteps = timesteps(s.first_block_steps or s.steps)
         self.rolling_schedule = rolling.Schedule.of(s) if s.kind == "rolling" else None
         self._prompts: OrderedDict[str, torch.Tensor] = OrderedDict()
         self._prompt_cache = prompt_cache
@@ -295,9 +301,10 @@ class DiTEngine:
             left = shots_left or [0] * len(sessions)
             return [self._rolling_block(s, frames, n) for s, n in zip(sessions, left, strict=True)]
         steps = [self.steps_of(s) for s in sessions]
-        noise, renoise = [], [[] for _ in steps[0][1:]]
-        for sess, ts in zip(sessions, steps, strict=True):
-            n, r = self.draw_noise(sess, frames, len(ts) - 1)
+        renoises = 0 if self.unipc else len(steps[0]) - 1  # UniPC draws no noise after the first
+        noise, renoise = [], [[] for _ in range(renoises)]
+        for sess in sessions:
+            n, r = self.draw_noise(sess, frames, renoises)
             noise.append(n)
             for i, x in enumerate(r):
                 renoise[i].append(x)
@@ -314,11 +321,14 @@ class DiTEngine:
                 ctx_t,
                 sigmas[0],
                 commit=not recompute,
+                unipc=self.unipc,
             )
         else:
             states = [s.state for s in sessions]
             noise_b, renoise_b = torch.cat(noise), [torch.cat(r) for r in renoise]
-            x0 = denoise_sessions(self.model, states, noise_b, steps, renoise_b, ctx_t, sigmas, commit=not recompute)
+            x0 = denoise_sessions(
+                self.model, states, noise_b, steps, renoise_b, ctx_t, sigmas, commit=not recompute, unipc=self.unipc
+            )
         for i, sess in enumerate(sessions):
             if recompute:
                 self.model.commit_and_recompute(sess.state, x0[i : i + 1], frames, ctx_t)

@@ -83,3 +83,48 @@ def test_a_flow_that_is_exactly_right_lands_on_its_x0():
 def test_a_schedule_it_cannot_follow_is_refused(sigmas):
     with pytest.raises(ValueError, match="sigma"):
         FlowUniPC(sigmas)
+
+
+# ----------------------------------------------------------------------------- the sampler kind
+
+UNIPC = {"kind": "unipc", "steps": [1000, 937, 833, 625], "shift": 5.0}
+
+
+def test_a_unipc_step_list_is_its_solvers_timesteps():
+    from streamdiff.models.wan.sampler import SamplerConfig, unipc_timesteps
+
+    assert unipc_timesteps((1000, 937, 833, 625), 5.0) == pytest.approx(AUTHORS_TIMESTEPS, abs=0.01)
+    SamplerConfig(kind="unipc", steps=(1000, 937, 833, 625)).validate()
+    with pytest.raises(ValueError, match=r"\[1000, 937, 833, 625\] for 4 steps, got \[1000, 750, 500, 250\]"):
+        SamplerConfig(kind="unipc").validate()
+
+
+def test_an_engine_block_is_diffusers_unipc_on_the_dit_then_the_clean_pass():
+    """A block of the engine under `kind = "unipc"` equals diffusers' solver driving the same DiT
+    from the same noise (a fresh solver per block, no noise after the first), the clean pass at
+    t = 0 committing it; then the next block, at its own positions, likewise. Two sessions in
+    one batch equal each alone."""
+    from streamdiff.models.engines import DiTEngine
+    from streamdiff.models.spec import ModelSpec
+
+    eng = DiTEngine(ModelSpec(preset="tiny-random", sampler=UNIPC))
+    ref = DiTEngine(ModelSpec(preset="tiny-random"))  # the same seeded weights: the reference's DiT
+    w, h = 128, 64
+    a, b, r = (e.open_session(w, h, seed=5) for e in (eng, eng, ref))
+    for e, s in ((eng, a), (eng, b), (ref, r)):
+        e.set_scene(s, "a red fox", cut=True)
+    got = [eng.generate_block(a, 3) for _ in range(2)]
+    other = eng.open_session(w, h, seed=6)
+    eng.set_scene(other, "a blue ball", cut=True)
+    pair = eng.generate_blocks([b, other], 3)  # b's first block, batched
+    torch.testing.assert_close(pair[0], got[0], rtol=1e-5, atol=1e-5)
+    gen = torch.Generator().manual_seed(5)
+    for block in got:
+        noise = torch.randn((1, 3, 16, *r.latent_hw), generator=gen).permute(0, 2, 1, 3, 4)
+        sched, x = diffusers_unipc(4, 5.0), noise
+        for i, t in enumerate(sched.timesteps):
+            t_float = 1000 * float(sched.sigmas[i])
+            v = ref.model.forward_block(x, torch.full((1, 3), t_float), r.state, False)
+            x = sched.step(v, t, x).prev_sample
+        ref.model.forward_block(x, torch.zeros(1, 3), r.state, True)
+        torch.testing.assert_close(block, x, rtol=1e-4, atol=1e-4)

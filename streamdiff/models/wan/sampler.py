@@ -4,6 +4,10 @@ One call denoises one block of one session (Self-Forcing / Causal Forcing infere
 timestep of the step list, predict the flow v, take x0 = x_t - sigma_t * v, and re-noise x0 to
 the next sigma with fresh noise; then run the model once more on the clean x0 at t = 0 with
 `commit=True`, so the KV cache holds clean keys/values for the blocks that follow.
+
+Sampler kind `unipc` (LongLive 2.0): a fresh UniPC multistep solver per block (unipc.py) on the
+authors' flow schedule of len(steps) steps, no fresh noise after the first, then the same clean
+pass. Its `steps` are the solver's timesteps, rounded (checked: `unipc_timesteps`).
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from .dit import DiTState, WanDiT
+from .unipc import FlowUniPC, flow_sigmas
 
 
 @dataclass(frozen=True)
@@ -28,7 +33,8 @@ class SamplerConfig:
     warp: bool = True  # map `steps` through the shifted schedule (Self-Forcing's warp_denoising_step)
     global_sink: bool = False  # a re-cache keeps the sinks' keys/values as written (LongLive)
     recache: str = "on_request"  # never | on_request | every_switch: prompt switches that recompute the cache
-    kind: str = "block"  # block | rolling (Rolling Forcing: blocks in flight at staggered noise levels)
+    # block | rolling (Rolling Forcing: blocks in flight at staggered noise levels) | unipc
+    kind: str = "block"
     kv_recompute: bool = False  # Krea: each block first recomputes its context's keys/values
     # A shot starts with the position canvas (canvas.py) committed at t = 0 as its sink frame: the
     # trained tiny default's absolute position (a Wan DiT has none). Never decoded.
@@ -37,8 +43,11 @@ class SamplerConfig:
     def validate(self) -> None:
         if self.recache not in ("never", "on_request", "every_switch"):
             raise ValueError(f"recache must be never, on_request or every_switch, got {self.recache!r}")
-        if self.kind not in ("block", "rolling"):
-            raise ValueError(f"sampler kind must be block or rolling, got {self.kind!r}")
+        if self.kind not in ("block", "rolling", "unipc"):
+            raise ValueError(f"sampler kind must be block, rolling or unipc, got {self.kind!r}")
+        if self.kind == "unipc":
+            unipc_timesteps(self.steps, self.shift)
+            unipc_timesteps(self.first_block_steps or self.steps, self.shift)
         if self.frames_per_block < 1:
             raise ValueError(f"frames_per_block must be >= 1, got {self.frames_per_block}")
         for name, steps in (("steps", self.steps), ("first_block_steps", self.first_block_steps or (1,))):
@@ -54,6 +63,19 @@ class SamplerConfig:
                 f"window_frames ({self.window_frames}) - sink_frames ({self.sink_frames}) "
                 f"must hold a block of {self.frames_per_block} frames"
             )
+
+
+def unipc_timesteps(steps: Sequence[int], shift: float) -> list[float]:
+    """The UniPC solver's timesteps for a step list of its length (`flow_sigmas`), which the
+    list must give rounded: the preset says what runs (LongLive 2.0's 4 steps at shift 5 are
+    1000, 937, 833, 625), and a list that is not the solver's is refused, naming both."""
+    ts = [1000.0 * s for s in flow_sigmas(len(steps), shift)[:-1]]
+    if [round(t) for t in ts] != list(steps):
+        raise ValueError(
+            f"a unipc sampler's steps are its solver's timesteps at shift {shift:g}: "
+            f"{[round(t) for t in ts]} for {len(steps)} steps, got {list(steps)}"
+        )
+    return ts
 
 
 def _schedule(shift: float) -> torch.Tensor:
@@ -99,20 +121,23 @@ def denoise_block(
     context_t: float = 0.0,
     sigmas: Sequence[float] | None = None,
     commit: bool = True,
+    unipc: bool = False,
 ) -> torch.Tensor:
     """Denoise one block and commit it to the session's KV cache (`commit=False`: leave the
     commit to the caller, as Krea's per-block recompute does, `WanDiT.commit_and_recompute`).
 
     noise: (B, C, f, H, W) initial noise; renoise: one noise tensor per step after the first;
     sigmas: each step's noise level (`sigma_of`; default timestep / 1000, exact for warped steps).
+    unipc: the UniPC solver steps between the timesteps instead (no renoise).
     Returns the clean latent x0 (float32, on the model's device).
     """
     b, dev = noise.shape[0], model.patch_embedding.weight.device
     steps = _on_device([[t] * b for t in timesteps], dev)
     sig = _on_device([[s] * b for s in sigmas], dev) if sigmas is not None else steps / 1000.0
-    return _denoise(
-        lambda x, t, c: model.forward_block(x, t, state, c), model, noise, steps, sig, renoise, context_t, commit
-    )
+    forward = lambda x, t, c: model.forward_block(x, t, state, c)  # noqa: E731
+    if unipc:
+        return _denoise_unipc(forward, model, noise, timesteps, context_t, commit)
+    return _denoise(forward, model, noise, steps, sig, renoise, context_t, commit)
 
 
 @torch.no_grad()
@@ -125,6 +150,7 @@ def denoise_sessions(
     context_t: float = 0.0,
     sigmas: Sequence[Sequence[float]] | None = None,
     commit: bool = True,
+    unipc: bool = False,
 ) -> torch.Tensor:
     """`denoise_block` for several sessions at once: row i of noise/renoise is session i's, and
     `timesteps[i]` (`sigmas[i]`) its step list (all of one length: the sessions take their steps together)."""
@@ -133,9 +159,12 @@ def denoise_sessions(
     dev = model.patch_embedding.weight.device
     steps = _on_device([list(col) for col in zip(*timesteps, strict=True)], dev)  # (steps, S)
     sig = _on_device([list(col) for col in zip(*sigmas, strict=True)], dev) if sigmas is not None else steps / 1000.0
-    return _denoise(
-        lambda x, t, c: model.forward_sessions(x, t, states, c), model, noise, steps, sig, renoise, context_t, commit
-    )
+    forward = lambda x, t, c: model.forward_sessions(x, t, states, c)  # noqa: E731
+    if unipc:  # one step list for all (the solver's coefficients are the same numbers)
+        if len({tuple(ts) for ts in timesteps}) != 1:
+            raise ValueError("sessions solved together by UniPC must share their step list")
+        return _denoise_unipc(forward, model, noise, timesteps[0], context_t, commit)
+    return _denoise(forward, model, noise, steps, sig, renoise, context_t, commit)
 
 
 def _on_device(rows: list[list[float]], dev: torch.device) -> torch.Tensor:
@@ -165,3 +194,18 @@ def _denoise(
     if commit:
         forward(x0, torch.full((b, f), context_t, device=dev), True)
     return x0
+
+
+def _denoise_unipc(forward, model: WanDiT, noise, timesteps: Sequence[float], context_t: float, commit: bool):
+    """A fresh UniPC solver over the block (LongLive 2.0's `FlowUniPCMultistepScheduler` per
+    chunk): the flow at each timestep, one solver step, the last landing on x0; then the clean
+    pass. The solver's coefficients are Python floats: no host synchronisation."""
+    b, _, f = noise.shape[:3]
+    dev = model.patch_embedding.weight.device
+    solver = FlowUniPC([t / 1000.0 for t in timesteps] + [0.0])
+    x = noise.to(dev, torch.float32)
+    for t in timesteps:
+        x = solver.step(forward(x, torch.full((b, f), t, device=dev), False), x)
+    if commit:
+        forward(x, torch.full((b, f), context_t, device=dev), True)
+    return x
