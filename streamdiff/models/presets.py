@@ -363,9 +363,10 @@ def build_taehv(spec: ModelSpec, preset: Preset, device: str = "cpu") -> TAEHVDe
     elif preset.embedded:
         model = random_taehv(TINY_TAEHV, seed=spec.seed + 3)
     else:
+        name = "taew2_2" if preset.dit.in_channels == 48 else "taew2_1"
         raise ValueError(
             f"--decoder taehv with preset {preset.name!r} needs its weights: --decoder-weights FILE "
-            "(taew2_1.pth or taew2_1.safetensors from madebyollin/taehv)"
+            f"({name}.pth or {name}.safetensors from madebyollin/taehv)"
         )
     return model.to(device=device, dtype=resolve_dtype(spec, device)).eval().requires_grad_(False)
 
