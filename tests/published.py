@@ -70,15 +70,37 @@ def shifted(dit: WanDiT, by: float) -> WanDiT:
     return out
 
 
-def write_base(root: Path) -> Path:
-    """The Wan 2.1 base in the diffusers layout (Wan-AI/Wan2.1-T2V-1.3B-Diffusers), small."""
+def write_base(root: Path, dit: str = "wan2.1-t2v-1.3b") -> Path:
+    """The base a preset's DiT configuration names, in the diffusers layout, small: Wan 2.1
+    (Wan-AI/Wan2.1-T2V-1.3B-Diffusers; the 14B's too, whose widths the config sets), or Wan 2.2
+    TI2V 5B (Wan-AI/Wan2.2-TI2V-5B-Diffusers: 48 channels, the 2.2 VAE at widths 8 and 12)."""
     from diffusers import AutoencoderKLWan, WanTransformer3DModel
     from transformers import UMT5Config, UMT5EncoderModel
 
-    d = root / "wan-base"
+    from streamdiff.models.wan.vae import WAN22_LATENTS_MEAN, WAN22_LATENTS_STD
+
+    wan22 = dit == "wan2.2-ti2v-5b"
+    d = root / ("wan22-base" if wan22 else "wan-base")
     torch.manual_seed(0)
-    WanTransformer3DModel(**SMALL_DIT).eval().save_pretrained(str(d / "transformer"))
-    AutoencoderKLWan(base_dim=8, num_res_blocks=1).eval().save_pretrained(str(d / "vae"))
+    channels = {"in_channels": 48, "out_channels": 48} if wan22 else {}
+    WanTransformer3DModel(**{**SMALL_DIT, **channels}).eval().save_pretrained(str(d / "transformer"))
+    if wan22:
+        vae = AutoencoderKLWan(
+            base_dim=8,
+            decoder_base_dim=12,
+            z_dim=48,
+            is_residual=True,
+            in_channels=12,
+            out_channels=12,
+            patch_size=2,
+            scale_factor_temporal=4,
+            scale_factor_spatial=16,
+            latents_mean=list(WAN22_LATENTS_MEAN),
+            latents_std=list(WAN22_LATENTS_STD),
+        )
+    else:
+        vae = AutoencoderKLWan(base_dim=8, num_res_blocks=1)
+    vae.eval().save_pretrained(str(d / "vae"))
     UMT5EncoderModel(UMT5Config(**SMALL_T5)).eval().save_pretrained(str(d / "text_encoder"))
     write_tokenizer(d / "tokenizer")
     (d / "model_index.json").write_text(json.dumps({"_class_name": "WanPipeline"}))
@@ -96,10 +118,27 @@ class Published:
     files: dict[str, Path]
 
 
-def write_published(preset: str, root: Path, base: Path) -> Published:
-    """The file(s) the authors of `preset` ship, with a tiny DiT on `base`'s configuration."""
+class Bases:
+    """The small bases, each written once, on first use: `bases(preset)` is the one its DiT
+    configuration needs."""
+
+    def __init__(self, root: Path) -> None:
+        self.root, self.written = root, {}
+
+    def __call__(self, preset: str) -> Path:
+        family = "wan2.2-ti2v-5b" if CHECKPOINT_PRESETS[preset].dit == "wan2.2-ti2v-5b" else "wan2.1-t2v-1.3b"
+        if family not in self.written:
+            self.written[family] = write_base(self.root, family)
+        return self.written[family]
+
+
+def write_published(preset: str, root: Path, base: Path | Bases) -> Published:
+    """The file(s) the authors of `preset` ship, with a tiny DiT on its base's configuration
+    (`base`, or the one of `Bases` its DiT configuration needs)."""
     cp = CHECKPOINT_PRESETS[preset]
-    dit, _ = build_dit(ModelSpec(preset="wan2.1-t2v-1.3b", path=str(base)))
+    base = base(preset) if isinstance(base, Bases) else base
+    arch = "wan2.2-ti2v-5b" if cp.dit == "wan2.2-ti2v-5b" else "wan2.1-t2v-1.3b"
+    dit, _ = build_dit(ModelSpec(preset=arch, path=str(base)))
     trained, ema = shifted(dit, 0.01), shifted(dit, -0.01)  # the two sets differ from each other
     d = root / preset
     d.mkdir(parents=True)
@@ -118,6 +157,11 @@ def write_published(preset: str, root: Path, base: Path) -> Published:
         expected = ema
     elif preset == "longlive":
         torch.save({"generator": generator_sd(trained), "generator_ema": ema_sd(ema), "model": generator_sd(dit)}, ck)
+        lora_file, expected = write_longlive_lora(trained, cp.lora.rank, cp.lora.alpha, d / "lora.pt")
+        files["lora"] = lora_file
+        flags += ["--lora", str(lora_file)]
+    elif preset == "longlive2-5b":  # the merged generator (scripts/merge_lora_generator.py's output)
+        torch.save({"generator": generator_sd(trained)}, ck)
         lora_file, expected = write_longlive_lora(trained, cp.lora.rank, cp.lora.alpha, d / "lora.pt")
         files["lora"] = lora_file
         flags += ["--lora", str(lora_file)]

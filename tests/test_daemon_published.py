@@ -12,9 +12,10 @@ import subprocess
 import pytest
 
 from streamdiff.models.catalog import CHECKPOINT_PRESETS
+from streamdiff.models.spec import preset_facts
 
 from .helpers import Daemon, http
-from .published import write_base, write_published
+from .published import Bases, write_published
 from .test_daemon_stream import check_video
 
 pytest.importorskip("diffusers")
@@ -27,8 +28,8 @@ SIZE = {name: "256x144" if p.frames_per_block == 1 else "128x64" for name, p in 
 
 
 @pytest.fixture(scope="module")
-def base(tmp_path_factory):
-    return write_base(tmp_path_factory.mktemp("published-daemon"))
+def bases(tmp_path_factory):
+    return Bases(tmp_path_factory.mktemp("published-daemon"))
 
 
 def curl_stream(url: str, body: dict, out) -> bytes:
@@ -43,8 +44,8 @@ def curl_stream(url: str, body: dict, out) -> bytes:
 
 
 @pytest.mark.parametrize("preset", list(CHECKPOINT_PRESETS))
-def test_every_preset_streams_exact_frames_to_curl(preset, base, tmp_path):
-    pub = write_published(preset, tmp_path, base)
+def test_every_preset_streams_exact_frames_to_curl(preset, bases, tmp_path):
+    pub = write_published(preset, tmp_path, bases)
     cp, size = CHECKPOINT_PRESETS[preset], SIZE[preset]
     w, h = map(int, size.split("x"))
     d = Daemon(*pub.flags, "--mode", "aggregated", "--dit-gpus", "1", "--vae-gpus", "1", "--size", size)
@@ -61,18 +62,28 @@ def test_every_preset_streams_exact_frames_to_curl(preset, base, tmp_path):
             "compile_s": 0.0,
         }
         # a cut storyboard: two shots, the second scene's frames off the first's block grid
+        # (LongLive 2.0's multi-shot cut is not served: its scenes switch the prompt in one shot)
+        fps = preset_facts(preset)["fps"]
         body = {
             "scenes": [
                 {"prompt": "a red fox runs through snow", "num_frames": 29},
                 {"prompt": "a city at night", "num_frames": 18, "transition": "cut", "seed": 5},
             ],
             "size": size,
-            "fps": 16,
+            "fps": fps,
             "seed": 3,
         }
-        data = curl_stream(d.url, body, tmp_path / "out.mp4")
-        # whole blocks: 29 frames are 1 + 7 latent frames, 18 are 1 + 5, each shot rounded up to blocks
         fpb = cp.frames_per_block
-        check_video(data, 29 + 18, w, h, 16, blocks_expected=-(-8 // fpb) + -(-6 // fpb))  # ffprobe's count too
+        if cp.multi_shot:
+            cut = http.post(d.url + "/v1/videos", json=body, timeout=10)
+            assert cut.status_code == 400 and cut.json()["error"]["param"] == "scenes[1].transition"
+            assert "multi-shot" in cut.json()["error"]["message"]
+            body["scenes"][1] = {"prompt": "a city at night", "num_frames": 18, "transition": "continue"}
+            # one shot of 47 frames: 1 + 12 latent frames (rounded up to whole blocks)
+            blocks = -(-13 // fpb)
+        else:  # whole blocks: 29 frames are 1 + 7 latent frames, 18 are 1 + 5, each shot rounded up
+            blocks = -(-8 // fpb) + -(-6 // fpb)
+        data = curl_stream(d.url, body, tmp_path / "out.mp4")
+        check_video(data, 29 + 18, w, h, fps, blocks_expected=blocks)  # ffprobe's count too
     finally:
         assert d.stop() == 0, d.logs()

@@ -21,15 +21,20 @@ from streamdiff.models.wan.loading import CheckpointError
 from streamdiff.supervisor.topology import model_spec
 
 from .helpers import ROOT
-from .published import generator_sd, write_base, write_longlive_lora, write_published
+from .published import Bases, generator_sd, write_longlive_lora, write_published
 
 pytest.importorskip("peft")
 PRESETS = list(CHECKPOINT_PRESETS)
 
 
 @pytest.fixture(scope="module")
-def base(tmp_path_factory):
-    return write_base(tmp_path_factory.mktemp("published"))
+def bases(tmp_path_factory):
+    return Bases(tmp_path_factory.mktemp("published"))
+
+
+@pytest.fixture(scope="module")
+def base(bases):
+    return bases("self-forcing")  # the Wan 2.1 base
 
 
 def spec_from_flags(*flags: str):
@@ -38,12 +43,12 @@ def spec_from_flags(*flags: str):
 
 
 @pytest.mark.parametrize("preset", PRESETS)
-def test_each_preset_loads_the_weights_its_authors_script_loads(preset, base, tmp_path):
-    pub = write_published(preset, tmp_path, base)
+def test_each_preset_loads_the_weights_its_authors_script_loads(preset, bases, tmp_path):
+    pub = write_published(preset, tmp_path, bases)
     model, loaded = build_dit(spec_from_flags(*pub.flags))
     got = model.state_dict()
     assert got.keys() == pub.expected.keys()
-    tol = 1e-6 if preset == "longlive" else 0.0  # the LoRA: PEFT's merge in fp32
+    tol = 1e-6 if CHECKPOINT_PRESETS[preset].lora else 0.0  # the LoRA: PEFT's merge in fp32
     for k, v in got.items():
         assert torch.allclose(v, pub.expected[k], rtol=0, atol=tol), k
     cp = CHECKPOINT_PRESETS[preset]
@@ -115,6 +120,7 @@ def test_streamdiffd_models_lists_every_preset_with_exactly_its_fields():
     assert [r["name"] for r in rows] == [
         "self-forcing", "causvid", "causal-forcing", "causal-forcing-framewise", "causal-forcing-2step",
         "causal-forcing-1step", "causal-forcing-longvideo", "longlive", "rolling-forcing", "krea-realtime-14b",
+        "longlive2-5b",
     ]  # fmt: skip
     for r in rows:
         assert list(r) == list(JSON_FIELDS)
@@ -156,3 +162,17 @@ def test_generator_sd_has_the_authors_prefix(base):
 
     dit, _ = build_dit(ModelSpec(preset="wan2.1-t2v-1.3b", path=str(base)))
     assert all(k.startswith("model.") for k in generator_sd(dit))
+
+
+@pytest.mark.parametrize("layout", ["model", "raw"])
+def test_longlive2s_file_loads_in_each_of_its_layouts(layout, bases, tmp_path):
+    """LongLive 2.0's `model_bf16.pt` holds the generator under `generator` (above), under `model`,
+    or bare (utils/nvfp4_checkpoint.py): each loads the same weights."""
+    pub = write_published("longlive2-5b", tmp_path, bases)
+    ck = pub.files["checkpoint"]
+    sd = torch.load(ck, weights_only=True)["generator"]
+    torch.save({"model": sd} if layout == "model" else sd, ck)
+    model, loaded = build_dit(spec_from_flags(*pub.flags))
+    assert loaded.dit.in_channels == 48 and loaded.sampler.kind == "unipc" and loaded.fps == 24
+    for k, v in model.state_dict().items():
+        assert torch.allclose(v, pub.expected[k], rtol=0, atol=1e-6), k

@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass
 
 WEIGHT_SETS = ("ema", "generator")  # `generator_ema` or `generator` of a training checkpoint
 RECACHE = ("never", "on_request", "every_switch")
-SAMPLERS = ("block", "rolling")
+SAMPLERS = ("block", "rolling", "unipc")
 
 # "Global" attention in the authors' code is a KV cache the size of their whole video: 21 latent
 # frames (81 frames at 16 fps). A stream here may run longer, so a global model's window slides
@@ -49,6 +49,9 @@ class CheckpointPreset:
     sampler: str = "block"  # block | rolling (Rolling Forcing's window of blocks at staggered noise levels)
     kv_recompute: bool = False  # Krea: each block recomputes its context's keys/values under the prompt
     i2v: bool = False  # the authors condition this checkpoint on an image (image-to-video)
+    # The authors' shot change keeps the history (LongLive 2.0's multi-shot: a RoPE offset and a
+    # shot sink), which is not built: a cut after a video's first scene is refused, naming it.
+    multi_shot: bool = False
 
     def to_json(self) -> dict:
         """The fields `streamdiffd models --json` prints, exactly."""
@@ -144,6 +147,10 @@ CHECKPOINT_PRESETS: dict[str, CheckpointPreset] = {
            steps=(1000, 800, 600, 400, 200), window=21, sink=3, sampler="rolling"),
         _p("krea-realtime-14b", "krea-ai/realtime-video", "krea-realtime-video-14b.safetensors", "generator",
            steps=(1000, 750, 500, 250, 0), window=6, sink=1, dit="wan2.1-t2v-14b", kv_recompute=True),
+        # LongLive 2.0: the UniPC solver's 4 timesteps at shift 5 (sampler.unipc_timesteps)
+        _p("longlive2-5b", "NVlabs/LongLive", "model_bf16.pt", "generator", steps=(1000, 937, 833, 625),
+           warp=False, frames_per_block=8, window=32, sink=8, recache="never", lora=Lora(128, 128.0),
+           dit="wan2.2-ti2v-5b", sampler="unipc", multi_shot=True),
     )
 }  # fmt: skip
 

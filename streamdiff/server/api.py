@@ -17,6 +17,7 @@ import re
 from dataclasses import dataclass, replace
 
 from ..config import Config, LimitsConfig, parse_size
+from ..models.catalog import checkpoint_preset
 from ..plan import Scene
 
 KNOWN_FIELDS = {
@@ -350,8 +351,23 @@ def parse_steer(data, cfg: Config) -> Scene:
     transition = data.get("transition", "continue")
     if transition not in ("cut", "continue"):
         raise bad(f"'transition' must be 'cut' or 'continue', got {transition!r}", "transition")
+    if transition == "cut":
+        _cut_served(cfg, "transition")
     seed = _integer(data["seed"], "seed", 0, MAX_SEED) if data.get("seed") is not None else None
     return Scene(prompt, 1, transition, seed, _recache(data, transition, cfg))
+
+
+def _cut_served(cfg: Config, field: str) -> None:
+    """A cut after a video's start, unless the model's authors change shots another way than a
+    fresh start (LongLive 2.0's multi-shot transition, which keeps the history: not built)."""
+    cp = checkpoint_preset(cfg.model.preset)
+    if cp is not None and cp.multi_shot:
+        raise bad(
+            f"'{field}': a cut is refused: {cp.name}'s shot change is LongLive 2.0's multi-shot transition "
+            "(a RoPE offset and a shot sink over the kept history), which this server does not serve yet; "
+            "use 'continue'",
+            field,
+        )
 
 
 def _parse_scenes(raw, total: int | None, fps: int, cfg: Config) -> list[Scene]:
@@ -376,6 +392,8 @@ def _parse_scenes(raw, total: int | None, fps: int, cfg: Config) -> list[Scene]:
             raise bad(f"'{p}transition' must be 'cut' or 'continue', got {transition!r}", p + "transition")
         if i == 0 and transition == "continue":
             transition = "cut"  # the first scene always starts a shot
+        elif i > 0 and transition == "cut":
+            _cut_served(cfg, p + "transition")
         seed = _integer(sc["seed"], p + "seed", 0, MAX_SEED) if sc.get("seed") is not None else None
         recache = _recache(sc, transition, cfg, p)
         lengths.append(_length(sc, fps, p, lim.max_frames))

@@ -176,3 +176,17 @@ def test_the_api_refuses_recache_only_on_a_never_server(policy, refused):
         assert err.value.status == 400
     else:
         assert parse_steer(steer, cfg).recache
+
+
+def test_longlive2s_cut_is_refused_by_name_and_continue_is_served():
+    """LongLive 2.0's shot change keeps the history (a RoPE offset and a shot sink), which is not
+    built: a cut after the first scene, in a request or a steer, is a 400 naming it."""
+    from streamdiff.config import Config, ModelConfig
+    from streamdiff.server.api import APIError, parse_steer
+
+    cfg = Config(model=ModelConfig(preset="longlive2-5b"))
+    with pytest.raises(APIError, match="multi-shot") as err:
+        parse_steer({"prompt": "a blue whale", "transition": "cut"}, cfg)
+    assert err.value.status == 400 and err.value.param == "transition"
+    assert parse_steer({"prompt": "a blue whale"}, cfg).transition == "continue"
+    assert parse_steer({"prompt": "a blue whale", "transition": "cut"}, Config()).transition == "cut"
