@@ -152,3 +152,13 @@ def test_a_wan21_profile_does_not_price_the_5b(capsys):
     with pytest.raises(SystemExit):
         commands.plan_main(["--profile", str(B70), "--preset", "wan2.2-ti2v-5b"])
     assert "--preset: wan2.2-ti2v-5b decodes 48-channel latents" in capsys.readouterr().err
+
+
+def test_longlive2s_window_is_the_authors_10_4_gb():
+    """LongLive 2.0's cache per layer is [1, 32 x 880, 24, 128] keys and values: 10.4 GB over 30
+    layers in bf16 (../shared/notes/wan22.md); its 5B fits an 80 GB device with it."""
+    cost = model_cost("longlive2-5b", (1280, 704), 2)
+    assert cost.session_bytes - 30 * 2 * 512 * 3072 * 2 == 30 * 2 * 32 * 880 * 24 * 128 * 2 == 10_380_902_400
+    cost.check(80 * 10**9)
+    with pytest.raises(DoesNotFit, match="longlive2-5b"):
+        cost.check(24 * 10**9)
