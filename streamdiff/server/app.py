@@ -1,7 +1,8 @@
 """HTTP front end: the OpenAI-compatible Videos API, health, metrics, the player page
 (supervisor process; aiohttp on the supervisor's own event loop): the routes and their
 handlers. Beside it: middleware.py (counts, errors, keys), bodies.py (reading a request's body),
-streaming.py (writing a video's bytes), control.py (starting jobs), realtime.py (the WebSocket).
+streaming.py (writing a video's bytes), control.py (starting jobs), realtime.py (the WebSocket),
+hls.py (LL-HLS for many viewers of one video).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from ..supervisor.core import Supervisor
 from .api import APIError, bad, parse_steer
 from .bodies import body_limit, read_request_data
 from .control import apply_landing, start_job
+from .hls import HLS
 from .jobs import Job, JobStore
 from .keys import API_KEYS, CONFIG, JOBS, STORE, SUPERVISOR
 from .middleware import auth_middleware, count_middleware, errors_middleware
@@ -298,7 +300,9 @@ def make_app(sup: Supervisor, cfg: Config, api_keys: list[bytes]) -> web.Applica
 
     app.cleanup_ctx.append(prune_jobs)
     r = app.router
+    hls = HLS(get_job, lambda: sup.facts["frames_per_block"] * sup.facts["temporal_factor"])
     for prefix in ("/v1", ""):
+        r.add_routes(hls.routes(prefix))
         r.add_post(f"{prefix}/videos", create_video)
         r.add_get(f"{prefix}/videos", list_videos)
         r.add_get(f"{prefix}/videos/{{video_id}}", retrieve_video)

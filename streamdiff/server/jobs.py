@@ -46,6 +46,8 @@ class Job:
         self.chunks: list[bytes] = []
         self.is_fragment: list[bool] = []  # False for a chunk that is only the init segment
         self.ends: list[int] = []  # byte offset just past each chunk, for ranges without a join
+        self.fragment_chunks: list[int] = []  # the chunk index of each block's fragment, in order
+        self.fragment_frames: list[int] = []  # the frames each fragment holds
         self.nbytes = 0
         self.readers = 0  # transfers following or reading this job right now
         self.frames_done = 0
@@ -100,6 +102,8 @@ class Job:
         self.nbytes += len(data)
         self.ends.append(self.nbytes)
         if block is not None:
+            self.fragment_chunks.append(len(self.chunks) - 1)
+            self.fragment_frames.append(block.emit)
             self.fragments += 1
             self.frames_done += block.emit
             if self.t_first_fragment is None:
@@ -148,6 +152,16 @@ class Job:
         finally:
             self.readers -= 1
 
+    def changed(self):
+        """An awaitable that is done at the job's next event (a fragment, its end, its expiry)."""
+        return self._changed.wait()
+
+    def fragment(self, n: int) -> bytes:
+        """Block n's fragment (an LL-HLS part)."""
+        if self.expired:
+            raise JobExpired(self.id)
+        return self.chunks[self.fragment_chunks[n]]
+
     def ack(self, blocks: int = 1) -> None:
         if self.handle is not None:
             self.handle.ack(blocks)
@@ -156,6 +170,7 @@ class Job:
         """Drop the bytes (the video object stays); a reader still following is woken to fail."""
         now = int(time.time())
         self.expired, self.chunks, self.is_fragment, self.ends = True, [], [], []
+        self.fragment_chunks, self.fragment_frames = [], []
         self.expires_at = min(self.expires_at or now, now)
         self._notify()
 
