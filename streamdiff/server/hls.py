@@ -29,6 +29,10 @@ from .jobs import Job
 PARTS_PER_SEGMENT = 4  # blocks of 12 frames at 16 fps: 3 s segments of 0.75 s parts
 LISTED_SEGMENTS = 3  # a live playlist lists the parts of its last this many segments (the spec: >= 2)
 IMMUTABLE = "public, max-age=86400, immutable"
+# How far behind the newest part a player holds (PART-HOLD-BACK, in part targets): the spec's
+# least, 2. Every part is a whole block beginning with an IDR, so a player never waits on a
+# partial GOP, and a viewer who joins plays within two blocks of the live edge.
+HOLD_BACK_PARTS = 2
 
 
 @dataclass(frozen=True)
@@ -65,12 +69,12 @@ def playlist(p: Parts) -> str:
         "#EXT-X-VERSION:9",
         f"#EXT-X-TARGETDURATION:{seg_target}",
         f"#EXT-X-PART-INF:PART-TARGET={p.target:.5f}",
-        f"#EXT-X-SERVER-CONTROL:CAN-BLOCK-RELOAD=YES,PART-HOLD-BACK={3 * p.target:.5f}",
+        f"#EXT-X-SERVER-CONTROL:CAN-BLOCK-RELOAD=YES,PART-HOLD-BACK={HOLD_BACK_PARTS * p.target:.5f}",
         f"#EXT-X-PLAYLIST-TYPE:{'EVENT' if p.live else 'VOD'}",
         "#EXT-X-INDEPENDENT-SEGMENTS",
     ]
     if p.live:  # a new viewer starts at the live edge (PART-HOLD-BACK behind the newest part)
-        lines.append(f"#EXT-X-START:TIME-OFFSET={-3 * p.target:.5f},PRECISE=YES")
+        lines.append(f"#EXT-X-START:TIME-OFFSET={-HOLD_BACK_PARTS * p.target:.5f},PRECISE=YES")
     lines += ["#EXT-X-MEDIA-SEQUENCE:0", '#EXT-X-MAP:URI="init.mp4"']
     full = p.segments
     listed_from = full - LISTED_SEGMENTS + 1 if p.live else full  # parts listed for these segments

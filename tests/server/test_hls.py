@@ -28,7 +28,7 @@ def validate(text: str) -> dict:
     target = int(tag["#EXT-X-TARGETDURATION"])
     part_target = float(re.search(r"PART-TARGET=([\d.]+)", tag["#EXT-X-PART-INF"])[1])
     hold = float(re.search(r"PART-HOLD-BACK=([\d.]+)", tag["#EXT-X-SERVER-CONTROL"])[1])
-    assert hold >= 3 * part_target - 1e-6 and "CAN-BLOCK-RELOAD=YES" in tag["#EXT-X-SERVER-CONTROL"]
+    assert hold >= 2 * part_target - 1e-6 and "CAN-BLOCK-RELOAD=YES" in tag["#EXT-X-SERVER-CONTROL"]
     assert tag["#EXT-X-MEDIA-SEQUENCE"] == "0" and tag["#EXT-X-MAP"] == 'URI="init.mp4"'
     parts, segments, pending, dur = [], [], [], None
     for ln in lines:

@@ -149,3 +149,91 @@ def test_page_plays_an_image_to_video_stream_decoded_by_taehv(tmp_path):
     assert state["mediaError"] is None and state["mediaErrors"] == [], (state, console)
     assert state["frames"] == 32 == video["num_frames"] and video["status"] == "completed"
     assert video["input_reference"]["width"] == 256 and video["input_reference"]["height"] == 144
+
+
+# ----------------------------------------------------------------------------- LL-HLS viewers
+
+VIEWER = """<!doctype html><video id="v" muted playsinline></video>
+<script src="/hls-viewer/hls.min.js"></script><script>
+const v = document.getElementById('v'), hls = new Hls({lowLatencyMode: true});
+window.viewer = {playing: false, edge: null, behind: null, errors: []};
+hls.on(Hls.Events.ERROR, (e, d) => { if (d.fatal) window.viewer.errors.push(d.details); });
+// the live edge when the viewer joined: the end of the newest part of the first playlist read
+hls.on(Hls.Events.LEVEL_LOADED, (e, d) => { if (window.viewer.edge === null) window.viewer.edge = d.details.edge; });
+v.addEventListener('playing', () => {
+  if (window.viewer.playing) return;
+  window.viewer.behind = window.viewer.edge - v.currentTime;  // where it started, behind that edge
+  window.viewer.playing = true;
+});
+hls.loadSource(SRC); hls.attachMedia(v); v.play();
+</script>"""
+
+
+@pytest.fixture(scope="module")
+def hls_js(tmp_path_factory) -> str:
+    """hls.js from npm's registry (its own build, not kept in this repository)."""
+    import subprocess
+
+    npm = shutil.which("npm")
+    if npm is None:
+        pytest.skip("npm is not installed: hls.js comes from its registry")
+    d = tmp_path_factory.mktemp("hlsjs")
+    r = subprocess.run(
+        [npm, "install", "--no-audit", "--no-fund", "--silent", "--prefix", str(d), "hls.js@1"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    if r.returncode != 0:
+        pytest.skip(f"npm could not install hls.js: {r.stderr[-300:]}")
+    return (d / "node_modules" / "hls.js" / "dist" / "hls.min.js").read_text()
+
+
+def open_viewer(browser, url: str, video_id: str, hls_js: str):
+    """A page of the daemon's origin (served by the browser itself) that plays the video's
+    LL-HLS playlist with hls.js, as a watch page would."""
+    page = browser.new_page()
+    src = f"{url}/v1/videos/{video_id}/hls/index.m3u8"
+    page.route(
+        f"{url}/hls-viewer/page.html",
+        lambda r: r.fulfill(body=VIEWER.replace("SRC", repr(src)), content_type="text/html"),
+    )
+    page.route(f"{url}/hls-viewer/hls.min.js", lambda r: r.fulfill(body=hls_js, content_type="text/javascript"))
+    page.goto(f"{url}/hls-viewer/page.html")
+    return page
+
+
+@pytest.mark.timeout(300)
+def test_hls_js_plays_a_live_video_and_a_late_viewer_starts_at_the_live_edge(daemon, hls_js):
+    """Two viewers of one live video over LL-HLS in Chromium: the second joins 10 s after the
+    first and starts playing within two blocks (1.5 s) of the newest part when it joined (the
+    playlist's hold-back, not a clock: load only delays when it starts); both decode frames,
+    neither meets a fatal error."""
+    from playwright.sync_api import sync_playwright
+
+    body = {"prompt": "a red ball moving right", "live": True, "seconds": 40, "size": "128x64", "seed": 2}
+    vid = http.post(daemon.url + "/v1/videos", json=body, timeout=30).json()["id"]
+    try:
+        with sync_playwright() as p:
+            browser = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=FLAGS)
+            first = open_viewer(browser, daemon.url, vid, hls_js)
+            first.wait_for_function("window.viewer.playing || window.viewer.errors.length", timeout=60_000)
+            first.wait_for_timeout(10_000)
+            late = open_viewer(browser, daemon.url, vid, hls_js)
+            late.wait_for_function("window.viewer.playing || window.viewer.errors.length", timeout=60_000)
+            late.wait_for_timeout(2_000)
+            seen = [
+                pg.evaluate(
+                    "({...window.viewer, frames: document.getElementById('v').getVideoPlaybackQuality()"
+                    ".totalVideoFrames})"
+                )
+                for pg in (first, late)
+            ]
+            browser.close()
+    finally:
+        http.post(f"{daemon.url}/v1/videos/{vid}/stop", timeout=10)
+    assert all(s["errors"] == [] and s["playing"] for s in seen), seen
+    # the first played 12 s or more of a video made at 16 fps: 128x64 blocks take the tiny model
+    # ~0.1 s each for 0.75 s of video, real time with room at twice the load
+    assert seen[0]["frames"] > 10 * 16 * 0.8 and seen[1]["frames"] > 0, seen
+    assert 0 <= seen[1]["behind"] <= 2 * 12 / 16 + 1 / 16, seen  # two blocks of 12 frames at 16 fps
