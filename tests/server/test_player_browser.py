@@ -62,13 +62,18 @@ def test_page_plays_a_two_scene_stream_while_it_is_generated(daemon, tmp_path):
         state = page.evaluate("""() => ({...window.player, scenes: window.player.scenes.length,
             currentTime: document.getElementById('video').currentTime,
             mediaError: document.getElementById('video').error,
-            sceneText: document.getElementById('scene').textContent})""")
+            sceneText: document.getElementById('scene').textContent,
+            watch: document.getElementById('watch').hidden ? null
+                : document.getElementById('watch-link').getAttribute('href')})""")
         page.screenshot(path=str(tmp_path / "player.png"))
         browser.close()
     assert advanced_while == "in_progress" or state["firstAdvanceAt"] < state["streamEndAt"], (advanced_while, state)
     assert state["firstAdvanceAt"] < state["streamEndAt"]
     assert state["mediaError"] is None and state["mediaErrors"] == [], (state, console)
     assert state["frames"] == 96 and state["scenes"] == 2
+    # the watch link others open: the same video's LL-HLS playlist, VOD now it is done
+    assert state["watch"] == f"/v1/videos/{video_id}/hls/index.m3u8"
+    assert "#EXT-X-ENDLIST" in http.get(daemon.url + state["watch"], timeout=10).text
     assert state["sceneChanges"] >= 2 and "city street" in state["sceneText"]
     assert state["firstFrameMs"] is not None and state["firstFrameMs"] < 30_000
 
