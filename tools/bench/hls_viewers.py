@@ -1,0 +1,119 @@
+#!/usr/bin/env python3
+"""What LL-HLS viewers of one live video cost the daemon, and whether they touch generation.
+
+One daemon; per round, for each viewer count in turn, a live video paced at its frame rate with
+that many LL-HLS viewers, each as a player runs: a blocking playlist reload for the next part
+(`_HLS_msn`, `_HLS_part`), then that part, until the video ends. Prints, per count: the
+supervisor's CPU seconds over the video (it serves every viewer; the workers do not see them),
+as a share of one core, the daemon's stall counter (fragments later than real-time playback
+needed them) and the parts the viewers fetched. The viewers run in this process at the lowest
+priority, so that on a small machine they take no core the workers would have used.
+
+    tools/bench/hls_viewers.py --viewers 0,1,10,50 --seconds 20 --rounds 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import platform
+import re
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+import httpx  # noqa: E402
+import psutil  # noqa: E402
+
+from streamdiff.server.hls import PARTS_PER_SEGMENT  # noqa: E402
+from streamdiff.testing import Daemon, http  # noqa: E402
+
+
+def stalls(url: str) -> float:
+    text = http.get(url + "/metrics", timeout=10).text
+    m = re.search(r"^streamdiff_stalls_total ([\d.e+]+)$", text, re.M)
+    return float(m[1]) if m else 0.0
+
+
+async def viewer(url: str, vid: str, out: dict) -> None:
+    """A low-latency player's requests: reload blocking on the next part, fetch it, repeat."""
+    base = f"{url}/v1/videos/{vid}/hls"
+    async with httpx.AsyncClient(timeout=60) as c:
+        n = 0
+        while True:
+            msn, part = divmod(n, PARTS_PER_SEGMENT)
+            r = await c.get(f"{base}/index.m3u8", params={"_HLS_msn": msn, "_HLS_part": part})
+            if r.status_code != 200:
+                out["errors"] += 1
+                return
+            if f"part/{n}.m4s" not in r.text and "#EXT-X-ENDLIST" not in r.text:
+                out["errors"] += 1  # a blocking reload must list the part it waited for
+                return
+            p = await c.get(f"{base}/part/{n}.m4s")
+            if p.status_code == 410:  # the video ended before it
+                return
+            if p.status_code != 200:
+                out["errors"] += 1
+                return
+            out["parts"] += 1
+            out["bytes"] += len(p.content)
+            n += 1
+
+
+async def one_video(d: Daemon, viewers: int, seconds: float, size: str) -> dict:
+    body = {"prompt": "a red ball moving right on a blue background", "live": True, "seconds": seconds, "size": size}
+    sup = psutil.Process(d.proc.pid)
+    before, s0 = sup.cpu_times(), stalls(d.url)
+    vid = http.post(d.url + "/v1/videos", json=body, timeout=30).json()["id"]
+    out = {"parts": 0, "bytes": 0, "errors": 0}
+    tasks = [asyncio.create_task(viewer(d.url, vid, out)) for _ in range(viewers)]
+    t0 = time.monotonic()
+    while http.get(f"{d.url}/v1/videos/{vid}", timeout=10).json()["status"] in ("queued", "in_progress"):
+        await asyncio.sleep(0.5)
+    wall = time.monotonic() - t0
+    await asyncio.gather(*tasks)  # each reads to the video's last part
+    after = sup.cpu_times()
+    cpu = (after.user + after.system) - (before.user + before.system)
+    return {"cpu_s": cpu, "wall_s": wall, "stalls": stalls(d.url) - s0, **out}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--viewers", default="0,1,10,50", help="viewer counts, comma-separated")
+    ap.add_argument("--seconds", type=float, default=20.0, help="each live video's length")
+    ap.add_argument("--size", default="256x144")
+    ap.add_argument("--rounds", type=int, default=2)
+    a = ap.parse_args()
+    counts = [int(x) for x in a.viewers.split(",")]
+    os.nice(19)  # this process's viewers yield to the daemon's workers
+    d = Daemon()
+    rows: dict[int, list[dict]] = {n: [] for n in counts}
+    try:
+        for r in range(a.rounds):
+            order = counts if r % 2 == 0 else counts[::-1]  # interleaved: drift falls on every count
+            for n in order:
+                rows[n].append(asyncio.run(one_video(d, n, a.seconds, a.size)))
+    finally:
+        d.stop()
+    names = [ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
+             if ln.startswith("model name")] if Path("/proc/cpuinfo").exists() else []  # fmt: skip
+    cpu = names[0] if names else platform.processor() or platform.machine()
+    print(f"{cpu}, {os.cpu_count()} CPUs; {a.seconds:g} s live videos at {a.size}")
+    print("viewers  supervisor CPU s  of one core  stalls  parts fetched  errors")
+    for n in counts:
+        secs = [x["cpu_s"] for x in rows[n]]
+        share = [x["cpu_s"] / x["wall_s"] for x in rows[n]]
+        print(
+            f"{n:7d}  {min(secs):6.2f}-{max(secs):<6.2f}    {min(share):5.1%}-{max(share):<5.1%}"
+            f"  {sum(x['stalls'] for x in rows[n]):6.0f}  {sum(x['parts'] for x in rows[n]):13d}"
+            f"  {sum(x['errors'] for x in rows[n]):6d}"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
