@@ -184,6 +184,16 @@ class StoreConfig:
 
 
 @dataclass(frozen=True)
+class OutputsConfig:
+    """[outputs]: the ingests a video may be pushed to (`"outputs": ["name"]` in a request),
+    repackaged by an ffmpeg child without re-encoding. Named here by the operator alone: a
+    request names one, never a URL, so the server connects to nothing a request chooses."""
+
+    destinations: dict[str, str] = field(default_factory=dict)  # name -> rtmp://, rtmps:// or srt:// URL
+    retry_max_s: float = 30.0  # a failed push is retried after 1, 2, 4 ... s, at most this long apart
+
+
+@dataclass(frozen=True)
 class Config:
     server: ServerConfig = field(default_factory=ServerConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -193,6 +203,7 @@ class Config:
     encoder: EncoderConfig = field(default_factory=EncoderConfig)
     limits: LimitsConfig = field(default_factory=LimitsConfig)
     store: StoreConfig = field(default_factory=StoreConfig)
+    outputs: OutputsConfig = field(default_factory=OutputsConfig)
 
     @property
     def model_name(self) -> str:

@@ -4,6 +4,7 @@ layouts are legal is layout.py's (`broken_rule`)."""
 from __future__ import annotations
 
 import re
+import shutil
 from pathlib import Path
 
 from ..ipc.messages import read_given_calibration
@@ -122,6 +123,23 @@ def validate(cfg: Config) -> None:
     broken = broken_rule(t, m.decoder)
     if broken is not None:
         raise ConfigError(f"{broken.key}: {broken.rule}, got {broken.value!r}")
+    o = cfg.outputs
+    for name, url in o.destinations.items():
+        _check(
+            re.fullmatch(r"[a-z0-9][a-z0-9_-]{0,62}", name) is not None,
+            "outputs.destinations",
+            "names must be lowercase letters, digits, '-' and '_'",
+            name,
+        )
+        _check(
+            re.match(r"(rtmps?|srt)://[^\s]+$", url) is not None,
+            f"outputs.destinations.{name}",
+            "must be an rtmp://, rtmps:// or srt:// URL",
+            url,
+        )
+    _check(o.retry_max_s >= 1, "outputs.retry_max_s", "must be >= 1", o.retry_max_s)
+    if o.destinations and shutil.which("ffmpeg") is None:
+        raise ConfigError("outputs.destinations: pushing needs ffmpeg on the PATH, which is not installed")
     if p.calibration_given:
         try:
             read_given_calibration(p.calibration_given)

@@ -48,6 +48,10 @@ def _coerce(key: str, tp, value):
         if not isinstance(value, str):
             raise ConfigError(f"{key}: expected a string, got {value!r}")
         return value
+    if origin is dict:  # a table of strings ([outputs] destinations)
+        if not isinstance(value, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in value.items()):
+            raise ConfigError(f'{key}: expected a table of strings (name = "url"), got {value!r}')
+        return dict(value)
     if origin is tuple:
         kinds, what = (int | float, "numbers") if tp.__args__[0] is float else (int, "integers")
         if not isinstance(value, list | tuple) or not all(

@@ -34,6 +34,7 @@ KNOWN_FIELDS = {
     "live",
     "scenes",
     "input_reference",
+    "outputs",
     "negative_prompt",
     "num_inference_steps",
     "user",
@@ -76,6 +77,7 @@ class VideoRequest:
     stream: bool
     live: bool = False  # open-ended: its length is a cap; steered and stopped while it plays
     input_reference: dict | None = None  # image-to-video: the input image as received (prepare_image)
+    outputs: tuple[str, ...] = ()  # the configured ingests ([outputs] destinations) it is pushed to
 
     @property
     def frames(self) -> int:
@@ -255,7 +257,23 @@ def parse_video_request(data, cfg: Config, facts: dict) -> VideoRequest:
             )
         png, reference = prepare_image(image_bytes(data["input_reference"], lim), width, height, lim)
         scenes[0] = replace(scenes[0], image=png)  # the first scene's shot starts from it
-    return VideoRequest(model or cfg.model_name, scenes, width, height, fps, seed, stream, live, reference)
+    outputs = _outputs(data.get("outputs"), cfg)
+    return VideoRequest(model or cfg.model_name, scenes, width, height, fps, seed, stream, live, reference, outputs)
+
+
+def _outputs(raw, cfg: Config) -> tuple[str, ...]:
+    """The ingests a request names: configured names only, never a URL (the server connects to
+    nothing a request chooses)."""
+    if raw is None:
+        return ()
+    if not isinstance(raw, list) or not all(isinstance(x, str) for x in raw) or len(set(raw)) != len(raw):
+        raise bad("'outputs' must be a list of distinct output names", "outputs")
+    known = cfg.outputs.destinations
+    for i, name in enumerate(raw):
+        if name not in known:
+            have = ", ".join(sorted(known)) or "none are configured ([outputs] destinations)"
+            raise bad(f"'outputs[{i}]': unknown output {name!r} (this server's: {have})", f"outputs[{i}]")
+    return tuple(raw)
 
 
 IMAGE_FORMATS = ("PNG", "JPEG", "WEBP")

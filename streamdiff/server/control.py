@@ -15,6 +15,7 @@ from ..supervisor.engine import QueueFull
 from .api import APIError, parse_video_request
 from .jobs import Job
 from .keys import CONFIG, JOBS, SUPERVISOR
+from .push import start_pushes
 
 log = logging.getLogger("streamdiff.http")
 
@@ -60,6 +61,7 @@ async def start_job(app: web.Application, data: dict) -> Job:
             {"Retry-After": str(max(1, math.ceil(exc.retry_after_s)))},
         ) from None
     jobs.add(job)
+    job.pushes = start_pushes(job, cfg.outputs.destinations, cfg.outputs.retry_max_s)
     log.info(
         "job %s: %d frames %dx%d@%d, %d scene(s), stream=%s%s",
         job.id,

@@ -65,6 +65,7 @@ class Job:
         self.t_started: float | None = None  # admitted: the engine started its session
         self.t_first_fragment: float | None = None
         self.t_finished: float | None = None
+        self.pushes: list = []  # its pushes to ingests (server/push.py)
         self.scenes: list = []  # the request's, and then as steering changes them
         self.scene_starts: list[int] = []
         self.set_scenes(request.scenes)
@@ -232,6 +233,8 @@ class Job:
             obj["queued_s"] = round(self.t_started - self.t_created, 3)  # waiting for admission
         if self.t_first_fragment is not None:
             obj["time_to_first_fragment_s"] = round(self.t_first_fragment - self.t_created, 3)
+        if self.pushes:  # each ingest it is pushed to: state, attempts, the last error
+            obj["outputs"] = [p.describe() for p in self.pushes]
         return obj
 
 
