@@ -24,6 +24,8 @@ def test_device_check_runs_on_the_cpu(tmp_path):
         env={**os.environ, "OUT": str(tmp_path)},
     )
     res = json.loads(out.read_text())
+    ll2 = res["longlive2"]  # LongLive 2.0's block on the 5B's loop, and the Wan 2.2 VAE's decode of it
+    assert ll2["block_ms"] > 0 and ll2["vae_block_ms"] > 0 and ll2["vae_frames"] == 32
     assert r.returncode == 0, (r.stdout[-2000:], {k: v for k, v in res.items() if isinstance(v, dict)})
     st = res["stages"]
     assert st["chunkwise"]["frames_per_block"] == 3 and st["framewise"]["frames_per_block"] == 1

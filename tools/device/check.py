@@ -263,6 +263,100 @@ def check_krea14b(dev: str, a) -> dict:
     return out
 
 
+def check_longlive2(dev: str, a) -> dict:
+    """LongLive 2.0 on the Wan 2.2 TI2V 5B (random bf16 weights built on the device) at its
+    1280x704: one 8-frame block of its UniPC sampler (4 steps, then the clean pass) in its
+    32-frame window, and the Wan 2.2 VAE (real widths) decoding that block's 8 latent frames to
+    32, each with ms a block and peak memory beside what the planner priced. On the CPU the same
+    loop at tiny widths and 128x64 (the code path, not the figure)."""
+    from dataclasses import replace
+
+    from streamdiff.models.catalog import checkpoint_preset
+    from streamdiff.models.presets import WAN22_5B, WAN22_VAE
+    from streamdiff.models.wan.sampler import denoise_block, unipc_timesteps
+    from streamdiff.models.wan.vae import WanVAEDecoder
+    from streamdiff.placement.cost import GIB, model_cost
+
+    ll = checkpoint_preset("longlive2-5b")
+    w, h = (128, 64) if a.quick else (1280, 704)
+    cost = model_cost(ll.name, (w, h), 2)
+    out = {
+        "size": f"{w}x{h}",
+        "priced": {
+            "dit_weights_gib": round(cost.params * 2 / GIB, 2),
+            "session_gib": round(cost.session_bytes / GIB, 2),
+            "block_tflop": round(cost.block_flops / 1e12, 1),
+        },
+    }
+    cfg, vcfg = WAN22_5B, WAN22_VAE
+    if dev == "cpu":
+        cfg = replace(WAN22_5B, dim=128, ffn_dim=256, num_heads=1, num_layers=2)
+        vcfg = replace(WAN22_VAE, base_dim=8, decoder_base_dim=12)
+        out["note"] = "CPU: the loop at tiny widths (DiT dim 128, 2 layers; VAE widths 8/12), not the 5B's figure"
+    elif dev.startswith("cuda"):
+        total, need = torch.cuda.get_device_properties(0).total_memory, cost.needs() - cost.text_params * 2
+        if total < need:  # no text encoder here
+            return {**out, "skipped": f"the 5B DiT needs {need / GIB:.1f} GiB, the device has {total / GIB:.1f}"}
+    dtype = torch.float32 if dev == "cpu" else torch.bfloat16
+    with torch.device("meta"):
+        model = WanDiT(cfg)
+    model = model.to(dtype).to_empty(device=dev)
+    gen = torch.Generator(device=dev).manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():  # weights of the trained scale: activations stay finite
+            p.normal_(0.0, 1.0 / max(1, p.shape[-1]) ** 0.5, generator=gen)
+    model = model.cast(dtype).eval().requires_grad_(False)
+    if dev.startswith("cuda"):
+        torch.cuda.reset_peak_memory_stats()
+    lh, lw = h // 16, w // 16
+    state = model.new_state(lh, lw, ll.window_frames, ll.sink)
+    model.set_prompt(state, torch.randn(1, cfg.text_len, cfg.text_dim, device=dev).to(dtype))
+    ts = unipc_timesteps(ll.steps, ll.shift)
+    times, latents = [], None
+    for b in range(1 if a.quick else 5):  # the window fills at block 4
+        noise = torch.randn(1, cfg.in_channels, ll.frames_per_block, lh, lw, device=dev)
+        sync(dev)
+        t0 = time.perf_counter()
+        latents = denoise_block(model, state, noise, ts, [], 0.0, unipc=True)
+        sync(dev)
+        times.append(1000 * (time.perf_counter() - t0))
+        if not torch.isfinite(latents).all():
+            raise RuntimeError(f"block {b}: non-finite latents")
+    out["block_ms"] = round(statistics.median(times[3:] or times), 1)
+    out["blocks_ms"] = [round(t, 1) for t in times]
+    if dev.startswith("cuda"):
+        out["dit_peak_gib"] = round(torch.cuda.max_memory_allocated() / GIB, 2)
+    del model, state
+    if dev.startswith("cuda"):
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+    with torch.device("meta"):
+        vae = WanVAEDecoder(vcfg)
+    vae = vae.to_empty(device=dev)
+    with torch.no_grad():
+        for p in vae.parameters():
+            p.normal_(0.0, 1.0 / max(1, p[0].numel()) ** 0.5, generator=gen)
+        vae.mean.copy_(torch.tensor(vcfg.latents_mean).view(1, -1, 1, 1, 1))
+        vae.std.copy_(torch.tensor(vcfg.latents_std).view(1, -1, 1, 1, 1))
+    vae = vae.to(dtype).eval()
+    vstate = vae.new_state()
+    z = latents.to(dtype)
+    vae.decode(z[:, :, :1], vstate)  # a shot's first latent frame: then steady blocks
+    vtimes = []
+    for _ in range(1 if a.quick else 3):
+        sync(dev)
+        t0 = time.perf_counter()
+        frames = vae.decode(z, vstate)
+        sync(dev)
+        vtimes.append(1000 * (time.perf_counter() - t0))
+    out["vae_block_ms"] = round(statistics.median(vtimes), 1)
+    out["vae_frames"] = frames.shape[2]
+    if dev.startswith("cuda"):
+        out["vae_peak_gib"] = round(torch.cuda.max_memory_allocated() / GIB, 2)
+    print(f"longlive2: {out}", flush=True)
+    return out
+
+
 # ----------------------------------------------------------------------------- 2. numerics
 
 
@@ -618,6 +712,7 @@ CHECKS = {  # in the order of what a short lease most needs
     "compile": check_compile,
     "taehv": check_taehv,
     "krea14b": check_krea14b,
+    "longlive2": check_longlive2,
     "daemon_real": check_daemon_real,
     "numerics": check_numerics,
     "daemon": check_daemon,
