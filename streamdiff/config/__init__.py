@@ -40,6 +40,9 @@ class ServerConfig:
     node_id: str = ""  # this daemon's name in a cluster, carried by every id it issues (default: the hostname)
     agent_port: int = 0  # HAProxy agent-check port (free capacity as a weight, drain, down); 0 = off
     state_dir: str = ""  # cached profiles; default $STATE_DIRECTORY (systemd), else ~/.cache/streamdiff
+    # STUN/TURN servers a WHEP viewer's connection may use (stun:host:port, turn:host:port); empty:
+    # host candidates only, nothing reaches out
+    webrtc_ice_servers: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)

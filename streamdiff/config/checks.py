@@ -123,6 +123,13 @@ def validate(cfg: Config) -> None:
     broken = broken_rule(t, m.decoder)
     if broken is not None:
         raise ConfigError(f"{broken.key}: {broken.rule}, got {broken.value!r}")
+    for url in s.webrtc_ice_servers:
+        _check(
+            re.match(r"(stun|turns?):[^\s]+$", url) is not None,
+            "server.webrtc_ice_servers",
+            "must be stun: or turn: URLs",
+            url,
+        )
     o = cfg.outputs
     for name, url in o.destinations.items():
         _check(

@@ -52,6 +52,10 @@ def _coerce(key: str, tp, value):
         if not isinstance(value, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in value.items()):
             raise ConfigError(f'{key}: expected a table of strings (name = "url"), got {value!r}')
         return dict(value)
+    if origin is tuple and tp.__args__[0] is str:
+        if not isinstance(value, list | tuple) or not all(isinstance(v, str) for v in value):
+            raise ConfigError(f"{key}: expected a list of strings, got {value!r}")
+        return tuple(value)
     if origin is tuple:
         kinds, what = (int | float, "numbers") if tp.__args__[0] is float else (int, "integers")
         if not isinstance(value, list | tuple) or not all(

@@ -222,3 +222,50 @@ def media_fragment(
     size = len(moof(0))
     mdat = box(b"mdat", *(s.data for s in samples))
     return prefix + moof(size + 8) + mdat
+
+
+# ----------------------------------------------------------------------------- reading back
+
+
+def _boxes(data: bytes, start: int = 0, end: int | None = None):
+    """(type, start of the box, end of the box) of the boxes laid end to end in data[start:end]."""
+    end = len(data) if end is None else end
+    while start + 8 <= end:
+        size, kind = struct.unpack(">I4s", data[start : start + 8])
+        yield kind, start, start + size
+        start += size
+
+
+def init_parameter_sets(init: bytes) -> tuple[bytes, bytes]:
+    """SPS and PPS of an init segment this module wrote (its avcC)."""
+    i = init.index(b"avcC")
+    size = struct.unpack(">I", init[i - 4 : i])[0]
+    return avcc_parameter_sets(init[i + 4 : i - 4 + size])
+
+
+def fragment_samples(fragment: bytes) -> list[Sample]:
+    """The samples of a media fragment this module wrote (`media_fragment`, emsg boxes first),
+    in decode order: the WebRTC egress hands the encoder's own access units on without decoding."""
+    out = []
+    for kind, start, _ in _boxes(fragment):
+        if kind != b"moof":
+            continue
+        trun = fragment.index(b"trun", start) - 4
+        count, offset = struct.unpack(">Ii", fragment[trun + 12 : trun + 20])
+        pos, data = trun + 20, start + offset
+        for _ in range(count):
+            size, flags = struct.unpack(">II", fragment[pos : pos + 8])
+            out.append(Sample(fragment[data : data + size], flags == SYNC_SAMPLE))
+            pos, data = pos + 8, data + size
+    return out
+
+
+def annexb_access_unit(sample: Sample, sps: bytes, pps: bytes) -> bytes:
+    """An AVCC sample as an Annex B access unit, with SPS and PPS in front of a keyframe (what
+    RTP's H.264 payload needs: a receiver joins at any keyframe)."""
+    nals, i, d = ([sps, pps] if sample.keyframe else []), 0, sample.data
+    while i + 4 <= len(d):
+        n = struct.unpack(">I", d[i : i + 4])[0]
+        nals.append(d[i + 4 : i + 4 + n])
+        i += 4 + n
+    return b"".join(b"\x00\x00\x00\x01" + nal for nal in nals)

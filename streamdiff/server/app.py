@@ -23,9 +23,10 @@ from .hls import HLS
 from .jobs import Job, JobStore
 from .keys import API_KEYS, CONFIG, JOBS, STORE, SUPERVISOR
 from .middleware import auth_middleware, count_middleware, errors_middleware
-from .realtime import realtime_video
+from .realtime import realtime_video, steer_event
 from .store import VideoStore, node_of
 from .streaming import byte_range, stream_job
+from .whep import WHEP
 
 log = logging.getLogger("streamdiff.http")
 
@@ -301,8 +302,20 @@ def make_app(sup: Supervisor, cfg: Config, api_keys: list[bytes]) -> web.Applica
     app.cleanup_ctx.append(prune_jobs)
     r = app.router
     hls = HLS(get_job, lambda: sup.facts["frames_per_block"] * sup.facts["temporal_factor"])
+
+    async def steer(job: Job, event: dict) -> dict:
+        return steer_event(job, event["type"], event, cfg)
+
+    whep = WHEP(get_job, steer, cfg.server.webrtc_ice_servers)
+
+    async def close_whep(app: web.Application):
+        yield
+        await whep.close_all()
+
+    app.cleanup_ctx.append(close_whep)
     for prefix in ("/v1", ""):
         r.add_routes(hls.routes(prefix))
+        r.add_routes(whep.routes(prefix))
         r.add_post(f"{prefix}/videos", create_video)
         r.add_get(f"{prefix}/videos", list_videos)
         r.add_get(f"{prefix}/videos/{{video_id}}", retrieve_video)

@@ -172,6 +172,12 @@ async def _controls(request: web.Request, ws: web.WebSocketResponse, sock: _Sock
 
 
 async def _steer(sock: _Socket, job: Job, kind: str, event: dict, cfg) -> None:
+    await sock.json(steer_event(job, kind, event, cfg))
+
+
+def steer_event(job: Job, kind: str, event: dict, cfg) -> dict:
+    """A steering event (a WebSocket's, a WHEP data channel's) applied to the job: the reply that
+    names where it lands, or APIError."""
     if kind == "session.interaction":
         inter = event.get("interaction")
         if not isinstance(inter, dict) or not isinstance(inter.get("event"), dict):
@@ -193,4 +199,4 @@ async def _steer(sock: _Socket, job: Job, kind: str, event: dict, cfg) -> None:
     }
     if event_id is not None:
         reply["event_id"] = event_id
-    await sock.json(reply)
+    return reply

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import shutil
+import time
 
 import pytest
 
@@ -242,3 +243,126 @@ def test_hls_js_plays_a_live_video_and_a_late_viewer_starts_at_the_live_edge(dae
     # ~0.1 s each for 0.75 s of video, real time with room at twice the load
     assert seen[0]["frames"] > 10 * 16 * 0.8 and seen[1]["frames"] > 0, seen
     assert 0 <= seen[1]["behind"] <= 2 * 12 / 16 + 1 / 16, seen  # two blocks of 12 frames at 16 fps
+
+
+# ----------------------------------------------------------------------------- WebRTC (WHEP)
+
+WHEP_VIEWER = """<!doctype html><video id="v" muted playsinline></video><script>
+window.acks = [];
+(async () => {
+  const pc = new RTCPeerConnection();
+  pc.addTransceiver('video', {direction: 'recvonly'});
+  const dc = pc.createDataChannel('control');
+  dc.onmessage = e => window.acks.push(JSON.parse(e.data));
+  window.steer = p => dc.send(JSON.stringify({type: 'session.prompt_update', prompt: p, transition: 'continue'}));
+  window.dcOpen = () => dc.readyState === 'open';
+  const v = document.getElementById('v');
+  pc.ontrack = e => { v.srcObject = new MediaStream([e.track]); v.play(); };
+  await pc.setLocalDescription(await pc.createOffer());
+  await new Promise(r => { if (pc.iceGatheringState === 'complete') r();
+    pc.onicegatheringstatechange = () => { if (pc.iceGatheringState === 'complete') r(); }; });
+  const resp = await fetch(WHEP, {method: 'POST', headers: {'Content-Type': 'application/sdp'},
+                                  body: pc.localDescription.sdp});
+  const h = resp.headers;
+  window.whep = {status: resp.status, location: h.get('Location'), start: h.get('X-Start-Frame')};
+  window.answer = await resp.text();
+  await pc.setRemoteDescription({type: 'answer', sdp: window.answer});
+  window.stats = async () => {
+    for (const r of (await pc.getStats()).values())
+      if (r.type === 'inbound-rtp' && r.kind === 'video')
+        return {received: r.framesReceived, frames: r.framesDecoded, dropped: r.framesDropped,
+                width: r.frameWidth, height: r.frameHeight, keyframes: r.keyFramesDecoded};
+    return null;
+  };
+})();
+</script>"""
+
+
+@pytest.mark.timeout(300)
+def test_chromium_receives_a_live_video_over_whep_and_steers_it_on_the_data_channel(daemon):
+    """WHEP in Chromium: the answer (201, a Location) brings the video's own H.264 (no second
+    encode) at its size; every frame from the block it joined at to the end is decoded; a steer
+    sent on the data channel is acknowledged with the frame where it lands; DELETE ends it."""
+    from playwright.sync_api import sync_playwright
+
+    url = daemon.url
+    body = {"prompt": "a red ball moving right", "live": True, "seconds": 8, "size": "128x64", "seed": 5}
+    vid = http.post(url + "/v1/videos", json=body, timeout=30).json()["id"]
+    whep = f"{url}/v1/videos/{vid}/whep"
+    with sync_playwright() as p:
+        # plain host candidates: Chromium hides its addresses behind mDNS names by default
+        args = [*FLAGS, "--disable-features=WebRtcHideLocalIpsWithMdns"]
+        browser = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=args)
+        page = browser.new_page()
+        page.route(
+            f"{url}/whep-viewer.html",
+            lambda r: r.fulfill(body=WHEP_VIEWER.replace("WHEP", repr(whep)), content_type="text/html"),
+        )
+        page.goto(f"{url}/whep-viewer.html")
+        page.wait_for_function("window.whep !== undefined", timeout=60_000)
+        signal = page.evaluate("window.whep")
+        answer = page.evaluate("window.answer")
+        page.wait_for_function("window.dcOpen && window.dcOpen()", timeout=60_000)
+        page.evaluate("window.steer('a blue ball moving left')")
+        page.wait_for_function("window.acks.length > 0", timeout=60_000)
+        ack = page.evaluate("window.acks[0]")
+        deadline = time.monotonic() + 120  # the video's end, then the last frames' arrival
+        while http.get(f"{url}/v1/videos/{vid}", timeout=10).json()["status"] == "in_progress":
+            assert time.monotonic() < deadline
+            time.sleep(0.5)
+        last, stats = None, None
+        while stats is None or stats != last:  # until framesDecoded stops growing
+            last, stats = stats, page.evaluate("window.stats()")
+            page.wait_for_timeout(1500)
+        gone = http.delete(url + signal["location"], timeout=10)
+        browser.close()
+    assert signal["status"] == 201 and signal["location"].startswith(f"/v1/videos/{vid}/whep/"), signal
+    assert (stats["width"], stats["height"]) == (128, 64), repr(stats)
+    # the encoder's own H.264, offered only in packetization mode 1: no VP8, nothing re-encoded
+    assert "H264/90000" in answer and "VP8" not in answer and "packetization-mode=0" not in answer
+    # every frame from the block it joined at to the end: received, and decoded but for those
+    # the headless page's renderer dropped at their display deadline (framesDropped)
+    expected = 8 * 16 - int(signal["start"])
+    assert stats["received"] == stats["frames"] + stats["dropped"] == expected, repr((stats, signal))
+    assert stats["frames"] >= expected * 0.8 and stats["keyframes"] >= 1, repr(stats)
+    assert ack["type"] == "session.prompt_updated" and ack["scene"] == 1 and ack["start_frame"] > 0, ack
+    assert gone.status_code == 200
+
+
+def test_whep_refuses_what_is_not_an_offer_for_a_live_video(daemon):
+    url = daemon.url
+    vid = http.post(url + "/v1/videos", json={"prompt": "x", "live": True, "seconds": 4, "size": "128x64"}).json()["id"]
+    sdp = {"Content-Type": "application/sdp"}
+    try:
+        cases = [
+            (http.post(f"{url}/v1/videos/{vid}/whep", content=b"hello", headers=sdp), 400, "invalid_sdp"),
+            (
+                http.post(
+                    f"{url}/v1/videos/{vid}/whep", content=b"v=0\r\nm=audio 9 UDP/TLS/RTP/SAVPF 111\r\n", headers=sdp
+                ),
+                400,
+                "invalid_sdp",
+            ),
+            (
+                http.post(
+                    f"{url}/v1/videos/{vid}/whep",
+                    content=b"v=0\r\nm=video 9 UDP/TLS/RTP/SAVPF 96\r\na=rtpmap:96 VP8/90000\r\n",
+                    headers=sdp,
+                ),
+                406,
+                "unsupported_codec",
+            ),
+            (http.post(f"{url}/v1/videos/{vid}/whep", json={"sdp": "v=0"}), 415, None),
+            (http.post(f"{url}/v1/videos/video_nope_local/whep", content=b"v=0", headers=sdp), 404, None),
+            (http.delete(f"{url}/v1/videos/{vid}/whep/nosuch"), 404, None),
+        ]
+    finally:
+        http.post(f"{url}/v1/videos/{vid}/stop", timeout=10)
+    for r, status, code in cases:
+        assert r.status_code == status and (code is None or r.json()["error"]["code"] == code), r.text
+    deadline = time.monotonic() + 60
+    while http.get(f"{url}/v1/videos/{vid}").json()["status"] == "in_progress":
+        assert time.monotonic() < deadline
+        time.sleep(0.3)
+    done = http.post(f"{url}/v1/videos/{vid}/whep", content=b"v=0\r\nm=video 9\r\n", headers=sdp)
+    assert done.status_code == 409 and daemon.health()["status"] == "ok"
