@@ -290,9 +290,9 @@ def test_chromium_receives_a_live_video_over_whep_and_steers_it_on_the_data_chan
     vid = http.post(url + "/v1/videos", json=body, timeout=30).json()["id"]
     whep = f"{url}/v1/videos/{vid}/whep"
     with sync_playwright() as p:
-        # plain host candidates: Chromium hides its addresses behind mDNS names by default
-        args = [*FLAGS, "--disable-features=WebRtcHideLocalIpsWithMdns"]
-        browser = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=args)
+        # Chromium's own ICE: its host addresses hidden behind mDNS names, which aiortc meets as
+        # peer-reflexive candidates when the browser's checks arrive
+        browser = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=FLAGS)
         page = browser.new_page()
         page.route(
             f"{url}/whep-viewer.html",
@@ -366,3 +366,33 @@ def test_whep_refuses_what_is_not_an_offer_for_a_live_video(daemon):
         time.sleep(0.3)
     done = http.post(f"{url}/v1/videos/{vid}/whep", content=b"v=0\r\nm=video 9\r\n", headers=sdp)
     assert done.status_code == 409 and daemon.health()["status"] == "ok"
+
+
+@pytest.mark.timeout(300)
+def test_page_low_latency_mode_plays_over_webrtc_and_steers_on_the_data_channel(daemon):
+    """The page's low-latency mode, through its form: a live video watched over WHEP (Chromium's
+    own ICE, mDNS-hidden host candidates and all), steered from the form over the data channel,
+    acknowledged with the frame where the scene lands, then stopped."""
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as p:
+        browser, page, console = open_player(p, daemon.url)
+        page.fill("#size", "128x64")
+        page.fill("#seconds", "20")
+        page.check("#live")
+        page.check("#lowlatency")
+        page.click("#start")
+        page.wait_for_function("window.player.rtc && window.player.rtc.frames > 16", timeout=60_000)
+        page.fill("#steer-prompt", "a green ball moving left")
+        page.click("#steer")
+        page.wait_for_function("window.player.steers.length > 0", timeout=60_000)
+        page.click("#stop")
+        page.wait_for_function("window.player.state === 'complete'", timeout=120_000)
+        state = page.evaluate(
+            "({...window.player, rtc: null, scenes: null, steerText: document.getElementById('steers').textContent})"
+        )
+        browser.close()
+    ack = state["steers"][0]
+    assert ack["type"] == "session.prompt_updated" and ack["scene"] == 1 and ack["start_frame"] > 0, ack
+    assert "a green ball moving left" in state["steerText"] and state["frames"] > 16, state
+    assert state["mediaErrors"] == [] and state["firstFrameMs"] is not None, (state, console)
