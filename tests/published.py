@@ -26,7 +26,7 @@ from streamdiff.models.presets import ModelSpec, build_dit
 from streamdiff.models.wan.dit import Block, WanDiT
 
 from .helpers import write_tokenizer
-from .models.conftest import SMALL_DIT  # 2 heads of 24, 2 layers, text width 32
+from .models.conftest import SMALL_DIT, diffusers_wan22_vae  # SMALL_DIT: 2 heads of 24, 2 layers, text width 32
 from .models.test_loading import T5_TINY as SMALL_T5  # its text width matches
 
 
@@ -77,29 +77,12 @@ def write_base(root: Path, dit: str = "wan2.1-t2v-1.3b") -> Path:
     from diffusers import AutoencoderKLWan, WanTransformer3DModel
     from transformers import UMT5Config, UMT5EncoderModel
 
-    from streamdiff.models.wan.vae import WAN22_LATENTS_MEAN, WAN22_LATENTS_STD
-
     wan22 = dit == "wan2.2-ti2v-5b"
     d = root / ("wan22-base" if wan22 else "wan-base")
     torch.manual_seed(0)
     channels = {"in_channels": 48, "out_channels": 48} if wan22 else {}
     WanTransformer3DModel(**{**SMALL_DIT, **channels}).eval().save_pretrained(str(d / "transformer"))
-    if wan22:
-        vae = AutoencoderKLWan(
-            base_dim=8,
-            decoder_base_dim=12,
-            z_dim=48,
-            is_residual=True,
-            in_channels=12,
-            out_channels=12,
-            patch_size=2,
-            scale_factor_temporal=4,
-            scale_factor_spatial=16,
-            latents_mean=list(WAN22_LATENTS_MEAN),
-            latents_std=list(WAN22_LATENTS_STD),
-        )
-    else:
-        vae = AutoencoderKLWan(base_dim=8, num_res_blocks=1)
+    vae = diffusers_wan22_vae(8, 12) if wan22 else AutoencoderKLWan(base_dim=8, num_res_blocks=1)
     vae.eval().save_pretrained(str(d / "vae"))
     UMT5EncoderModel(UMT5Config(**SMALL_T5)).eval().save_pretrained(str(d / "text_encoder"))
     write_tokenizer(d / "tokenizer")

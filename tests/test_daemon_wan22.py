@@ -6,50 +6,19 @@ taew2_2's layout decodes the same latents."""
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
 
-from streamdiff.models.wan.vae import WAN22_LATENTS_MEAN, WAN22_LATENTS_STD
-
 from .helpers import Daemon, assert_same_as_one_dit_and_vae, check_video, stream_video
-from .models.conftest import SMALL_DIT
-from .models.test_loading import T5_TINY
 
-diffusers = pytest.importorskip("diffusers")
+pytest.importorskip("diffusers")
+from .published import write_base  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def release(tmp_path_factory):
-    """Wan-AI/Wan2.2-TI2V-5B-Diffusers' layout, narrowed: the DiT at SMALL_DIT's widths on 48
-    channels, the VAE at widths 8 (encoder) and 12 (decoder), umT5 tiny."""
-    from transformers import UMT5Config, UMT5EncoderModel
-
-    from streamdiff.testing import write_tokenizer
-
-    d = tmp_path_factory.mktemp("wan22") / "Wan2.2-TI2V-5B"
-    torch.manual_seed(0)
-    diffusers.WanTransformer3DModel(**{**SMALL_DIT, "in_channels": 48, "out_channels": 48}).eval().save_pretrained(
-        str(d / "transformer")
-    )
-    diffusers.AutoencoderKLWan(
-        base_dim=8,
-        decoder_base_dim=12,
-        z_dim=48,
-        is_residual=True,
-        in_channels=12,
-        out_channels=12,
-        patch_size=2,
-        scale_factor_temporal=4,
-        scale_factor_spatial=16,
-        latents_mean=list(WAN22_LATENTS_MEAN),
-        latents_std=list(WAN22_LATENTS_STD),
-    ).eval().save_pretrained(str(d / "vae"))
-    UMT5EncoderModel(UMT5Config(**T5_TINY)).eval().save_pretrained(str(d / "text_encoder"))
-    write_tokenizer(d / "tokenizer")
-    (d / "model_index.json").write_text(json.dumps({"_class_name": "WanPipeline"}))
-    return d
+    """Wan-AI/Wan2.2-TI2V-5B-Diffusers' layout, narrowed (tests/published.py)."""
+    return write_base(tmp_path_factory.mktemp("wan22"), "wan2.2-ti2v-5b")
 
 
 def test_the_5b_streams_24_fps_sharded_equal_to_unsharded(release):

@@ -51,7 +51,6 @@ class Job:
         self.nbytes = 0
         self.readers = 0  # transfers following or reading this job right now
         self.frames_done = 0
-        self.fragments = 0
         self.handle: SessionHandle | None = None  # the engine session it follows
         self.placement: dict | None = None  # the workers the session runs on
         self.expired = False
@@ -105,7 +104,6 @@ class Job:
         if block is not None:
             self.fragment_chunks.append(len(self.chunks) - 1)
             self.fragment_frames.append(block.emit)
-            self.fragments += 1
             self.frames_done += block.emit
             if self.t_first_fragment is None:
                 self.t_first_fragment = time.monotonic()

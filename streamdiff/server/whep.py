@@ -45,7 +45,6 @@ def make_track(job: Job, fps: int):
             self.queue: list[bytes] = []
             self.sets: tuple[bytes, bytes] | None = None
             self.frame, self.t0 = 0, None
-            self.sent = 0
 
         async def recv(self):
             while not self.queue:
@@ -68,7 +67,6 @@ def make_track(job: Job, fps: int):
             packet = av.Packet(self.queue.pop(0))
             packet.pts, packet.time_base = round(self.frame * RTP_CLOCK / fps), Fraction(1, RTP_CLOCK)
             self.frame += 1
-            self.sent += 1
             return packet
 
     return FragmentTrack()

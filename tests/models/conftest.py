@@ -10,7 +10,7 @@ diffusers = pytest.importorskip("diffusers")
 
 from streamdiff.models.wan.dit import DiTConfig, WanDiT  # noqa: E402
 from streamdiff.models.wan.loading import load_into, normalize_dit_state_dict, normalize_vae_state_dict  # noqa: E402
-from streamdiff.models.wan.vae import VAEConfig, WanVAEDecoder  # noqa: E402
+from streamdiff.models.wan.vae import WAN22_LATENTS_MEAN, WAN22_LATENTS_STD, VAEConfig, WanVAEDecoder  # noqa: E402
 
 SMALL_DIT = dict(
     num_attention_heads=2,
@@ -25,6 +25,24 @@ SMALL_DIT = dict(
     rope_max_seq_len=1024,
 )
 TEXT_LEN = 12
+
+
+def diffusers_wan22_vae(base_dim: int = 160, decoder_base_dim: int = 256):
+    """diffusers' Wan 2.2 VAE as its converter configures the release (48 latent channels,
+    residual stages, 2x2 patches, 16x in space), at these widths (the release's by default)."""
+    return diffusers.AutoencoderKLWan(
+        base_dim=base_dim,
+        decoder_base_dim=decoder_base_dim,
+        z_dim=48,
+        is_residual=True,
+        in_channels=12,
+        out_channels=12,
+        patch_size=2,
+        scale_factor_temporal=4,
+        scale_factor_spatial=16,
+        latents_mean=list(WAN22_LATENTS_MEAN),
+        latents_std=list(WAN22_LATENTS_STD),
+    )
 
 
 def perturb_(module: torch.nn.Module, scale: float, seed: int) -> None:

@@ -29,7 +29,7 @@ from streamdiff.models.wan.vae_blocks import Ctx, patchify, unpatchify
 from streamdiff.models.wan.vae_encoder import WanVAEEncoder, encoder_state_dict
 from streamdiff.models.wan.vae_shapes import stage_shapes
 
-from .conftest import perturb_
+from .conftest import diffusers_wan22_vae, perturb_
 
 # The release's shape (base 160, decoder 256) narrowed: 8 and 12 keep every shortcut's channel
 # arithmetic (DupUp3D 48 -> 48 -> 24, AvgDown3D 8 -> 8 -> 16 -> 32) and the 48 latent channels.
@@ -40,22 +40,7 @@ CFG = VAEConfig(**SMALL, latents_mean=WAN22_LATENTS_MEAN, latents_std=WAN22_LATE
 @pytest.fixture(scope="module")
 def pair():
     torch.manual_seed(0)
-    ref = diffusers.AutoencoderKLWan(
-        base_dim=8,
-        decoder_base_dim=12,
-        z_dim=48,
-        dim_mult=[1, 2, 4, 4],
-        num_res_blocks=2,
-        temperal_downsample=[False, True, True],
-        is_residual=True,
-        in_channels=12,
-        out_channels=12,
-        patch_size=2,
-        scale_factor_temporal=4,
-        scale_factor_spatial=16,
-        latents_mean=list(WAN22_LATENTS_MEAN),
-        latents_std=list(WAN22_LATENTS_STD),
-    ).eval()
+    ref = diffusers_wan22_vae(base_dim=8, decoder_base_dim=12).eval()
     perturb_(ref, 0.05, 3)
     cfg = vae_config_from_json(dict(ref.config), VAEConfig())
     assert cfg == CFG  # the diffusers config read as ours
@@ -170,28 +155,11 @@ def test_the_release_layout_loads_and_reads_its_own_config(pair):
     assert vae_config_from_state_dict(sd, VAEConfig()) == CFG
 
 
-def release_vae(**kw):
-    return diffusers.AutoencoderKLWan(
-        base_dim=160,
-        decoder_base_dim=256,
-        z_dim=48,
-        is_residual=True,
-        in_channels=12,
-        out_channels=12,
-        patch_size=2,
-        scale_factor_temporal=4,
-        scale_factor_spatial=16,
-        latents_mean=list(WAN22_LATENTS_MEAN),
-        latents_std=list(WAN22_LATENTS_STD),
-        **kw,
-    )
-
-
 def test_the_release_vae_loads_into_ours_at_full_size():
     """Every key and shape of diffusers' Wan 2.2 VAE, as its converter configures it, in ours
     (on the meta device: no weights)."""
     with torch.device("meta"):
-        ref, dec, enc = release_vae(), WanVAEDecoder(WAN22_VAE), WanVAEEncoder(WAN22_VAE)
+        ref, dec, enc = diffusers_wan22_vae(), WanVAEDecoder(WAN22_VAE), WanVAEEncoder(WAN22_VAE)
     assert vae_config_from_json(dict(ref.config), VAEConfig()) == WAN22_VAE
     check_keys(dec, normalize_vae_state_dict(ref.state_dict(), WAN22_VAE), "diffusers Wan 2.2 VAE")
     check_keys(enc, encoder_state_dict(ref.state_dict(), WAN22_VAE), "diffusers Wan 2.2 VAE encoder")
@@ -201,7 +169,7 @@ def test_a_wan22_directory_is_the_5b_preset(tmp_path):
     """`--model DIR --preset wan2.2-ti2v-5b` with diffusers' configs: the 5B DiT, the Wan 2.2 VAE,
     1280x704 at 24 fps; sizes are multiples of 32 (16x VAE, 2x2 patches)."""
     with torch.device("meta"):
-        release_vae().save_config(tmp_path / "vae")
+        diffusers_wan22_vae().save_config(tmp_path / "vae")
         diffusers.WanTransformer3DModel(
             patch_size=(1, 2, 2),
             num_attention_heads=24,

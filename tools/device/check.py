@@ -83,6 +83,19 @@ def sync(dev: str) -> None:
 # ----------------------------------------------------------------------------- 1. stages
 
 
+def random_dit(cfg, dtype: torch.dtype, dev: str):
+    """A DiT of `cfg` built on the device with random weights of the trained scale (activations
+    stay finite), in `dtype`; and the device generator that drew them, to draw on from."""
+    with torch.device("meta"):
+        model = WanDiT(cfg)
+    model = model.to(dtype).to_empty(device=dev)
+    gen = torch.Generator(device=dev).manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, 1.0 / max(1, p.shape[-1]) ** 0.5, generator=gen)
+    return model.cast(dtype).eval().requires_grad_(False), gen
+
+
 def check_stages(dev: str, a) -> dict:
     out = {}
     for fpb in (3, 1):
@@ -153,14 +166,7 @@ def check_compile(dev: str, a) -> dict:
     if dev == "cpu":
         cfg = replace(cfg, dim=128, ffn_dim=256, num_heads=1, num_layers=2)
     dtype = torch.float32 if dev == "cpu" else torch.bfloat16
-    with torch.device("meta"):
-        model = WanDiT(cfg)
-    model = model.to(dtype).to_empty(device=dev)
-    gen = torch.Generator(device=dev).manual_seed(0)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(0.0, 1.0 / max(1, p.shape[-1]) ** 0.5, generator=gen)
-    model = model.cast(dtype).eval().requires_grad_(False)
+    model, gen = random_dit(cfg, dtype, dev)
     ts = warped_timesteps((1000, 750, 500, 250), 5.0)
     ctx = torch.randn(1, cfg.text_len, cfg.text_dim, device=dev, generator=gen).to(dtype)
     shape = (1, cfg.in_channels, 3, h // 8, w // 8)
@@ -225,14 +231,7 @@ def check_krea14b(dev: str, a) -> dict:
         if total < dit_need:
             return {**out, "skipped": f"the 14B DiT needs {dit_need / GIB:.1f} GiB, the device has {total / GIB:.1f}"}
     dtype = torch.float32 if dev == "cpu" else torch.bfloat16
-    with torch.device("meta"):
-        model = WanDiT(cfg)
-    model = model.to(dtype).to_empty(device=dev)
-    gen = torch.Generator(device=dev).manual_seed(0)
-    with torch.no_grad():
-        for p in model.parameters():  # weights of the trained scale: activations stay finite
-            p.normal_(0.0, 1.0 / max(1, p.shape[-1]) ** 0.5, generator=gen)
-    model = model.cast(dtype).eval().requires_grad_(False)
+    model, gen = random_dit(cfg, dtype, dev)
     if dev.startswith("cuda"):
         torch.cuda.reset_peak_memory_stats()
         out["weights_gib"] = round(torch.cuda.memory_allocated() / GIB, 2)
@@ -298,14 +297,7 @@ def check_longlive2(dev: str, a) -> dict:
         if total < need:  # no text encoder here
             return {**out, "skipped": f"the 5B DiT needs {need / GIB:.1f} GiB, the device has {total / GIB:.1f}"}
     dtype = torch.float32 if dev == "cpu" else torch.bfloat16
-    with torch.device("meta"):
-        model = WanDiT(cfg)
-    model = model.to(dtype).to_empty(device=dev)
-    gen = torch.Generator(device=dev).manual_seed(0)
-    with torch.no_grad():
-        for p in model.parameters():  # weights of the trained scale: activations stay finite
-            p.normal_(0.0, 1.0 / max(1, p.shape[-1]) ** 0.5, generator=gen)
-    model = model.cast(dtype).eval().requires_grad_(False)
+    model, gen = random_dit(cfg, dtype, dev)
     if dev.startswith("cuda"):
         torch.cuda.reset_peak_memory_stats()
     lh, lw = h // 16, w // 16
