@@ -37,7 +37,7 @@ def test_the_api_reaches_the_engine_only_through_its_boundary():
 # calls `place()` before it builds the Supervisor. train (the embedded default's training) and
 # the CLI are the top.
 LAYERS = [
-    {"spawn", "plan", "ipc", "metrics", "sdnotify", "synthetic", "cluster", "media"},
+    {"spawn", "plan", "controls", "ipc", "metrics", "sdnotify", "synthetic", "cluster", "media"},
     {"platform"},
     {"models"},
     {"config"},
