@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import copy
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -122,6 +122,8 @@ def write_published(preset: str, root: Path, base: Path | Bases) -> Published:
     base = base(preset) if isinstance(base, Bases) else base
     arch = "wan2.2-ti2v-5b" if cp.dit == "wan2.2-ti2v-5b" else "wan2.1-t2v-1.3b"
     dit, _ = build_dit(ModelSpec(preset=arch, path=str(base)))
+    if cp.prope:  # minWM: the stock model plus a `self_attn.prope_o` per block (given values here)
+        dit = with_prope(dit)
     trained, ema = shifted(dit, 0.01), shifted(dit, -0.01)  # the two sets differ from each other
     d = root / preset
     d.mkdir(parents=True)
@@ -148,11 +150,28 @@ def write_published(preset: str, root: Path, base: Path | Bases) -> Published:
         lora_file, expected = write_longlive_lora(trained, cp.lora.rank, cp.lora.alpha, d / "lora.pt")
         files["lora"] = lora_file
         flags += ["--lora", str(lora_file)]
+    elif preset == "minwm-action2v":  # Wan21/wan_inference.py: `generator_ema`, else `generator`
+        torch.save({"generator": generator_sd(trained), "generator_ema": generator_sd(ema)}, ck)
+        expected = ema
     else:  # Self-Forcing, CausVid's successors, Causal Forcing: both sets (and a critic)
         sets = {"generator": generator_sd(trained), "generator_ema": ema_sd(ema)}
         torch.save({**sets, **(critic if preset == "self-forcing" else {})}, ck)
         expected = ema if cp.weights == "ema" else trained
     return Published(preset, flags, {k: v.clone() for k, v in expected.state_dict().items()}, files)
+
+
+def with_prope(dit: WanDiT) -> WanDiT:
+    """`dit` with minWM's `add_prope_parameters`: a Linear `self_attn.prope_o` per block, here
+    with random values (minWM's start at zero; its trained ones do not)."""
+    out = WanDiT(replace(dit.cfg, prope=True)).eval()
+    missing, unexpected = out.load_state_dict(dit.state_dict(), strict=False)
+    assert not unexpected and all(".prope_o." in k for k in missing), (missing, unexpected)
+    g = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for blk in out.blocks:
+            for p in blk.self_attn.prope_o.parameters():
+                p.copy_(torch.randn(p.shape, generator=g) * 0.5)
+    return out.requires_grad_(False)
 
 
 def longlive_targets(model: nn.Module) -> list[str]:

@@ -52,6 +52,14 @@ class CheckpointPreset:
     # The authors' shot change keeps the history (LongLive 2.0's multi-shot: a RoPE offset and a
     # shot sink), which is not built: a cut after a video's first scene is refused, naming it.
     multi_shot: bool = False
+    # The control space a world model takes (controls.SPACES: "camera" is minWM's, PRoPE in the
+    # DiT and a pose per latent frame); None: prompts only.
+    controls: str | None = None
+
+    @property
+    def prope(self) -> bool:
+        """Whether its DiT has minWM's camera path (models/wan/prope.py)."""
+        return self.controls == "camera"
 
     def to_json(self) -> dict:
         """The fields `streamdiffd models --json` prints, exactly."""
@@ -151,6 +159,11 @@ CHECKPOINT_PRESETS: dict[str, CheckpointPreset] = {
         _p("longlive2-5b", "NVlabs/LongLive", "model_bf16.pt", "generator", steps=(1000, 937, 833, 625),
            warp=False, frames_per_block=8, window=32, sink=8, recache="never", lora=Lora(128, 128.0),
            dit="wan2.2-ti2v-5b", sampler="unipc", multi_shot=True),
+        # minWM Wan 2.1 Action2V (configs/causal_forcing_dmd_camera.yaml): Self-Forcing's steps,
+        # 4 frames a block, a window of 20 and no sink; the stock T2V 1.3B plus PRoPE. No re-cache:
+        # the held frames' cameras are not kept, and the authors switch no prompt.
+        _p("minwm-action2v", "shengshu-ai/minWM", "ckpts/Wan21/Action2V/dmd/model.pt", "ema",
+           frames_per_block=4, window=20, recache="never", controls="camera"),
     )
 }  # fmt: skip
 

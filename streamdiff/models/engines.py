@@ -10,8 +10,10 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
+from ..controls import camera_row
 from ..plan import cache_frames
 from .compiled import Compiler
 from .presets import (
@@ -58,6 +60,9 @@ class DiTSession:
     shot_noise: torch.Tensor | None = None  # (1, F, C, h, w), the authors' layout, model dtype
     shot_pos: int = 0  # latent frames of shot_noise used so far
     rolling: rolling.RollingState | None = None  # the rolling sampler's window (sampler kind "rolling")
+    # A camera model's next block's camera, a row per latent frame (controls.camera_row); None:
+    # standing still where the shot is (every frame at the identity pose)
+    camera: list[list[float]] | None = None
 
 
 class DiTEngine:
@@ -178,6 +183,8 @@ class DiTEngine:
         next window step on (a restart would stall the stream for a full window). A cut discards
         them with the caches; the new shot fills its window afresh."""
         policy = self.preset.sampler.recache
+        if self.model.cfg.prope and (recache or policy != "never"):  # the held frames' cameras are not kept
+            raise ValueError("a camera model cannot re-cache: sampler.recache must be 'never'")
         if recache and policy == "never":
             raise ValueError("this model's sampler.recache is 'never': a scene cannot ask for recache")
         recache = recache or policy == "every_switch"
@@ -300,6 +307,9 @@ class DiTEngine:
         if self.rolling_schedule is not None:
             left = shots_left or [0] * len(sessions)
             return [self._rolling_block(s, frames, n) for s, n in zip(sessions, left, strict=True)]
+        if self.model.cfg.prope:
+            for sess in sessions:
+                self._place_camera(sess, frames)
         steps = [self.steps_of(s) for s in sessions]
         renoises = 0 if self.unipc else len(steps[0]) - 1  # UniPC draws no noise after the first
         noise, renoise = [], [[] for _ in range(renoises)]
@@ -334,6 +344,14 @@ class DiTEngine:
                 self.model.commit_and_recompute(sess.state, x0[i : i + 1], frames, ctx_t)
             sess.shot_blocks += 1
         return list(to_host(x0).split(1))
+
+    def _place_camera(self, sess: DiTSession, frames: int) -> None:
+        """The block's camera on the session's DiT state, where every pass of the block reads it."""
+        rows = sess.camera or [camera_row(np.eye(4))] * frames
+        sess.camera = None
+        if len(rows) != frames:
+            raise ValueError(f"a camera of {len(rows)} latent frames for a block of {frames}")
+        sess.state.camera = torch.tensor(rows, dtype=torch.float32)
 
     def _sigmas_of(self, timesteps: list[float], shift: float) -> list[float]:
         """`sigma_of` once per step list (a search of the schedule: host work, not per block)."""

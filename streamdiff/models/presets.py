@@ -161,6 +161,8 @@ def get_preset(spec: ModelSpec) -> Preset:
         raise ValueError(f"unknown model preset {spec.preset!r} (known: {', '.join(known_presets())})")
     if cp is not None:
         p = replace(p, name=cp.name, checkpoint=cp, sampler=replace(p.sampler, **cp.sampler_settings()))
+        if cp.prope:
+            p = replace(p, dit=replace(p.dit, prope=True))
     if spec.default_size:
         p = replace(p, default_size=tuple(spec.default_size))
     if spec.sampler:

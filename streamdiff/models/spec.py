@@ -95,13 +95,15 @@ DIT_DIMS = {
 
 def preset_facts(name: str) -> dict:
     """PRESET_FACTS of a DiT configuration, or of a checkpoint preset (its DiT's, with its block)."""
-    # i2v: whether the model conditions on an image (presets.image_to_video; the embedded default does)
+    # i2v: whether the model conditions on an image (presets.image_to_video; the embedded default does);
+    # controls: the control space of a world model (controls.SPACES), absent for the others
     if name in PRESET_FACTS:
         return {**PRESET_FACTS[name], "i2v": name == "tiny"}
     cp = checkpoint_preset(name)
     if cp is None:
         raise KeyError(name)
-    return {**PRESET_FACTS[cp.dit], "frames_per_block": cp.frames_per_block, "i2v": cp.i2v}
+    facts = {**PRESET_FACTS[cp.dit], "frames_per_block": cp.frames_per_block, "i2v": cp.i2v}
+    return {**facts, "controls": cp.controls} if cp.controls else facts
 
 
 DECODERS = ("wan", "taehv")  # the latent decoders a daemon can serve with (--decoder)

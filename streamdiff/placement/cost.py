@@ -86,14 +86,15 @@ def dit_params(d: dict) -> int:
     return layers * block + embed + head
 
 
-def block_flops(d: dict, tpf: int, frames: int, window: int, passes: int) -> float:
+def block_flops(d: dict, tpf: int, frames: int, window: int, passes: int, paths: int = 1) -> float:
     """Multiply-adds x 2 of one block: per pass, every token of the block through each layer's
     projections (self q/k/v/o, cross q/o: the prompt's k/v are cached) and FFN, and attention
-    over the window's tokens (self) and the prompt's (cross)."""
+    over the window's tokens (self) and the prompt's (cross). `paths` 2: PRoPE's second
+    self-attention and its output projection (its 4x4 transforms are a few per cent of one)."""
     dim, ffn, layers, text_len = d["dim"], d["ffn_dim"], d["num_layers"], d["text_len"]
     n = tpf * frames
-    linear = 2 * n * (6 * dim * dim + 2 * dim * ffn)
-    attn = 4 * n * dim * (window * tpf + text_len)
+    linear = 2 * n * ((5 + paths) * dim * dim + 2 * dim * ffn)
+    attn = 4 * n * dim * (paths * window * tpf + text_len)
     return float(passes * layers * (linear + attn))
 
 
@@ -105,8 +106,11 @@ def model_cost(preset: str, size: tuple[int, int], dtype_bytes: int = 2) -> Mode
     d = DIT_DIMS[dit]
     passes, window, frames = sampler_of(preset)
     tpf = tokens_per_frame(size, PRESET_FACTS[dit]["spatial_factor"])
-    params, text = dit_params(d), UMT5_XXL_ENCODER_PARAMS
-    kv = d["num_layers"] * 2 * window * tpf * d["dim"] * dtype_bytes
+    cp = checkpoint_preset(preset)
+    paths = 2 if cp is not None and cp.prope else 1  # minWM's PRoPE: a second attention and cache
+    params = dit_params(d) + (paths - 1) * d["num_layers"] * (d["dim"] ** 2 + d["dim"])
+    text = UMT5_XXL_ENCODER_PARAMS
+    kv = paths * d["num_layers"] * 2 * window * tpf * d["dim"] * dtype_bytes
     cross = d["num_layers"] * 2 * d["text_len"] * d["dim"] * dtype_bytes
     # One block's peak: the FFN's hidden, the block's q/k/v/o and residuals (float32 where the
     # modulation runs), and the attention's output over the window: a few dim-wide rows and one
@@ -121,7 +125,7 @@ def model_cost(preset: str, size: tuple[int, int], dtype_bytes: int = 2) -> Mode
         (params + text) * dtype_bytes,
         kv + cross,
         act,
-        block_flops(d, tpf, frames, window, passes),
+        block_flops(d, tpf, frames, window, passes, paths),
     )
 
 

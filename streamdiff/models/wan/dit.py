@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ...platform import KINDS, for_device
+from . import prope
 
 
 @dataclass(frozen=True)
@@ -39,6 +40,9 @@ class DiTConfig:
     eps: float = 1e-6
     rope_max_positions: int = 1024  # height and width table rows; frames are computed at any position
     rope_theta: float = 10000.0
+    # minWM's camera path (prope.py): a second self-attention over the camera-transformed q, k, v,
+    # added through `self_attn.prope_o`, with its own keys/values in the KV cache
+    prope: bool = False
 
     @property
     def head_dim(self) -> int:
@@ -103,6 +107,10 @@ class KVCache:
         shape = (batch, heads or cfg.num_heads, window_frames * tokens_per_frame, cfg.head_dim)
         self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.num_layers)]
         self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.num_layers)]
+        # PRoPE's keys/values (cfg.prope): the same slots of a second pair of buffers, so the same
+        # ring, sinks and eviction hold both paths
+        self.pk = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.num_layers)] if cfg.prope else []
+        self.pv = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.num_layers)] if cfg.prope else []
         # The clean latents behind the held frames, their RoPE positions and the block each was
         # committed with: what a re-cache recomputes the keys/values from (float32, small).
         # Allocated here where the latent size is known, so that a session's bytes are fixed at open.
@@ -136,7 +144,7 @@ class KVCache:
     @property
     def nbytes(self) -> int:
         """Every byte this cache holds: keys, values, latents and the evicted tail."""
-        bufs = [*self.k, *self.v, *(t for t in (self.latents, self._tail) if t is not None)]
+        bufs = [*self.k, *self.v, *self.pk, *self.pv, *(t for t in (self.latents, self._tail) if t is not None)]
         return sum(t.numel() * t.element_size() for t in bufs)
 
     def _slots(self, lo: int, hi: int) -> list[tuple[int, int]]:
@@ -160,21 +168,27 @@ class KVCache:
         """The keys/values of held frames [lo, hi) in shot order, as views of contiguous pieces."""
         return [(self.k[layer][:, :, a:b], self.v[layer][:, :, a:b]) for a, b in self._slots(lo, hi)]
 
-    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> int:
+    def buffers(self, prope: bool = False) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """The per-layer key and value buffers of the RoPE path, or of PRoPE's."""
+        return (self.pk, self.pv) if prope else (self.k, self.v)
+
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, prope: bool = False) -> int:
         """Put a block's keys/values (B, heads, n, head_dim) in the slots of the frames just past the
-        committed ones; returns how many tokens attention reads (a prefix of the buffer). Under
-        autograd (training, streamdiff/train) the buffers are replaced, the old stay in the graph."""
+        committed ones (PRoPE's buffers with `prope`); returns how many tokens attention reads (a
+        prefix of the buffer). Under autograd (training, streamdiff/train) the buffers are
+        replaced, the old stay in the graph."""
+        ks, vs = self.buffers(prope)
         n = k.shape[2]
         f = n // self.tpf
         i = 0
         for a, b in self._slots(self.frames, self.frames + f):
             ki, vi = k[:, :, i : i + b - a], v[:, :, i : i + b - a]
             if torch.is_grad_enabled():
-                self.k[layer] = torch.cat([self.k[layer][:, :, :a], ki, self.k[layer][:, :, b:]], 2)
-                self.v[layer] = torch.cat([self.v[layer][:, :, :a], vi, self.v[layer][:, :, b:]], 2)
+                ks[layer] = torch.cat([ks[layer][:, :, :a], ki, ks[layer][:, :, b:]], 2)
+                vs[layer] = torch.cat([vs[layer][:, :, :a], vi, vs[layer][:, :, b:]], 2)
             else:
-                self.k[layer][:, :, a:b] = ki
-                self.v[layer][:, :, a:b] = vi
+                ks[layer][:, :, a:b] = ki
+                vs[layer][:, :, a:b] = vi
             i += b - a
         return self.window * self.tpf if self.start else (self.frames + f) * self.tpf
 
@@ -252,6 +266,9 @@ class DiTState:
         self.kv = kv
         self.cross: list[tuple[torch.Tensor, torch.Tensor]] = []  # per layer (k, v) of the prompt
         self.next_frame = 0  # absolute frame index (RoPE position) of the next block in this shot
+        # A camera model's (cfg.prope): the next block's camera per latent frame, (f, 20) rows of
+        # w2c and fx, fy, cx, cy (controls.camera_row), set before the block, read by every pass of it
+        self.camera: torch.Tensor | None = None
 
     def new_shot(self) -> None:
         """The next shot reuses this state's buffers (a cut never holds two caches)."""
@@ -375,8 +392,23 @@ class Attention(nn.Module):
 
 
 class SelfAttention(Attention):
+    def __init__(self, cfg: DiTConfig) -> None:
+        super().__init__(cfg)
+        if cfg.prope:  # minWM's camera path out (zero-initialised, as minWM adds it to a trained model)
+            self.prope_o = nn.Linear(cfg.dim, cfg.dim)
+            nn.init.zeros_(self.prope_o.weight)
+            nn.init.zeros_(self.prope_o.bias)
+
     def attend(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kvs: list[KVCache], layer: int, sp=None, grid=None
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kvs: list[KVCache],
+        layer: int,
+        sp=None,
+        grid=None,
+        prope: bool = False,
     ) -> torch.Tensor:
         """q, k, v: (S, L_block, heads, head_dim) after RoPE, one row per session (a batch of
         sessions at the same step), each with its own cache (`kvs`; or one cache holding a batch
@@ -385,27 +417,30 @@ class SelfAttention(Attention):
         common case: a copy of their keys/values into one batch), else one per session. In a DiT
         group (`sp`, parallel/dit_group.py) the rows hold this rank's tokens only: q, k, v go to
         every token of this rank's heads before attention and the output comes back after.
-        Returns (S, L_block, heads, head_dim)."""
+        `prope`: PRoPE's path, over its own buffers of the same caches. Returns (S, L_block, heads,
+        head_dim)."""
         if sp is not None:
             q, k, v = sp.to_heads(torch.stack([q, k, v], dim=2), grid).unbind(2)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (S, heads, L, d)
+        bufs = [kv.buffers(prope) for kv in kvs]
         if len(kvs) == 1:
-            n = kvs[0].write(layer, k, v)
-            out = F.scaled_dot_product_attention(q, kvs[0].k[layer][:, :, :n], kvs[0].v[layer][:, :, :n])
+            n = kvs[0].write(layer, k, v, prope)
+            (ks, vs) = bufs[0]
+            out = F.scaled_dot_product_attention(q, ks[layer][:, :, :n], vs[layer][:, :, :n])
         else:
-            lens = [kv.write(layer, k[i : i + 1], v[i : i + 1]) for i, kv in enumerate(kvs)]
+            lens = [kv.write(layer, k[i : i + 1], v[i : i + 1], prope) for i, kv in enumerate(kvs)]
             if len(set(lens)) == 1:
                 n = lens[0]
                 out = F.scaled_dot_product_attention(
                     q,
-                    torch.cat([kv.k[layer][:, :, :n] for kv in kvs]),
-                    torch.cat([kv.v[layer][:, :, :n] for kv in kvs]),
+                    torch.cat([ks[layer][:, :, :n] for ks, _ in bufs]),
+                    torch.cat([vs[layer][:, :, :n] for _, vs in bufs]),
                 )
             else:
                 out = torch.cat(
                     [
-                        F.scaled_dot_product_attention(q[i : i + 1], kv.k[layer][:, :, :n], kv.v[layer][:, :, :n])
-                        for i, (kv, n) in enumerate(zip(kvs, lens, strict=True))
+                        F.scaled_dot_product_attention(q[i : i + 1], ks[layer][:, :, :n], vs[layer][:, :, :n])
+                        for i, ((ks, vs), n) in enumerate(zip(bufs, lens, strict=True))
                     ]
                 )
         out = out.transpose(1, 2)
@@ -438,25 +473,36 @@ def _mod(y: torch.Tensor, f: int, sh: torch.Tensor, sc: torch.Tensor) -> torch.T
 
 
 def block_qkv(blk: Block, x: torch.Tensor, e: torch.Tensor, f: int, cos: torch.Tensor, sin: torch.Tensor):
-    """A block up to its self-attention: q, k, v (S, L, heads, head_dim), RoPE applied. No cache
-    and no Python state: the part `torch.compile` takes (`WanDiT.compile_blocks`)."""
+    """A block up to its self-attention: q, k, v (S, L, heads, head_dim), RoPE applied, and q, k
+    before RoPE (PRoPE's; a model without it drops them at once). No cache and no Python state:
+    the part `torch.compile` takes (`WanDiT.compile_blocks`)."""
     shift, scale = (blk.modulation.unsqueeze(1) + e)[:, :, :2].unbind(2)
     att = blk.self_attn
     y = _mod(blk.norm1(x), f, shift, scale).type_as(x)
     q = att.norm_q(att.q(y)).unflatten(2, (att.heads, -1))
     k = att.norm_k(att.k(y)).unflatten(2, (att.heads, -1))
     v = att.v(y).unflatten(2, (att.heads, -1))
-    return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+    return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v, q, k
 
 
 def block_rest(
-    blk: Block, x: torch.Tensor, attn: torch.Tensor, e: torch.Tensor, f: int, ck: torch.Tensor, cv: torch.Tensor
+    blk: Block,
+    x: torch.Tensor,
+    attn: torch.Tensor,
+    e: torch.Tensor,
+    f: int,
+    ck: torch.Tensor,
+    cv: torch.Tensor,
+    cam: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """A block after its self-attention (attn: (S, L, heads, head_dim)): output projection and
-    gate, cross-attention over the prompts' keys/values (ck, cv), FFN and gate; compiled alike."""
+    gate, cross-attention over the prompts' keys/values (ck, cv), FFN and gate; compiled alike.
+    `cam`: PRoPE's attention output, back through P (prope.py), added through `prope_o`."""
     b, n, c = x.shape
     gate, c_shift, c_scale, c_gate = (blk.modulation.unsqueeze(1) + e)[:, :, 2:].unbind(2)
     y = blk.self_attn.o(attn.flatten(2))
+    if cam is not None:
+        y = y + blk.self_attn.prope_o(cam.flatten(2))
     x = (x.float() + (_per_frame(y.float(), f) * gate.unsqueeze(2)).view(b, n, c)).type_as(x)
     x = x + blk.cross_attn(blk.norm3(x), [(ck, cv)])
     y = blk.ffn(_mod(blk.norm2(x), f, c_shift, c_scale).type_as(x))
@@ -488,14 +534,21 @@ class Block(nn.Module):
         sp=None,
         grid=None,
         fns=(block_qkv, block_rest),
+        cams: torch.Tensor | None = None,
     ):
         """x: (S, L, C) with L = f * tokens_per_frame, one row per session; e: (S, f, 6, C) float32;
         rope: cos, sin broadcasting to (S, L, heads, pairs); cross: the prompts' (k, v) of this
-        layer, (S, heads, L_text, head_dim); fns: the two halves, eager or compiled."""
+        layer, (S, heads, L_text, head_dim); fns: the two halves, eager or compiled; cams: a
+        camera model's (S, f, 3, 4, 4) P^T, P^-1, P per frame (prope.projections)."""
         qkv, rest = fns
-        q, k, v = qkv(self, x, e, f, *rope)
+        q, k, v, q0, k0 = qkv(self, x, e, f, *rope)
         attn = self.self_attn.attend(q, k, v, kvs, layer, sp, grid)
-        return rest(self, x, attn, e, f, *cross)
+        cam = None
+        if cams is not None:
+            pt, p_inv, p = cams.unbind(2)
+            qp, kp, vp = prope.transform(q0, pt), prope.transform(k0, p_inv), prope.transform(v, p_inv)
+            cam = prope.transform(self.self_attn.attend(qp, kp, vp, kvs, layer, sp, grid, prope=True), p)
+        return rest(self, x, attn, e, f, *cross, cam)
 
 
 class Head(nn.Module):
@@ -713,12 +766,13 @@ class WanDiT(nn.Module):
         else:  # (S, L, 1, pairs): each session at its own positions
             ropes = tuple(torch.stack(t) for t in zip(*(rope.tables(st.next_frame, fp, hp, wp, rows) for st in states)))
         kvs = [st.kv for st in states]
+        cams = self._cameras(states, b, fp) if cfg.prope else None
         for i, blk in enumerate(self.blocks):
             if len(states) == 1:
                 cross = states[0].cross[i]
             else:  # the prompts' keys/values as one batch (each row its own prompt): one SDPA call
                 cross = (torch.cat([st.cross[i][0] for st in states]), torch.cat([st.cross[i][1] for st in states]))
-            tokens = blk(tokens, e6, fp, ropes, kvs, cross, i, sp, grid, self.block_fns)
+            tokens = blk(tokens, e6, fp, ropes, kvs, cross, i, sp, grid, self.block_fns, cams)
         out = self.head(tokens, emb, fp)  # (B, L, pt*ph*pw*C_out)
         if sp is not None:
             out = sp.gather(out, grid)
@@ -730,6 +784,16 @@ class WanDiT(nn.Module):
                 st.next_frame += fp
         out = out.view(b, fp, hp, wp, pt, ph, pw, cfg.out_channels)
         return out.permute(0, 7, 1, 4, 2, 5, 3, 6).reshape(b, cfg.out_channels, f, h, w).float()
+
+    def _cameras(self, states: list[DiTState], b: int, f: int) -> torch.Tensor:
+        """Each row's P^T, P^-1, P per frame of the block, (b, f, 3, 4, 4), from its state's camera."""
+        for st in states:
+            if st.camera is None or tuple(st.camera.shape) != (f, 20):
+                got = None if st.camera is None else tuple(st.camera.shape)
+                raise ValueError(f"a camera model needs the block's camera, ({f}, 20) rows; got {got}")
+        dev, dtype = self.patch_embedding.weight.device, self.patch_embedding.weight.dtype
+        cams = torch.stack([prope.projections(st.camera.to(dev), dtype) for st in states])
+        return cams.expand(b, *cams.shape[1:]) if len(states) == 1 else cams
 
     @torch.no_grad()
     def forward_full(self, x: torch.Tensor, t: torch.Tensor, context: torch.Tensor) -> torch.Tensor:
