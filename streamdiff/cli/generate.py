@@ -3,6 +3,7 @@
     streamdiffd generate --prompt "a red fox running through snow" --seconds 5 -o fox.mp4
     streamdiffd generate --preset self-forcing --model /models/Wan2.1-T2V-1.3B \\
         --dit-checkpoint self_forcing_dmd.pt --scenes story.json --seed 0 -o story.mp4 --latents story.pt
+    streamdiffd generate --preset minwm-action2v ... --prompt "a forest path" --controls walk.json -o walk.mp4
 
 The job of the published models' `inference.py`, on the daemon's own pieces so that the two give
 the same frames for the same request and seed: the request is validated by the API's
@@ -23,6 +24,7 @@ from pathlib import Path
 
 from ..config import Config, ConfigError
 from ..config.loader import load
+from ..controls import SPACES, Timeline, control_marker
 from ..flags import add_model_args, overrides_from_args
 from ..plan import plan_blocks, scene_marker, shot_left
 from ..server.api import APIError, VideoRequest, parse_video_request
@@ -70,6 +72,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--size", dest="frame_size", metavar="WxH", help="frame size (default: the model's)")
     p.add_argument("--fps", metavar="N", help="frames per second (default: the model's, 16)")
     p.add_argument("--image", metavar="FILE", help="image-to-video: the first frame (PNG, JPEG or WebP)")
+    p.add_argument(
+        "--controls",
+        metavar="FILE",
+        help="a world model's control script in JSON, as POST /v1/videos takes it: the 'controls' array (each "
+        "control with its seq, landing at block 0 or the block it names), or an object holding one",
+    )
     p.add_argument("-o", "--output", required=True, metavar="OUT.mp4", help="the video file to write")
     p.add_argument(
         "--latents",
@@ -110,6 +118,16 @@ def read_request(args: argparse.Namespace) -> tuple[dict, dict[str, str]]:
                 body.pop("seconds", None)
                 body.pop("num_frames", None)
             body[field], given[field] = value, flag
+    if args.controls is not None:
+        where = f"--controls {args.controls}"
+        try:
+            raw = json.loads(Path(args.controls).read_text())
+        except OSError as exc:
+            raise UsageError(f"{where}: cannot read it: {exc.strerror or exc}") from None
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise UsageError(f"{where}: not JSON: {exc}") from None
+        body["controls"] = raw.get("controls") if isinstance(raw, dict) else raw
+        given["controls"] = where
     if args.image is not None:  # the API's input_reference, as a multipart file brings it
         try:
             body["input_reference"], given["input_reference"] = Path(args.image).read_bytes(), "--image"
@@ -175,6 +193,10 @@ def generate(cfg: Config, req: VideoRequest, args: argparse.Namespace) -> tuple[
     out, part = Path(args.output), Path(args.output + ".part")  # a stopped run leaves no half video under the name
     latents: list[torch.Tensor] = []
     sess, state = dit.open_session(req.width, req.height, req.seed), None
+    space = SPACES.get(dit.preset.checkpoint.controls if dit.preset.checkpoint else None)
+    timeline = Timeline(space) if space is not None else None  # as the scheduler keeps a world model's
+    for c in req.controls:
+        timeline.receive(c, 0)
     try:
         # disable=None: no bar when stderr is not a terminal (a log file gets the summary line only)
         with part.open("wb") as f, tqdm(total=req.frames, unit="frame", disable=None, dynamic_ncols=True) as bar:
@@ -185,6 +207,11 @@ def generate(cfg: Config, req: VideoRequest, args: argparse.Namespace) -> tuple[
                     recache = scene.recache and not b.shot_start
                     image = scene.image is not None and b.shot_start  # its block is not drawn (F - 1)
                     dit.set_scene(sess, scene.prompt, b.shot_start, scene.seed, recache, shot_left=left - image)
+                events = [scene_marker(b, scene)] if b.first_of_scene else []
+                if timeline is not None:  # the controls that reach this block, as the scheduler gives them
+                    ctl = timeline.block(b.index, b.latent_frames, b.shot_start)
+                    sess.camera = ctl.camera or None
+                    events += [control_marker(b, ctl.seq)] if ctl.seq is not None else []
                 if b.shot_start and scene.image is not None:  # image-to-video: the picture's latent
                     latent = dit.start_from_image(sess, decode_png(scene.image))
                 else:
@@ -195,7 +222,7 @@ def generate(cfg: Config, req: VideoRequest, args: argparse.Namespace) -> tuple[
                     state = vae.open_session()
                 frames = vae.decode_block(state, latent)[: b.emit].numpy()  # (emit, H, W, 3) uint8
                 idr = b.index % every == 0
-                f.write(writer.fragment(frames, idr, [scene_marker(b, scene)] if b.first_of_scene else []))
+                f.write(writer.fragment(frames, idr, events))
                 bar.update(b.emit)
         if args.latents:
             torch.save(torch.cat(latents, dim=2), args.latents + ".part")

@@ -56,6 +56,9 @@ class GenerateBlock(Message, tag="gen"):
     # image-to-video: the shot's input picture at the video's size, as PNG bytes (an encoded file,
     # not a tensor), on the shot's first block, which is then the picture's latent frame alone
     image: bytes | None = None
+    # a camera model's (controls.py): the block's camera per latent frame, rows of w2c (16,
+    # row-major) and fx, fy, cx, cy
+    camera: list[list[float]] = []
 
 
 class GenerateBatch(Message, tag="genb"):

@@ -282,13 +282,14 @@ class FragmentWriter:
         self._init_sent = True
         return init_segment(self.width, self.height, self.timescale, self.encoder.sps, self.encoder.pps)
 
-    def fragment(self, frames: np.ndarray, idr_first: bool, events: list[tuple[int, str, bytes]] = ()) -> bytes:
-        """events: (frame offset in this block, value, message) -> emsg boxes before the moof."""
+    def fragment(self, frames: np.ndarray, idr_first: bool, events: list[tuple] = ()) -> bytes:
+        """events: (frame offset in this block, value, message[, scheme]) -> emsg boxes before the
+        moof (the scene scheme where none is named: plan.scene_marker; controls.control_marker)."""
         samples = self.encoder.encode(frames, idr_first)
         self.sequence += 1
         prefix = b"".join(
-            emsg(self.timescale, self.decode_time + 1000 * off, 0, self.sequence * 100 + k, value, msg)
-            for k, (off, value, msg) in enumerate(events)
+            emsg(self.timescale, self.decode_time + 1000 * off, 0, self.sequence * 100 + k, value, msg, *scheme)
+            for k, (off, value, msg, *scheme) in enumerate(events)
         )
         out = self.init_segment() + media_fragment(self.sequence, self.decode_time, 1000, samples, prefix)
         self.decode_time += 1000 * len(samples)

@@ -17,6 +17,8 @@ import re
 from dataclasses import dataclass, replace
 
 from ..config import Config, LimitsConfig, parse_size
+from ..controls import MAX_PENDING, SPACES, Control, ControlError
+from ..controls import parse_control as _parse_control
 from ..models.catalog import checkpoint_preset
 from ..plan import Scene
 
@@ -35,6 +37,7 @@ KNOWN_FIELDS = {
     "scenes",
     "input_reference",
     "outputs",
+    "controls",
     "negative_prompt",
     "num_inference_steps",
     "user",
@@ -78,6 +81,7 @@ class VideoRequest:
     live: bool = False  # open-ended: its length is a cap; steered and stopped while it plays
     input_reference: dict | None = None  # image-to-video: the input image as received (prepare_image)
     outputs: tuple[str, ...] = ()  # the configured ingests ([outputs] destinations) it is pushed to
+    controls: tuple[Control, ...] = ()  # a world model's controls from the start, each at its block
 
     @property
     def frames(self) -> int:
@@ -258,7 +262,42 @@ def parse_video_request(data, cfg: Config, facts: dict) -> VideoRequest:
         png, reference = prepare_image(image_bytes(data["input_reference"], lim), width, height, lim)
         scenes[0] = replace(scenes[0], image=png)  # the first scene's shot starts from it
     outputs = _outputs(data.get("outputs"), cfg)
-    return VideoRequest(model or cfg.model_name, scenes, width, height, fps, seed, stream, live, reference, outputs)
+    controls = _start_controls(data.get("controls"), facts)
+    return VideoRequest(
+        model or cfg.model_name, scenes, width, height, fps, seed, stream, live, reference, outputs, controls
+    )
+
+
+def parse_control(body, facts: dict, param: str = "") -> Control:
+    """A world model's control (POST /v1/videos/{id}/controls, `session.control`), checked against
+    the model's control space (controls.py): a Control, or APIError naming the field."""
+    try:
+        return _parse_control(body, SPACES.get(facts.get("controls")))
+    except ControlError as err:
+        where = f"{param}{err.param}" if err.param else param.rstrip(".") or None
+        raise APIError(err.status, err.message, where, err.code) from None
+
+
+def _start_controls(raw, facts: dict) -> tuple[Control, ...]:
+    """`controls`: the controls a video starts with, in order, each landing at block 0 or at the
+    one it names (a control script replayed from the start, as `streamdiffd generate --controls`)."""
+    if raw is None:
+        return ()
+    if isinstance(raw, str):  # multipart forms carry it as JSON text
+        try:
+            raw = json.loads(raw)
+        except json.JSONDecodeError:
+            raise bad("'controls' must be a JSON array", "controls") from None
+    if not isinstance(raw, list):
+        raise bad("'controls' must be a list of controls", "controls")
+    if len(raw) > MAX_PENDING:
+        raise bad(f"'controls' has {len(raw)} controls; at most {MAX_PENDING} (a script holds many frames)", "controls")
+    out = [parse_control(c, facts, f"controls[{i}].") for i, c in enumerate(raw)]
+    if any(b.seq <= a.seq for a, b in zip(out, out[1:], strict=False)):
+        raise bad("'controls': each 'seq' must be after the one before", "controls")
+    if any((b.block or 0) < (a.block or 0) for a, b in zip(out, out[1:], strict=False)):
+        raise bad("'controls': the blocks they name must not go back", "controls")
+    return tuple(out)
 
 
 def _outputs(raw, cfg: Config) -> tuple[str, ...]:

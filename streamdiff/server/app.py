@@ -18,7 +18,7 @@ from ..config import Config
 from ..supervisor.core import Supervisor
 from .api import APIError, bad, parse_steer
 from .bodies import body_limit, read_request_data
-from .control import apply_landing, start_job
+from .control import apply_landing, control_job, start_job
 from .hls import HLS
 from .jobs import Job, JobStore
 from .keys import API_KEYS, CONFIG, JOBS, STORE, SUPERVISOR
@@ -101,6 +101,15 @@ async def steer_video(request: web.Request) -> web.Response:
     return web.json_response(
         {"scene": landed.scene, "start_frame": landed.start_frame, "start_seconds": landed.start_frame / fps}
     )
+
+
+async def control_video(request: web.Request) -> web.Response:
+    """POST /v1/videos/{id}/controls: a world model's control (controls.py) from the first block
+    not yet started; the answer names that block and its first frame (each fragment's emsg carries
+    the newest control that shaped it)."""
+    job = _steerable(request)
+    landed = control_job(job, await read_request_data(request), request.app[SUPERVISOR].facts)
+    return web.json_response(landed)
 
 
 async def stop_video(request: web.Request) -> web.Response:
@@ -304,7 +313,7 @@ def make_app(sup: Supervisor, cfg: Config, api_keys: list[bytes]) -> web.Applica
     hls = HLS(get_job, lambda: sup.facts["frames_per_block"] * sup.facts["temporal_factor"])
 
     async def steer(job: Job, event: dict) -> dict:
-        return steer_event(job, event["type"], event, cfg)
+        return steer_event(job, event["type"], event, cfg, sup.facts)
 
     whep = WHEP(get_job, steer, cfg.server.webrtc_ice_servers)
 
@@ -323,6 +332,7 @@ def make_app(sup: Supervisor, cfg: Config, api_keys: list[bytes]) -> web.Applica
         r.add_get(f"{prefix}/videos/{{video_id}}/content", video_content)
         r.add_post(f"{prefix}/videos/{{video_id}}/scenes", steer_video)
         r.add_post(f"{prefix}/videos/{{video_id}}/stop", stop_video)
+        r.add_post(f"{prefix}/videos/{{video_id}}/controls", control_video)
         r.add_get(f"{prefix}/realtime/video", realtime_video)
         r.add_get(f"{prefix}/models", list_models)
         r.add_get(f"{prefix}/models/{{model}}", retrieve_model)

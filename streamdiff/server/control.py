@@ -12,7 +12,7 @@ from aiohttp import web
 
 from ..supervisor.core import RUNNING
 from ..supervisor.engine import QueueFull
-from .api import APIError, parse_video_request
+from .api import APIError, parse_control, parse_video_request
 from .jobs import Job
 from .keys import CONFIG, JOBS, SUPERVISOR
 from .push import start_pushes
@@ -84,3 +84,21 @@ def apply_landing(job: Job, landed) -> None:
             raise APIError(429, message, None, "too_many_pending_scenes", "rate_limit_error")
         raise APIError(status, message, None, "video_finished")
     job.set_scenes(landed.scenes)
+
+
+def control_job(job: Job, body, facts: dict) -> dict:
+    """A world model's control applied to the job: where it lands ({seq, block, start_frame,
+    start_seconds}), or APIError (400 bad, 409 finished or out of order, 429 too many waiting)."""
+    c = parse_control(body, facts)
+    if job.finished or job.handle is None:
+        raise APIError(409, f"video '{job.id}' has {job.state}: it takes no controls", None, "video_finished")
+    landed = job.handle.control(c)
+    if landed.refused is not None:
+        status, param, code, message = landed.refused
+        raise APIError(status, message, param, code, "rate_limit_error" if status == 429 else "invalid_request_error")
+    return {
+        "seq": c.seq,
+        "block": landed.block,
+        "start_frame": landed.start_frame,
+        "start_seconds": landed.start_frame / job.request.fps,
+    }

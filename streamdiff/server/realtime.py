@@ -9,12 +9,15 @@ The events are vLLM-Omni's realtime video protocol, so a client written for it n
              "seed"?: ...}                        steer: a new scene from the next block
             {"type": "session.interaction", "interaction": {"event_id"?, "event": {"prompt"}}}
                                                   the same, in vLLM-Omni's newer form
+            {"type": "session.control", "seq", ...}  a world model's control (controls.py)
             {"type": "session.stop"}              end cleanly at the next block boundary
             {"type": "session.ping"}
     server  {"type": "video.start", "request_id", "format": "m4s", "config": {...}}
             binary messages: the init segment, then one fMP4 fragment (with its emsg) each
             {"type": "session.prompt_updated" | "session.interaction.queued", "request_id",
              "scene", "start_frame", "start_seconds"[, "event_id"]}   where a steer lands
+            {"type": "session.control.ack", "request_id", "seq", "block", "start_frame",
+             "start_seconds"}                     where a control lands
             {"type": "session.done", "request_id", "chunks", "stopped"}
             {"type": "session.pong"}
             {"type": "error", "message", "code"}
@@ -32,9 +35,9 @@ import logging
 from aiohttp import WSMsgType, web
 
 from .api import APIError, bad, parse_steer
-from .control import apply_landing, start_job
+from .control import apply_landing, control_job, start_job
 from .jobs import Job, JobExpired
-from .keys import CONFIG
+from .keys import CONFIG, SUPERVISOR
 
 log = logging.getLogger("streamdiff.realtime")
 
@@ -163,21 +166,23 @@ async def _controls(request: web.Request, ws: web.WebSocketResponse, sock: _Sock
                 if not job.finished:
                     apply_landing(job, job.handle.stop())
                     job.stopped = True
-            elif kind in ("session.prompt_update", "session.interaction"):
-                await _steer(sock, job, kind, event, cfg)
+            elif kind in STEERING:
+                await sock.json(steer_event(job, kind, event, cfg, request.app[SUPERVISOR].facts))
             else:
                 raise bad(f"unknown event type {kind!r}", "type", "unknown_event")
         except APIError as err:
             await sock.error(err)
 
 
-async def _steer(sock: _Socket, job: Job, kind: str, event: dict, cfg) -> None:
-    await sock.json(steer_event(job, kind, event, cfg))
+STEERING = ("session.prompt_update", "session.interaction", "session.control")
 
 
-def steer_event(job: Job, kind: str, event: dict, cfg) -> dict:
-    """A steering event (a WebSocket's, a WHEP data channel's) applied to the job: the reply that
-    names where it lands, or APIError."""
+def steer_event(job: Job, kind: str, event: dict, cfg, facts: dict) -> dict:
+    """A steering event (a WebSocket's, a WHEP data channel's: one of STEERING) applied to the
+    job: the reply that names where it lands, or APIError."""
+    if kind == "session.control":
+        landed = control_job(job, {k: v for k, v in event.items() if k != "type"}, facts)
+        return {"type": "session.control.ack", "request_id": job.id, **landed}
     if kind == "session.interaction":
         inter = event.get("interaction")
         if not isinstance(inter, dict) or not isinstance(inter.get("event"), dict):

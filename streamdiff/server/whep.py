@@ -26,6 +26,7 @@ from aiohttp import web
 from ..media.cmaf import annexb_access_unit, fragment_samples, init_parameter_sets
 from .api import APIError, bad
 from .jobs import Job
+from .realtime import STEERING
 
 log = logging.getLogger("streamdiff.whep")
 RTP_CLOCK = 90000
@@ -145,8 +146,8 @@ class WHEP:
         """A steering event on the data channel, answered there (as on the WebSocket)."""
         try:
             event = json.loads(message) if isinstance(message, str) else None
-            if not isinstance(event, dict) or event.get("type") not in ("session.prompt_update", "session.interaction"):
-                raise bad("a control message is a JSON session.prompt_update or session.interaction", "type")
+            if not isinstance(event, dict) or event.get("type") not in STEERING:
+                raise bad(f"a control message is a JSON object of type {' | '.join(STEERING)}", "type")
             reply = await self.steer(job, event)
         except APIError as err:
             reply = {"type": "error", "message": err.message, "code": err.code, "param": err.param}

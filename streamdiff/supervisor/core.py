@@ -23,6 +23,7 @@ import zmq
 import zmq.asyncio
 
 from ..config import Config, ConfigError
+from ..controls import SPACES, Timeline
 from ..ipc import control
 from ..ipc import messages as m
 from ..ipc.shm import Ring, SharedMemoryFull, create_rings, sweep_stale
@@ -286,6 +287,11 @@ class Supervisor:
         blocks = plan_blocks(request.scenes, self.facts["frames_per_block"], self.facts["temporal_factor"])
         r = request
         sess = Session(session_id, r.scenes, blocks, r.width, r.height, r.fps, r.seed, time.monotonic(), live=r.live)
+        space = SPACES.get(self.facts.get("controls"))
+        if space is not None:  # a world model: the request's own controls land first, each at its block
+            sess.controls = Timeline(space)
+            for c in getattr(r, "controls", ()):
+                sess.controls.receive(c, 0)
         return self.driver.submit(sess)
 
     @property

@@ -104,6 +104,10 @@ class Driver:
     def stop(self, session: str) -> s.Steered:
         return self._landing(session, self.step(s.Stop(session)))
 
+    def control(self, session: str, control) -> s.ControlLanded:
+        actions = self.step(s.Controlled(session, control))
+        return next(a for a in actions if isinstance(a, s.ControlLanded) and a.session == session)
+
     @staticmethod
     def _landing(session: str, actions: list[s.Action]) -> s.Steered:
         return next(a for a in actions if isinstance(a, s.Steered) and a.session == session)

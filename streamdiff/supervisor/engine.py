@@ -88,3 +88,8 @@ class SessionHandle:
     def stop(self):
         """End at the next block boundary: the video completes there (a `Steered`)."""
         return self._engine.stop(self.id)
+
+    def control(self, control):
+        """A world model's control (controls.Control) from the first block not started: where it
+        lands (a `ControlLanded`: block, start frame; or `refused`)."""
+        return self._engine.control(self.id, control)

@@ -245,6 +245,11 @@ class DiTStage:
             if tuple(img.shape) != (sess.latent_hw[0] * f, sess.latent_hw[1] * f, 3):
                 raise RequestError(f"the image is {img.shape[1]}x{img.shape[0]}, not the video's size")
             self.images[msg.session] = img
+        if self.engine.model.cfg.prope:  # a camera model: a camera per latent frame (controls.camera_row)
+            if len(msg.camera) != msg.frames or any(len(r) != 20 or not np.isfinite(r).all() for r in msg.camera):
+                raise RequestError(f"a camera model's block needs {msg.frames} finite camera rows of 20 values")
+        elif msg.camera:
+            raise RequestError(f"model {self.engine.preset.name!r} takes no camera")
         rows = sess.latent_hw[0] // self.engine.model.cfg.patch_size[1]
         if rows < self.world:  # each rank of a DiT group computes at least one row of patches
             raise RequestError(f"{rows} rows of patches cannot be split over a DiT group of {self.world}")
@@ -299,6 +304,7 @@ class DiTStage:
                 latents[msg.session] = self.engine.start_from_image(sess, self.images.pop(msg.session))[0]
         groups: dict[tuple, list] = {}  # sessions denoise together where size and step count agree
         for msg, sess in (r for r in run if r[0].image is None):
+            sess.camera = msg.camera or None
             groups.setdefault((sess.latent_hw, msg.frames, len(self.engine.steps_of(sess))), []).append((msg, sess))
         for group in groups.values():
             left = [msg.shot_left for msg, _ in group]

@@ -21,6 +21,7 @@ player's clock.
 
 from __future__ import annotations
 
+from ...controls import control_marker
 from ...ipc import messages as m
 from ...plan import scene_marker, shot_left
 from ..engine import RUNNING
@@ -171,6 +172,10 @@ class Dispatch(Admission):
                     hw = self._latent_hw(sess.width, sess.height)
                     sess.vae_cut = self.cuts.cut(dit, self._group_unit(sess.group), hw, b.latent_frames)
                 t.vae_cut = sess.vae_cut
+            camera = []
+            if sess.controls is not None:  # the block takes the controls that have reached it
+                ctl = sess.controls.block(b.index, b.latent_frames, b.shot_start)
+                t.control_seq, camera = ctl.seq, ctl.camera
             msgs.append(
                 m.GenerateBlock(
                     sess.id,
@@ -184,6 +189,7 @@ class Dispatch(Admission):
                     vae_cut=t.vae_cut,
                     shot_left=0 if sess.live else shot_left(sess.blocks, b.index),
                     image=scene.image if b.shot_start and first else None,
+                    camera=camera,
                 )
             )
         for w in self.topology.members(dit):  # a DiT group's ranks all run it (rank 0 answers)
@@ -224,6 +230,8 @@ class Dispatch(Admission):
         events = []
         if b.first_of_scene:
             events.append(scene_marker(b, sess.scenes[b.scene]))
+        if t.control_seq is not None:
+            events.append(control_marker(b, t.control_seq))
         t.encoding = True
         shape = (b.frames_out, sess.height, sess.width, 3)
         idr = b.index % self.cfg.encoder.keyframe_every_blocks == 0

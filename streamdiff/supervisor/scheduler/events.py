@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from ...controls import Control
 from ...ipc import messages as m
 from ...plan import Block, Scene
 
@@ -95,6 +96,15 @@ class Stop:
     session: str
 
 
+@dataclass(frozen=True)
+class Controlled:
+    """A world model's control (controls.py) for a running session, from the first block the DiT
+    has not started (or the later one it names)."""
+
+    session: str
+    control: Control
+
+
 Event = (
     Submit
     | Cancel
@@ -108,6 +118,7 @@ Event = (
     | StopAdmitting
     | Steer
     | Stop
+    | Controlled
     | m.LatentDone
     | m.FramesDone
     | m.Failed
@@ -137,7 +148,7 @@ class Encode:
     frame_slot: int
     shape: tuple[int, int, int, int]  # the slot's frames: (frames_out, height, width, 3)
     idr: bool
-    events: list[tuple[int, str, bytes]]  # emsg boxes: (presentation offset, id, JSON)
+    events: list[tuple]  # emsg boxes: (presentation offset, id, JSON[, scheme]) (media.encoder)
 
 
 @dataclass(frozen=True)
@@ -186,10 +197,22 @@ class Steered:
 
 
 @dataclass(frozen=True)
+class ControlLanded:
+    """Where a control lands: its block and that block's first frame; or why not (`refused`:
+    an HTTP status, the field to blame, a code and a message)."""
+
+    session: str
+    seq: int
+    block: int = 0
+    start_frame: int = 0
+    refused: tuple[int, str | None, str, str] | None = None
+
+
+@dataclass(frozen=True)
 class WakeAt:
     """Step again at this time (a paced live session's next block becomes due)."""
 
     at: float
 
 
-Action = Send | OpenEncoder | Encode | CloseEncoder | Start | Emit | End | Reject | Steered | WakeAt
+Action = Send | OpenEncoder | Encode | CloseEncoder | Start | Emit | End | Reject | Steered | ControlLanded | WakeAt

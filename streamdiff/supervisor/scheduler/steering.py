@@ -1,11 +1,14 @@
 """Steering: a Steer or Stop replans the session's unstarted tickets (`plan.replan_from`); the
-answer (`Steered`) names the frame where the new scene or the end lands."""
+answer (`Steered`) names the frame where the new scene or the end lands. A world model's control
+joins its session's timeline (controls.py) at the first unstarted block; the answer
+(`ControlLanded`) names that block and its first frame."""
 
 from __future__ import annotations
 
+from ...controls import ControlError
 from ...plan import Scene, replan_from
 from ..engine import DONE, RUNNING
-from .events import Steer, Steered, Stop
+from .events import ControlLanded, Controlled, Steer, Steered, Stop
 from .state import SchedulerState
 from .tickets import Session, Ticket
 
@@ -32,6 +35,24 @@ class Steering(SchedulerState):
         self._replan(sess, at, new)
         sess.steered_at.append(at)
         self._out.append(Steered(sess.id, len(sess.scenes) - 1, start, list(sess.scenes)))
+
+    def _control(self, ev: Controlled) -> None:
+        sess, c = self.sessions.get(ev.session), ev.control
+        try:
+            if sess is None or not sess.active:
+                raise ControlError("the video has finished", None, 409, "video_finished")
+            if sess.controls is None:
+                raise ControlError("this model takes no controls", None, 400, "controls_unsupported")
+            if sess.issued >= len(sess.blocks):
+                raise ControlError("no block of the video is left to control", None, 409, "video_finished")
+            if c.block is not None and c.block >= len(sess.blocks):
+                why = f"block {c.block} is past the video's {len(sess.blocks)} blocks"
+                raise ControlError(why, "block", 409, "past_the_end")
+            at = sess.controls.receive(c, sess.issued)
+        except ControlError as err:
+            self._out.append(ControlLanded(ev.session, c.seq, refused=(err.status, err.param, err.code, err.message)))
+            return
+        self._out.append(ControlLanded(sess.id, c.seq, at, sess.blocks[at].start_frame))
 
     def _stop(self, ev: Stop) -> None:
         sess = self.sessions.get(ev.session)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ...controls import Timeline
 from ...ipc.shm import SlotPool
 from ...plan import Block, Scene
 from ..engine import QUEUED, RUNNING
@@ -79,6 +80,7 @@ class Ticket:
     reported: set[int] = field(default_factory=set)  # VAE ranks that answered
     skipped: bool = False  # some shard answered without decoding
     encoding: bool = False  # an Encode is out for it
+    control_seq: int | None = None  # a world model's: the newest control that shaped it (its fragment's emsg)
 
 
 @dataclass
@@ -109,6 +111,7 @@ class Session:
     live: bool = False  # open-ended: paced to its player, ends at its cap or a stop
     steered_at: list[int] = field(default_factory=list)  # the blocks where steered scenes start
     held_frames: int | None = None  # its KV cache's bound, fixed when it opens (admission._held_frames)
+    controls: Timeline | None = None  # a world model's controls (controls.py); None: prompts only
 
     def __post_init__(self) -> None:
         if not self.tickets:

@@ -1,0 +1,238 @@
+"""A world model driven live: minWM (a tiny random model in its checkpoint's real layout,
+tests/published.py) served by streamdiffd and steered by camera controls over HTTP and the
+WebSocket. A control lands at exactly the block its answer names: every frame before that
+block's first frame is the uncontrolled video's, bit for bit, and the frames from it on differ;
+each fragment's emsg names the newest control that shaped it. A control script given with the
+request streams exact frames, one fragment per block, and `streamdiffd generate --controls`
+writes the same video. Hostile controls get 4xx or are coalesced, and the video goes on."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+import subprocess
+import sys
+
+import aiohttp
+import numpy as np
+import pytest
+
+from streamdiff.controls import CONTROL_SCHEME, MAX_SCRIPT_ENTRIES
+
+from .helpers import Daemon, check_video, decode, fragments, http, wait_until
+from .published import write_base, write_published
+from .test_live import Reader
+
+pytest.importorskip("diffusers")
+
+SIZE, W, H = "128x64", 128, 64
+FPB = 4  # minWM's latent frames a block: 13 frames the first block, 16 each after
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    root = tmp_path_factory.mktemp("world")
+    pub = write_published("minwm-action2v", root, write_base(root))
+    d = Daemon(*pub.flags, "--mode", "aggregated", "--dit-gpus", "1", "--vae-gpus", "1", "--size", SIZE)
+    try:
+        yield d, pub
+    finally:
+        d.stop()
+
+
+def stream(url: str, body: dict) -> bytes:
+    with http.stream("POST", url + "/v1/videos", json={**body, "stream": True}, timeout=300) as r:
+        assert r.status_code == 200, r.read()
+        return r.read()
+
+
+def control_events(data: bytes) -> list[dict | None]:
+    """Per fragment, its control emsg's message (None where it has none)."""
+    out = []
+    for f in fragments(data):
+        ev = [e["message"] for e in f["emsg"] if e["scheme"] == CONTROL_SCHEME]
+        out.append(ev[0] if ev else None)
+    return out
+
+
+def test_a_control_lands_at_exactly_its_acknowledged_block(world):
+    d, _ = world
+    body = {"prompt": "a forest path", "num_frames": 13 + 16 * 9, "size": SIZE, "seed": 7}
+    reader = Reader(d.url, body)
+    reader.start()
+    wait_until(lambda: reader.fragment_count() >= 2, 120)
+    r = http.post(f"{d.url}/v1/videos/{reader.video_id}/controls", json={"seq": 5, "keyboard": ["w", "l"]}, timeout=10)
+    assert r.status_code == 200, r.text
+    ack = r.json()
+    reader.join(300)
+    assert reader.error is None and reader.status == 200
+    block, start = ack["block"], ack["start_frame"]
+    assert ack["seq"] == 5 and 2 <= block < 10 and start == 13 + 16 * (block - 1)
+    assert ack["start_seconds"] == start / 16
+    controlled = bytes(reader.data)
+    plain = stream(d.url, body)
+    check_video(controlled, body["num_frames"], W, H, 16, blocks_expected=10)
+    a, b = decode(controlled)["pixels"], decode(plain)["pixels"]
+    assert all(np.array_equal(x, y) for x, y in zip(a[:start], b[:start], strict=True))
+    assert not np.array_equal(a[start], b[start])
+    assert sum(not np.array_equal(x, y) for x, y in zip(a[start:], b[start:], strict=True)) > 0.9 * len(a[start:])
+    events = control_events(controlled)
+    assert events[:block] == [None] * block
+    assert events[block:] == [{"seq": 5, "block": i, "start_frame": 13 + 16 * (i - 1)} for i in range(block, 10)]
+    assert control_events(plain) == [None] * 10
+
+
+SCRIPT = {
+    "seq": 1,
+    "mode": "script",
+    "per": "frame",
+    "script": [{"keyboard": ["w"]}] * 6
+    + [{"keyboard": ["a", "j"], "mouse": [1.5, -2.0]}] * 5
+    + [{"camera": {"w2c": [[1, 0, 0, 0.3], [0, 1, 0, 0], [0, 0, 1, -0.2], [0, 0, 0, 1]], "K": [0.5, 0.6, 0.5, 0.5]}}],
+}
+LATER = {"seq": 2, "block": 3, "mode": "script", "per": "block", "script": [{"keyboard": ["i", "d"]}]}
+
+
+def test_a_control_script_streams_exact_frames_and_generate_writes_the_same(world, tmp_path):
+    d, pub = world
+    body = {"prompt": "a forest path", "num_frames": 13 + 16 * 4 + 5, "size": SIZE, "seed": 11,
+            "controls": [SCRIPT, LATER]}  # fmt: skip
+    video = stream(d.url, body)
+    check_video(video, body["num_frames"], W, H, 16, blocks_expected=6)
+    events = control_events(video)
+    assert [e and e["seq"] for e in events] == [1, 1, 1, 2, 2, 2]
+    assert stream(d.url, {k: v for k, v in body.items() if k != "controls"}) != video  # the script shaped it
+
+    script = tmp_path / "controls.json"
+    script.write_text(json.dumps({"controls": body["controls"]}))
+    out = tmp_path / "out.mp4"
+    r = subprocess.run(
+        [sys.executable, "-m", "streamdiff.cli", "generate", *pub.flags, "--prompt", body["prompt"],
+         "--num-frames", str(body["num_frames"]), "--size", SIZE, "--seed", "11", "--controls", str(script),
+         "-o", str(out)],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    assert out.read_bytes() == video
+
+
+@pytest.mark.parametrize(
+    "control, param, status",
+    [
+        ({"keyboard": ["w"]}, "seq", 400),
+        ({"seq": "1", "keyboard": ["w"]}, "seq", 400),
+        ({"seq": 1, "keyboard": "w"}, "keyboard", 400),
+        ({"seq": 1, "keyboard": ["jump"]}, "keyboard", 400),
+        ({"seq": 1, "mouse": [0.5]}, "mouse", 400),
+        ({"seq": 1, "mouse": [0.5, 45]}, "mouse", 400),
+        ({"seq": 1, "mode": "script", "script": [{"mouse": [True, 1]}]}, "script[0].mouse[0]", 400),
+        ({"seq": 1, "mode": "script", "script": []}, "script", 400),
+        ({"seq": 1, "mode": "script", "script": [{}] * (MAX_SCRIPT_ENTRIES + 1)}, "script", 400),
+        ({"seq": 1, "mode": "script", "per": "block", "script": [{"camera": {"w2c": np.eye(4).tolist()}}]},
+         "script[0]", 400),
+        ({"seq": 1, "mode": "script", "script": [{"camera": {"w2c": (2 * np.eye(4)).tolist()}}]},
+         "script[0].camera", 400),
+        ({"seq": 1, "keyboard": ["w"], "extra": 1}, "extra", 400),
+        ({"seq": 1, "block": 10_000}, "block", 409),
+    ],
+)  # fmt: skip
+def test_a_bad_control_is_refused_naming_its_field(world, control, param, status):
+    d, _ = world
+    reader = Reader(d.url, {"prompt": "a path", "live": True, "size": SIZE, "seed": 1})
+    reader.start()
+    try:
+        wait_until(lambda: reader.video_id is not None, 60)
+        r = http.post(f"{d.url}/v1/videos/{reader.video_id}/controls", json=control, timeout=10)
+        assert r.status_code == status, r.text
+        assert r.json()["error"]["param"] == param, r.json()
+        ok = http.post(f"{d.url}/v1/videos/{reader.video_id}/controls", json={"seq": 9, "keyboard": ["s"]}, timeout=10)
+        assert ok.status_code == 200, ok.text  # the session goes on
+    finally:
+        http.post(f"{d.url}/v1/videos/{reader.video_id}/stop", timeout=10)
+        reader.join(120)
+    assert reader.error is None and reader.fragment_count() >= 1
+
+
+def test_nan_a_flood_and_the_websocket(world):
+    """NaN (which Python's JSON reads) is refused; 1,000 controls a second are coalesced, with
+    no stall; the WebSocket's session.control is answered with where it lands."""
+    d, _ = world
+
+    async def run():
+        async with aiohttp.ClientSession() as s, s.ws_connect(d.url.replace("http", "ws") + "/v1/realtime/video") as ws:
+            await ws.send_json({"type": "session.start", "prompt": "a path", "size": SIZE, "seed": 2})
+            start = json.loads((await ws.receive()).data)
+            vid = start["request_id"]
+            arrivals = []
+
+            async def read():
+                async for msg in ws:
+                    if msg.type == aiohttp.WSMsgType.BINARY:
+                        arrivals.append(asyncio.get_running_loop().time())
+                    elif msg.type == aiohttp.WSMsgType.TEXT:
+                        replies.append(json.loads(msg.data))
+
+            replies: list[dict] = []
+            reader = asyncio.create_task(read())
+            while len(arrivals) < 3:
+                await asyncio.sleep(0.05)
+            raw = '{"seq": 1, "mouse": [NaN, 0]}'
+            async with s.post(f"{d.url}/v1/videos/{vid}/controls", data=raw,
+                              headers={"Content-Type": "application/json"}) as r:  # fmt: skip
+                assert r.status == 400 and (await r.json())["error"]["param"] == "mouse[0]"
+            t0 = asyncio.get_running_loop().time()
+            statuses, lanes = [], asyncio.Semaphore(16)
+
+            async def press(i: int) -> None:  # held-key changes, 16 in flight: they may arrive out of order
+                keys = [["w"], ["a"], [], ["d", "i"]][i % 4]
+                async with (
+                    lanes,
+                    s.post(f"{d.url}/v1/videos/{vid}/controls", json={"seq": 10 + i, "keyboard": keys}) as r,
+                ):
+                    statuses.append(r.status)
+
+            n = len(arrivals)
+            await asyncio.gather(*(press(i) for i in range(1000)))
+            flood_s = asyncio.get_running_loop().time() - t0
+            during = len(arrivals) - n
+            await ws.send_json({"type": "session.control", "seq": 5000, "keyboard": ["s"]})
+            await ws.send_json({"type": "session.control", "seq": 4000, "keyboard": ["s"]})
+            while len(replies) < 2:
+                await asyncio.sleep(0.05)
+            n = len(arrivals)
+
+            async def more() -> None:
+                while len(arrivals) < n + 3:
+                    await asyncio.sleep(0.05)
+
+            await asyncio.wait_for(more(), 60)  # the video goes on after the flood
+            async with s.get(d.url + "/health") as h:
+                health = await h.json()
+            async with s.get(f"{d.url}/v1/videos/{vid}") as v:
+                video = await v.json()
+            await ws.send_json({"type": "session.stop"})
+            await asyncio.wait_for(reader, 120)
+            return statuses, flood_s, during, replies, health, video
+
+    statuses, flood_s, during, replies, health, video = asyncio.run(run())
+    # coalesced (200) or, arriving after a later seq, refused (409): nothing else
+    assert set(statuses) <= {200, 409} and statuses.count(200) > 500, sorted(set(statuses))
+    print(f"flood: 1000 controls in {flood_s:.2f} s, {during} fragments meanwhile")
+    ack, late = replies[0], replies[1]
+    assert ack["type"] == "session.control.ack" and ack["seq"] == 5000 and ack["block"] >= 3
+    assert late["type"] == "error" and late["code"] == "seq_not_increasing" and late["param"] == "seq"
+    assert health["status"] == "ok", health
+    assert video["status"] != "failed", video
+
+
+def test_a_model_without_controls_refuses_them(plain_daemon):
+    url = plain_daemon.url
+    r = http.post(url + "/v1/videos", json={"prompt": "x", "num_frames": 9, "size": "128x64",
+                                             "controls": [{"seq": 1, "keyboard": ["w"]}]}, timeout=10)  # fmt: skip
+    assert r.status_code == 400 and r.json()["error"]["code"] == "controls_unsupported"
+    assert r.json()["error"]["param"] == "controls[0]"
+
+
+if shutil.which("ffprobe") is None:  # check_video's third opinion
+    pytestmark = pytest.mark.skip("ffprobe is not installed")
