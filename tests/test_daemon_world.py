@@ -22,6 +22,7 @@ from streamdiff.controls import CONTROL_SCHEME, MAX_SCRIPT_ENTRIES
 
 from .helpers import Daemon, check_video, decode, fragments, http, wait_until
 from .published import write_base, write_published
+from .server.test_player_browser import CHROMIUM, open_player
 from .test_live import Reader
 
 pytest.importorskip("diffusers")
@@ -224,6 +225,39 @@ def test_nan_a_flood_and_the_websocket(world):
     assert late["type"] == "error" and late["code"] == "seq_not_increasing" and late["param"] == "seq"
     assert health["status"] == "ok", health
     assert video["status"] != "failed", video
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.skipif(CHROMIUM is None, reason="chromium is not installed (.ci/run installs it)")
+def test_key_presses_in_the_player_page_drive_the_video_while_it_plays(world, tmp_path):
+    """Chromium on the player page: the world model's controls show, a key held and released
+    while the video plays is sent, acknowledged with its block, and reaches the screen."""
+    from playwright.sync_api import sync_playwright
+
+    d, _ = world
+    with sync_playwright() as p:
+        browser, page, console = open_player(p, d.url)
+        assert page.is_visible("#controls") and page.is_checked("#live")
+        page.fill("#prompt", "a forest path")
+        page.fill("#size", SIZE)
+        page.click("#start")
+        page.wait_for_function("window.player.firstAdvanceAt !== null", timeout=120_000)
+        page.keyboard.down("w")
+        page.wait_for_timeout(300)
+        page.keyboard.up("w")
+        page.wait_for_function("window.player.controls.filter((c) => c.ack).length === 2", timeout=30_000)
+        page.wait_for_function("window.player.controls[0].shownMs !== null", timeout=60_000)
+        sent = page.evaluate("window.player.controls.map(({li, ...c}) => c)")
+        acks = page.inner_text("#acks")
+        page.click("#stop")
+        page.wait_for_function("window.player.state === 'complete'", timeout=60_000)
+        errors = page.evaluate("window.player.mediaErrors")
+        page.screenshot(path=str(tmp_path / "world.png"))
+        browser.close()
+    assert [c["keys"] for c in sent] == [["w"], []] and [c["seq"] for c in sent] == [1, 2]
+    assert sent[0]["ack"]["block"] >= 1 and sent[1]["ack"]["block"] >= sent[0]["ack"]["block"]
+    assert sent[0]["shownMs"] > 0 and "on screen after" in acks
+    assert errors == [], (errors, console)
 
 
 def test_a_model_without_controls_refuses_them(plain_daemon):

@@ -106,6 +106,7 @@ JSON_FIELDS = (
     "recache",
     "lora",
     "dit",
+    "controls",
 )
 
 _FOUR = (1000, 750, 500, 250)

@@ -15,6 +15,7 @@ from pathlib import Path
 from aiohttp import web
 
 from ..config import Config
+from ..controls import SPACES
 from ..supervisor.core import Supervisor
 from .api import APIError, bad, parse_steer
 from .bodies import body_limit, read_request_data
@@ -228,7 +229,15 @@ def _model_object(cfg: Config, sup: Supervisor) -> dict:
         "max_size": f"{cfg.limits.max_width}x{cfg.limits.max_height}",
         "decoder": cfg.model.decoder,  # the latent decoder serving: wan (the Wan 2.1 VAE) or taehv
         "loaded": f.get("loaded"),  # the checkpoint, weight set, LoRA and sampler settings the DiT runs
+        "controls": _controls_object(f.get("controls")),  # a world model's control space (controls.py)
     }
+
+
+def _controls_object(name: str | None) -> dict | None:
+    space = SPACES.get(name)
+    if space is None:
+        return None
+    return {"space": space.name, "keys": list(space.keys), "mouse": space.mouse, "camera": space.camera}
 
 
 async def retrieve_model(request: web.Request) -> web.Response:

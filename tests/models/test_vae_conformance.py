@@ -45,6 +45,17 @@ def test_block_by_block_equals_whole(vae_pair, split):
     assert whole.shape[2] == 1 + 4 * (sum(split) - 1)
 
 
+def test_minwm_blocks_decoded_as_they_come_equal_the_authors_decode_at_the_end(vae_pair):
+    """minWM decodes its whole video once at the end (`decode_to_pixel(use_cache=False)`, the Wan
+    VAE that diffusers' equals); the daemon decodes each block of 4 latent frames as it comes,
+    with the session's causal cache: the same frames."""
+    ref, ours = vae_pair
+    z = torch.randn(1, 16, 20, 4, 6, generator=torch.Generator().manual_seed(9))  # their 20 latent frames
+    state = ours.new_state()
+    blocks = torch.cat([ours.decode(z[:, :, i : i + 4], state) for i in range(0, 20, 4)], dim=2)
+    assert (blocks - reference_decode(ref, ours, z)).abs().max().item() <= 1e-5
+
+
 def test_sessions_are_independent(vae_pair):
     _, ours = vae_pair
     g = torch.Generator().manual_seed(9)
