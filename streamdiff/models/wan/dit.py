@@ -23,6 +23,7 @@ from torch import nn
 
 from ...platform import KINDS, for_device
 from . import prope
+from .action import ActionConfig, ActionModule
 
 
 @dataclass(frozen=True)
@@ -43,6 +44,16 @@ class DiTConfig:
     # minWM's camera path (prope.py): a second self-attention over the camera-transformed q, k, v,
     # added through `self_attn.prope_o`, with its own keys/values in the KV cache
     prope: bool = False
+    # Matrix-Game 2.0's image-to-video DiT: cross-attention over CLIP image tokens of this width
+    # through `img_emb` instead of text (0: text), and its action modules (action.py)
+    image_dim: int = 0
+    action: ActionConfig | None = None
+
+    @property
+    def cond_channels(self) -> int:
+        """Channels concatenated to the latent before the patch embedding: Matrix-Game's mask and
+        image latents (in 36, out 16); 0 for the text models."""
+        return self.in_channels - self.out_channels
 
     @property
     def head_dim(self) -> int:
@@ -111,6 +122,21 @@ class KVCache:
         # ring, sinks and eviction hold both paths
         self.pk = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.num_layers)] if cfg.prope else []
         self.pv = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.num_layers)] if cfg.prope else []
+        # Matrix-Game's action caches (action.py), per action layer, frame-major slots of the same
+        # ring: the mouse path's keys/values of every token, the keyboard's one token a frame
+        self.action: dict[int, dict[str, tuple[torch.Tensor, torch.Tensor]]] = {}
+        if cfg.action is not None:
+            a = cfg.action
+            for layer in a.blocks:
+                bufs = {}
+                if a.mouse:
+                    d = a.mouse_hidden_dim // a.heads
+                    mshape = (batch, window_frames, tokens_per_frame, a.heads, d)
+                    bufs["mouse"] = tuple(torch.zeros(mshape, device=device, dtype=dtype) for _ in range(2))
+                if a.keyboard_dim:
+                    kshape = (batch, window_frames, a.heads, a.keyboard_hidden_dim // a.heads)
+                    bufs["keyboard"] = tuple(torch.zeros(kshape, device=device, dtype=dtype) for _ in range(2))
+                self.action[layer] = bufs
         # The clean latents behind the held frames, their RoPE positions and the block each was
         # committed with: what a re-cache recomputes the keys/values from (float32, small).
         # Allocated here where the latent size is known, so that a session's bytes are fixed at open.
@@ -145,24 +171,40 @@ class KVCache:
     def nbytes(self) -> int:
         """Every byte this cache holds: keys, values, latents and the evicted tail."""
         bufs = [*self.k, *self.v, *self.pk, *self.pv, *(t for t in (self.latents, self._tail) if t is not None)]
+        bufs += [t for kinds in self.action.values() for pair in kinds.values() for t in pair]
         return sum(t.numel() * t.element_size() for t in bufs)
 
-    def _slots(self, lo: int, hi: int) -> list[tuple[int, int]]:
-        """Token ranges of the buffer holding frames [lo, hi) of the held sequence (in shot order),
+    def _frame_slots(self, lo: int, hi: int) -> list[tuple[int, int]]:
+        """Frame slots of the ring holding frames [lo, hi) of the held sequence (in shot order),
         at most three contiguous pieces: the sinks, then the ring up to its end, then from its start."""
-        t, s, ring = self.tpf, self.sink, self.window - self.sink
+        s, ring = self.sink, self.window - self.sink
         out = []
         if lo < s:
-            out.append((lo * t, min(hi, s) * t))
+            out.append((lo, min(hi, s)))
             lo = s
         if lo < hi:
             a = s + (self.start + lo - s) % ring  # slot of frame lo
             n = hi - lo
             first = min(n, self.window - a)
-            out.append((a * t, (a + first) * t))
+            out.append((a, a + first))
             if n > first:
-                out.append((s * t, (s + n - first) * t))
+                out.append((s, s + n - first))
         return out
+
+    def _slots(self, lo: int, hi: int) -> list[tuple[int, int]]:
+        """Token ranges of the buffer holding frames [lo, hi) (`_frame_slots` in tokens)."""
+        return [(a * self.tpf, b * self.tpf) for a, b in self._frame_slots(lo, hi)]
+
+    def write_action(self, layer: int, kind: str, k: torch.Tensor, v: torch.Tensor):
+        """Matrix-Game's action caches (action.py): a block's keys/values (1, f, ...) per frame at
+        the slots of the frames just past the committed ones, in the same ring as the self-
+        attention's; returns the buffers and how many of their frames attention reads (a prefix)."""
+        ks, vs = self.action[layer][kind]
+        f, i = k.shape[1], 0
+        for a, b in self._frame_slots(self.frames, self.frames + f):
+            ks[:, a:b], vs[:, a:b] = k[:, i : i + b - a], v[:, i : i + b - a]
+            i += b - a
+        return ks, vs, self.window if self.start else self.frames + f
 
     def read(self, layer: int, lo: int, hi: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """The keys/values of held frames [lo, hi) in shot order, as views of contiguous pieces."""
@@ -269,6 +311,10 @@ class DiTState:
         # A camera model's (cfg.prope): the next block's camera per latent frame, (f, 20) rows of
         # w2c and fx, fy, cx, cy (controls.camera_row), set before the block, read by every pass of it
         self.camera: torch.Tensor | None = None
+        # Matrix-Game's, set the same way: the block's conditioning latents (1, cfg.cond_channels,
+        # f, h, w) and its actions (action.BlockActions)
+        self.cond: torch.Tensor | None = None
+        self.actions = None
 
     def new_shot(self) -> None:
         """The next shot reuses this state's buffers (a cut never holds two caches)."""
@@ -485,6 +531,36 @@ def block_qkv(blk: Block, x: torch.Tensor, e: torch.Tensor, f: int, cos: torch.T
     return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v, q, k
 
 
+def block_cross(
+    blk: Block,
+    x: torch.Tensor,
+    attn: torch.Tensor,
+    e: torch.Tensor,
+    f: int,
+    ck: torch.Tensor,
+    cv: torch.Tensor,
+    cam: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """A block after its self-attention (attn: (S, L, heads, head_dim)) up to its FFN: output
+    projection and gate, cross-attention over the prompts' keys/values (ck, cv). `cam`: PRoPE's
+    attention output, back through P (prope.py), added through `prope_o`."""
+    b, n, c = x.shape
+    gate = (blk.modulation.unsqueeze(1) + e)[:, :, 2]
+    y = blk.self_attn.o(attn.flatten(2))
+    if cam is not None:
+        y = y + blk.self_attn.prope_o(cam.flatten(2))
+    x = (x.float() + (_per_frame(y.float(), f) * gate.unsqueeze(2)).view(b, n, c)).type_as(x)
+    return x + blk.cross_attn(blk.norm3(x), [(ck, cv)])
+
+
+def block_ffn(blk: Block, x: torch.Tensor, e: torch.Tensor, f: int) -> torch.Tensor:
+    """A block's FFN and its gate."""
+    b, n, c = x.shape
+    c_shift, c_scale, c_gate = (blk.modulation.unsqueeze(1) + e)[:, :, 3:].unbind(2)
+    y = blk.ffn(_mod(blk.norm2(x), f, c_shift, c_scale).type_as(x))
+    return (x.float() + (_per_frame(y.float(), f) * c_gate.unsqueeze(2)).view(b, n, c)).type_as(x)
+
+
 def block_rest(
     blk: Block,
     x: torch.Tensor,
@@ -495,22 +571,12 @@ def block_rest(
     cv: torch.Tensor,
     cam: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """A block after its self-attention (attn: (S, L, heads, head_dim)): output projection and
-    gate, cross-attention over the prompts' keys/values (ck, cv), FFN and gate; compiled alike.
-    `cam`: PRoPE's attention output, back through P (prope.py), added through `prope_o`."""
-    b, n, c = x.shape
-    gate, c_shift, c_scale, c_gate = (blk.modulation.unsqueeze(1) + e)[:, :, 2:].unbind(2)
-    y = blk.self_attn.o(attn.flatten(2))
-    if cam is not None:
-        y = y + blk.self_attn.prope_o(cam.flatten(2))
-    x = (x.float() + (_per_frame(y.float(), f) * gate.unsqueeze(2)).view(b, n, c)).type_as(x)
-    x = x + blk.cross_attn(blk.norm3(x), [(ck, cv)])
-    y = blk.ffn(_mod(blk.norm2(x), f, c_shift, c_scale).type_as(x))
-    return (x.float() + (_per_frame(y.float(), f) * c_gate.unsqueeze(2)).view(b, n, c)).type_as(x)
+    """A block after its self-attention: `block_cross` then `block_ffn`; compiled alike."""
+    return block_ffn(blk, block_cross(blk, x, attn, e, f, ck, cv, cam), e, f)
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: DiTConfig) -> None:
+    def __init__(self, cfg: DiTConfig, index: int = 0) -> None:
         super().__init__()
         self.norm1 = LayerNorm(cfg.dim, cfg.eps, elementwise_affine=False)
         self.self_attn = SelfAttention(cfg)
@@ -521,6 +587,9 @@ class Block(nn.Module):
             nn.Linear(cfg.dim, cfg.ffn_dim), nn.GELU(approximate="tanh"), nn.Linear(cfg.ffn_dim, cfg.dim)
         )
         self.modulation = nn.Parameter(torch.randn(1, 6, cfg.dim) / cfg.dim**0.5)
+        # Matrix-Game's keyboard and mouse conditioning, between the cross-attention and the FFN
+        a = cfg.action
+        self.action_model = ActionModule(a, cfg.dim) if a is not None and index in a.blocks else None
 
     def forward(
         self,
@@ -535,11 +604,13 @@ class Block(nn.Module):
         grid=None,
         fns=(block_qkv, block_rest),
         cams: torch.Tensor | None = None,
+        acts: list | None = None,
     ):
         """x: (S, L, C) with L = f * tokens_per_frame, one row per session; e: (S, f, 6, C) float32;
         rope: cos, sin broadcasting to (S, L, heads, pairs); cross: the prompts' (k, v) of this
         layer, (S, heads, L_text, head_dim); fns: the two halves, eager or compiled; cams: a
-        camera model's (S, f, 3, 4, 4) P^T, P^-1, P per frame (prope.projections)."""
+        camera model's (S, f, 3, 4, 4) P^T, P^-1, P per frame (prope.projections); acts: an action
+        model's (start frame, action.BlockActions) per session (each row through its own caches)."""
         qkv, rest = fns
         q, k, v, q0, k0 = qkv(self, x, e, f, *rope)
         attn = self.self_attn.attend(q, k, v, kvs, layer, sp, grid)
@@ -548,7 +619,15 @@ class Block(nn.Module):
             pt, p_inv, p = cams.unbind(2)
             qp, kp, vp = prope.transform(q0, pt), prope.transform(k0, p_inv), prope.transform(v, p_inv)
             cam = prope.transform(self.self_attn.attend(qp, kp, vp, kvs, layer, sp, grid, prope=True), p)
-        return rest(self, x, attn, e, f, *cross, cam)
+        if self.action_model is None:
+            return rest(self, x, attn, e, f, *cross, cam)
+        if sp is not None:
+            raise ValueError("an action model does not run in a DiT group")
+        x = block_cross(self, x, attn, e, f, *cross, cam)
+        x = torch.cat(
+            [self.action_model(x[i : i + 1], f, kvs[i], layer, start, a) for i, (start, a) in enumerate(acts)]
+        )
+        return block_ffn(self, x, e, f)
 
 
 class Head(nn.Module):
@@ -573,12 +652,15 @@ class WanDiT(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.patch_embedding = nn.Conv3d(cfg.in_channels, cfg.dim, cfg.patch_size, cfg.patch_size)
-        self.text_embedding = nn.Sequential(
-            nn.Linear(cfg.text_dim, cfg.dim), nn.GELU(approximate="tanh"), nn.Linear(cfg.dim, cfg.dim)
-        )
+        if cfg.image_dim:  # Matrix-Game: the context is CLIP's image tokens (its `MLPProj`)
+            self.img_emb = ImageProjection(cfg.image_dim, cfg.dim)
+        else:
+            self.text_embedding = nn.Sequential(
+                nn.Linear(cfg.text_dim, cfg.dim), nn.GELU(approximate="tanh"), nn.Linear(cfg.dim, cfg.dim)
+            )
         self.time_embedding = nn.Sequential(nn.Linear(cfg.freq_dim, cfg.dim), nn.SiLU(), nn.Linear(cfg.dim, cfg.dim))
         self.time_projection = nn.Sequential(nn.SiLU(), nn.Linear(cfg.dim, 6 * cfg.dim))
-        self.blocks = nn.ModuleList([Block(cfg) for _ in range(cfg.num_layers)])
+        self.blocks = nn.ModuleList([Block(cfg, i) for i in range(cfg.num_layers)])
         self.head = Head(cfg)
         self._rope: Rope | None = None
         # A DiT group's sequence parallelism (parallel/dit_group.py's SeqParallel), set by the
@@ -610,9 +692,11 @@ class WanDiT(nn.Module):
 
     @torch.no_grad()
     def set_prompt(self, state: DiTState, context: torch.Tensor) -> None:
-        """Replace the cross-attention cache with `context` (B, L_text, text_dim) embeddings."""
+        """Replace the cross-attention cache with `context` (B, L_text, text_dim) embeddings, or an
+        image model's CLIP tokens (B, 257, image_dim)."""
         w = self.patch_embedding.weight
-        ctx = self.text_embedding(context.to(device=w.device, dtype=w.dtype))
+        embed = self.img_emb if self.cfg.image_dim else self.text_embedding
+        ctx = embed(context.to(device=w.device, dtype=w.dtype))
         state.cross = [blk.cross_attn.project_context(ctx) for blk in self.blocks]
 
     @torch.no_grad()
@@ -751,7 +835,14 @@ class WanDiT(nn.Module):
         if sp is not None:  # this rank's band of patch rows in every frame
             grid = sp.grid(fp, hp, wp)
             rows = sp.rows(grid)
-        band = x[..., rows[0] * ph : rows[1] * ph, :]
+        x_in = x
+        if cfg.cond_channels:  # Matrix-Game: the block's mask and image latents beside the noise
+            for st in states:
+                if st.cond is None or tuple(st.cond.shape[1:3]) != (cfg.cond_channels, f):
+                    raise ValueError(f"an image model needs the block's {cfg.cond_channels}-channel conditioning")
+            cond = torch.cat([st.cond.to(x.device, x.dtype) for st in states]).expand(b, -1, -1, -1, -1)
+            x_in = torch.cat([x, cond], dim=1)
+        band = x_in[..., rows[0] * ph : rows[1] * ph, :]
         tokens = self.patch_embedding(band.to(wdt.dtype)).flatten(2).transpose(1, 2)  # (B, L, C)
 
         # Timestep embeddings per frame. The time MLP stays float32 (see `cast`), and the
@@ -767,12 +858,17 @@ class WanDiT(nn.Module):
             ropes = tuple(torch.stack(t) for t in zip(*(rope.tables(st.next_frame, fp, hp, wp, rows) for st in states)))
         kvs = [st.kv for st in states]
         cams = self._cameras(states, b, fp) if cfg.prope else None
+        acts = None
+        if cfg.action is not None:
+            if any(st.actions is None for st in states) or b != len(states):
+                raise ValueError("an action model needs each session's block actions, one session a row")
+            acts = [(st.next_frame, st.actions) for st in states]
         for i, blk in enumerate(self.blocks):
             if len(states) == 1:
                 cross = states[0].cross[i]
             else:  # the prompts' keys/values as one batch (each row its own prompt): one SDPA call
                 cross = (torch.cat([st.cross[i][0] for st in states]), torch.cat([st.cross[i][1] for st in states]))
-            tokens = blk(tokens, e6, fp, ropes, kvs, cross, i, sp, grid, self.block_fns, cams)
+            tokens = blk(tokens, e6, fp, ropes, kvs, cross, i, sp, grid, self.block_fns, cams, acts)
         out = self.head(tokens, emb, fp)  # (B, L, pt*ph*pw*C_out)
         if sp is not None:
             out = sp.gather(out, grid)
@@ -807,6 +903,20 @@ class WanDiT(nn.Module):
         state = self.new_state(h, w, window_frames=f + 1, batch=b)
         self.set_prompt(state, context)
         return self.forward_block(x, t, state, commit=False)
+
+
+class ImageProjection(nn.Module):
+    """Matrix-Game's `MLPProj` (`img_emb.proj`): LayerNorm, Linear, GELU, Linear, LayerNorm."""
+
+    def __init__(self, image_dim: int, dim: int) -> None:
+        super().__init__()
+        self.proj = nn.Sequential(
+            nn.LayerNorm(image_dim), nn.Linear(image_dim, image_dim), nn.GELU(), nn.Linear(image_dim, dim),
+            nn.LayerNorm(dim),
+        )  # fmt: skip
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(x)
 
 
 def count_params(model: nn.Module) -> int:
