@@ -39,6 +39,25 @@ def test_encoder_equals_diffusers_mean(pair, h, w):
     assert (z - (mu - mean) / std).abs().max().item() < 1e-5
 
 
+def test_a_video_encoded_chunk_by_chunk_equals_its_whole_encode(pair):
+    """Matrix-Game's conditioning: the start image then frames of zeros, which the release encodes
+    whole (its first frame alone, then chunks of 4 with the causal cache): chunk by chunk as a
+    live session needs them, the same latents."""
+    ref, ours = pair
+    x = torch.zeros(1, 3, 1 + 4 * 5, 48, 80)
+    x[:, :, :1] = torch.rand(1, 3, 1, 48, 80, generator=torch.Generator().manual_seed(2)) * 2 - 1
+    with torch.no_grad():
+        mu = ref.encode(x).latent_dist.mean
+    mean = torch.tensor(ref.config.latents_mean).view(1, -1, 1, 1, 1)
+    std = torch.tensor(ref.config.latents_std).view(1, -1, 1, 1, 1)
+    state = ours.new_state()
+    z = torch.cat([ours.encode_chunk(x[:, :, :1], state)]
+                  + [ours.encode_chunk(x[:, :, 1 + 4 * i : 5 + 4 * i], state) for i in range(5)], dim=2)  # fmt: skip
+    assert (z - (mu - mean) / std).abs().max().item() < 1e-5
+    with pytest.raises(ValueError, match="a chunk of 4"):
+        ours.encode_chunk(x[:, :, :1], state)
+
+
 def test_original_release_keys_load(pair):
     """Wan2.1_VAE.pth names: the encoder half under `encoder.*` and the quant conv as `conv1.*`."""
     ref, ours = pair

@@ -35,7 +35,8 @@ from .vae_blocks import AttentionBlock, AvgDown3D, CausalConv3d, Ctx, ResBlock, 
 
 class Downsample(nn.Module):
     """Encoder downsampling: zero-pad right/bottom, 3x3 stride-2 conv per frame; `time_conv`
-    halves the frames after a video's first chunk (not reached by a single image)."""
+    halves the frames after a video's first chunk: the release keeps the first chunk's frames
+    whole and caches them; each later chunk passes with the last frame before it, stride 2."""
 
     def __init__(self, dim: int, temporal: bool) -> None:
         super().__init__()
@@ -47,7 +48,15 @@ class Downsample(nn.Module):
     def forward(self, x: torch.Tensor, ctx: Ctx) -> torch.Tensor:
         b, c, t, h, w = x.shape
         y = self.resample(x.transpose(1, 2).reshape(b * t, c, h, w))  # (B*T, C, h/2, w/2)
-        return y.reshape(b, t, c, *y.shape[-2:]).transpose(1, 2)
+        y = y.reshape(b, t, c, *y.shape[-2:]).transpose(1, 2)
+        conv = self.time_conv
+        if conv is None:
+            return y
+        prev = ctx.state.cache[conv.slot]
+        ctx.state.cache[conv.slot] = y[:, :, -1:].clone()
+        if prev is None:  # a shot's first chunk
+            return y
+        return F.conv3d(torch.cat([prev, y], 2), conv.weight, conv.bias, stride=(2, 1, 1))
 
 
 class ResidualDownStage(nn.Module):
@@ -121,6 +130,28 @@ class WanVAEEncoder(nn.Module):
         self.num_slots = len(slots)
         self.register_buffer("mean", torch.tensor(cfg.latents_mean).view(1, -1, 1, 1, 1), persistent=False)
         self.register_buffer("std", torch.tensor(cfg.latents_std).view(1, -1, 1, 1, 1), persistent=False)
+
+    def new_state(self) -> VAEState:
+        """A video's causal cache for `encode_chunk`."""
+        return VAEState(cache=[None] * self.num_slots)
+
+    @torch.no_grad()
+    def encode_chunk(self, x: torch.Tensor, state: VAEState) -> torch.Tensor:
+        """A video encoded as it comes, as the release's `encode` runs it: the first frame alone,
+        then chunks of 4 frames, each with the causal cache of what came before. (B, 3, 1 or 4,
+        H, W) in [-1, 1] -> (B, z_dim, 1, H/8, W/8) float32, normalised. Wan 2.1's VAE (the 2.2
+        one's shortcuts take a single image only)."""
+        first = state.latent_frames == 0
+        want = 1 if first else self.cfg.temporal_factor
+        if x.dim() != 5 or x.shape[1] != 3 or x.shape[2] != want:
+            raise ValueError(f"a chunk of {want} RGB frames (B, 3, {want}, H, W), got {tuple(x.shape)}")
+        if self.cfg.residual and not first:
+            raise ValueError("the Wan 2.2 encoder is built for single images here")
+        w = self.conv1.weight
+        h = self.encoder(x.to(device=w.device, dtype=w.dtype), Ctx(state))
+        state.latent_frames += 1
+        mu = F.conv3d(h, w, self.conv1.bias)[:, : self.cfg.z_dim].float()
+        return (mu - self.mean.float()) / self.std.float()
 
     @torch.no_grad()
     def encode_image(self, image: torch.Tensor) -> torch.Tensor:
