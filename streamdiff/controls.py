@@ -56,12 +56,32 @@ class Space:
     keys: tuple[str, ...]
     mouse: bool
     camera: bool  # raw {w2c, K} entries accepted in scripts
+    mouse_max: float = TURN_DEG  # the largest |pitch| or |yaw| a latent frame
+    idle: str | None = None  # the key a model's multi-hot holds when nothing is held
 
 
 # minWM's keys (camera_trajectory._MOTIONS): w/s forward/back, d/a right/left, u/dn up/down,
 # j/l yaw left/right, i/k pitch up/down.
 CAMERA = Space("camera", ("w", "s", "a", "d", "u", "dn", "j", "l", "i", "k"), mouse=True, camera=True)
-SPACES = {s.name: s for s in (CAMERA,)}
+# Matrix-Game 2.0's action spaces (utils/conditions.py): the keyboard multi-hot in the release's
+# order, the mouse [pitch, yaw] in its units (0.1 a camera key, CAM_VALUE); Temple Run's one-hot
+# always holds a key, "nomove" when nothing else is held.
+MG_MOUSE = 0.1
+MATRIX_GAME = {
+    "matrix-game-universal": Space(
+        "matrix-game-universal", ("forward", "back", "left", "right"), True, False, MG_MOUSE
+    ),
+    "matrix-game-gta-drive": Space("matrix-game-gta-drive", ("forward", "back"), True, False, MG_MOUSE),
+    "matrix-game-templerun": Space(
+        "matrix-game-templerun",
+        ("nomove", "jump", "slide", "turnleft", "turnright", "leftside", "rightside"),
+        False,
+        False,
+        0.0,
+        "nomove",
+    ),
+}
+SPACES = {s.name: s for s in (CAMERA, *MATRIX_GAME.values())}
 
 
 @dataclass(frozen=True)
@@ -112,8 +132,8 @@ def _mouse(v, space: Space, param: str) -> tuple[float, float]:
     if not isinstance(v, list) or len(v) != 2:
         raise ControlError(f"'{param}' must be [pitch, yaw]", param)
     out = (_number(v[0], f"{param}[0]"), _number(v[1], f"{param}[1]"))
-    if any(abs(x) > TURN_DEG for x in out):
-        raise ControlError(f"'{param}': at most {TURN_DEG:g} degrees a latent frame each, got {list(out)}", param)
+    if any(abs(x) > space.mouse_max for x in out):
+        raise ControlError(f"'{param}': at most {space.mouse_max:g} a latent frame each, got {list(out)}", param)
     return out
 
 
@@ -244,6 +264,15 @@ def camera_row(w2c: np.ndarray, intrinsics=INTRINSICS) -> list[float]:
 class BlockControl:
     seq: int | None  # the newest control that shaped the block
     camera: list[list[float]] = field(default_factory=list)  # per latent frame (camera spaces)
+    # per latent frame, action spaces: the keyboard multi-hot then, with a mouse, pitch and yaw
+    actions: list[list[float]] = field(default_factory=list)
+
+
+def action_row(space: Space, e: Entry) -> list[float]:
+    """A latent frame's action as GenerateBlock carries it: the multi-hot in the space's key
+    order (its idle key where nothing is held), then the mouse if the space has one."""
+    keys = e.keys or (frozenset({space.idle}) if space.idle else frozenset())
+    return [float(k in keys) for k in space.keys] + (list(e.mouse) if space.mouse else [])
 
 
 class Timeline:
@@ -321,6 +350,9 @@ class Timeline:
         else:  # a script's frames, then what is held (nothing, after a script)
             entries = [self.script.popleft() if self.script else pressed for _ in range(frames)]
         out = BlockControl(self.seq)
+        if not self.space.camera:
+            out.actions = [action_row(self.space, e) for e in entries]
+            return out
         if self.space.camera:
             for e in entries:
                 if e.camera is not None:

@@ -22,7 +22,7 @@ same grid as text-to-video.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 
 @dataclass(frozen=True)
@@ -35,6 +35,9 @@ class Scene:
     # image-to-video (a shot's first scene): the input picture, resized and cropped to the video's
     # size, as PNG bytes. It is the shot's first latent frame, a block of its own (see plan_blocks).
     image: bytes | None = field(default=None, repr=False)
+    # whether the image is the shot's first latent frame, a block of its own (Causal Forcing), or
+    # conditions every block of the shot from its first (Matrix-Game: no block of its own)
+    image_block: bool = True
 
 
 @dataclass(frozen=True)
@@ -65,7 +68,7 @@ def plan_blocks(scenes: list[Scene], frames_per_block: int, temporal_factor: int
         latent = latent_frames_for(scene.frames, shot_start, temporal_factor)
         remaining_out = scene.frames
         sizes = [frames_per_block] * -(-latent // frames_per_block)
-        if shot_start and scene.image is not None:  # the image's latent frame: a block of its own
+        if shot_start and scene.image is not None and scene.image_block:  # the image's latent frame alone
             sizes = [1] + [frames_per_block] * -(-(latent - 1) // frames_per_block)
         for i, size in enumerate(sizes):
             starts_shot = shot_start and i == 0
@@ -110,7 +113,7 @@ def replan_from(
     for sc in scenes:
         if start >= end:
             break
-        kept.append(Scene(sc.prompt, min(sc.frames, end - start), sc.transition, sc.seed, sc.recache, sc.image))
+        kept.append(replace(sc, frames=min(sc.frames, end - start)))
         start += sc.frames
     if new is not None:
         kept.append(new)

@@ -22,7 +22,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoi
 from torch.distributed.fsdp._common_utils import FSDP_WRAPPED_MODULE
 
 from streamdiff.models.catalog import CHECKPOINT_PRESETS
-from streamdiff.models.presets import ModelSpec, build_dit
+from streamdiff.models.presets import ModelSpec, build_dit, get_preset
 from streamdiff.models.wan.dit import Block, WanDiT
 
 from .helpers import write_tokenizer
@@ -77,6 +77,8 @@ def write_base(root: Path, dit: str = "wan2.1-t2v-1.3b") -> Path:
     from diffusers import AutoencoderKLWan, WanTransformer3DModel
     from transformers import UMT5Config, UMT5EncoderModel
 
+    if dit == "matrix-game-2":
+        return write_matrix_game_base(root)
     wan22 = dit == "wan2.2-ti2v-5b"
     d = root / ("wan22-base" if wan22 else "wan-base")
     torch.manual_seed(0)
@@ -101,6 +103,34 @@ class Published:
     files: dict[str, Path]
 
 
+# Matrix-Game's DiT at small sizes, in its authors' config.json form (configs/distilled_model/*):
+# the keys and mouse of the action space left to each preset; its action block 0 of 2.
+MATRIX_GAME_CONFIG = {
+    "_class_name": "CausalWanModel", "model_type": "i2v", "dim": 48, "ffn_dim": 64, "freq_dim": 256, "num_heads": 2,
+    "num_layers": 2, "in_dim": 36, "out_dim": 16, "local_attn_size": 6, "sink_size": 0, "eps": 1e-6,
+    "action_config": {"blocks": [0], "heads_num": 2, "hidden_size": 16, "img_hidden_size": 48,
+                      "keyboard_hidden_dim": 128, "mouse_hidden_dim": 128, "windows_size": 3,
+                      "vae_time_compression_ratio": 4, "rope_dim_list": [8, 28, 28], "rope_theta": 256},
+}  # fmt: skip
+
+
+def write_matrix_game_base(root: Path) -> Path:
+    """What Matrix-Game's DiT stands on, small: the Wan 2.1 VAE (diffusers layout), the CLIP
+    vision tower (transformers' layout, 2 layers: the authors take the output of all but the
+    last) and the DiT's config.json."""
+    from diffusers import AutoencoderKLWan
+    from transformers import CLIPVisionConfig, CLIPVisionModel
+
+    d = root / "matrix-game-base"
+    torch.manual_seed(0)
+    AutoencoderKLWan(base_dim=8, num_res_blocks=1).eval().save_pretrained(str(d / "vae"))
+    clip = CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                            image_size=28, patch_size=14, hidden_act="gelu")  # fmt: skip
+    CLIPVisionModel(clip).eval().save_pretrained(str(d / "image_encoder"))
+    (d / "config.json").write_text(json.dumps(MATRIX_GAME_CONFIG))
+    return d
+
+
 class Bases:
     """The small bases, each written once, on first use: `bases(preset)` is the one its DiT
     configuration needs."""
@@ -109,7 +139,8 @@ class Bases:
         self.root, self.written = root, {}
 
     def __call__(self, preset: str) -> Path:
-        family = "wan2.2-ti2v-5b" if CHECKPOINT_PRESETS[preset].dit == "wan2.2-ti2v-5b" else "wan2.1-t2v-1.3b"
+        dit = CHECKPOINT_PRESETS[preset].dit
+        family = dit if dit in ("wan2.2-ti2v-5b", "matrix-game-2") else "wan2.1-t2v-1.3b"
         if family not in self.written:
             self.written[family] = write_base(self.root, family)
         return self.written[family]
@@ -120,8 +151,15 @@ def write_published(preset: str, root: Path, base: Path | Bases) -> Published:
     (`base`, or the one of `Bases` its DiT configuration needs)."""
     cp = CHECKPOINT_PRESETS[preset]
     base = base(preset) if isinstance(base, Bases) else base
-    arch = "wan2.2-ti2v-5b" if cp.dit == "wan2.2-ti2v-5b" else "wan2.1-t2v-1.3b"
-    dit, _ = build_dit(ModelSpec(preset=arch, path=str(base)))
+    arch = cp.dit if cp.dit in ("wan2.2-ti2v-5b", "matrix-game-2") else "wan2.1-t2v-1.3b"
+    if cp.dit == "matrix-game-2":  # no base DiT: the authors' file is the whole DiT
+        torch.manual_seed(hash(preset) % 2**31)
+        dit = WanDiT(get_preset(ModelSpec(preset=preset, path=str(base))).dit).eval()
+        with torch.no_grad():
+            for p in dit.parameters():
+                p.copy_(torch.randn(p.shape) * 0.1)
+    else:
+        dit, _ = build_dit(ModelSpec(preset=arch, path=str(base)))
     if cp.prope:  # minWM: the stock model plus a `self_attn.prope_o` per block (given values here)
         dit = with_prope(dit)
     trained, ema = shifted(dit, 0.01), shifted(dit, -0.01)  # the two sets differ from each other
@@ -131,7 +169,7 @@ def write_published(preset: str, root: Path, base: Path | Bases) -> Published:
     files = {"checkpoint": ck}
     flags = ["--preset", preset, "--model", str(base), "--dit-checkpoint", str(ck)]
     critic = {"critic": {"model.head.head.weight": torch.zeros(3, 3)}}
-    if preset == "krea-realtime-14b":  # a flat safetensors of the generator, `model.blocks.*`
+    if preset == "krea-realtime-14b" or cp.dit == "matrix-game-2":  # a flat safetensors, `model.blocks.*`
         save_file({k: v.contiguous() for k, v in generator_sd(trained).items()}, str(ck))
         expected = trained
     elif preset == "causvid":  # the generator alone

@@ -5,17 +5,20 @@ at 256x144. /v1/models and /health say what was loaded."""
 
 from __future__ import annotations
 
+import base64
 import json
 import shutil
 import subprocess
 
 import pytest
 
+from streamdiff.controls import CONTROL_SCHEME, SPACES
 from streamdiff.models.catalog import CHECKPOINT_PRESETS
 from streamdiff.models.spec import preset_facts
 
 from .helpers import Daemon, http
 from .published import Bases, write_published
+from .test_daemon_i2v import picture
 from .test_daemon_stream import check_video
 
 pytest.importorskip("diffusers")
@@ -74,6 +77,18 @@ def test_every_preset_streams_exact_frames_to_curl(preset, bases, tmp_path):
             "seed": 3,
         }
         fpb = cp.frames_per_block
+        if not cp.image_block:  # Matrix-Game: one shot from a picture, driven by a control script
+            refused = http.post(d.url + "/v1/videos", json={**body, "scenes": body["scenes"][:1]}, timeout=10)
+            assert refused.status_code == 400 and refused.json()["error"]["param"] == "input_reference"
+            space = SPACES[cp.controls]
+            step = {"keyboard": [space.keys[1]], **({"mouse": [0.05, -0.05]} if space.mouse else {})}
+            url = "data:image/png;base64," + base64.b64encode(picture(96, 80)).decode()
+            body = {"prompt": "a path", "num_frames": 29, "size": size, "fps": fps, "seed": 3, "input_reference": url,
+                    "controls": [{"seq": 1, "mode": "script", "per": "block", "script": [{}, step, {}]}]}  # fmt: skip
+            data = curl_stream(d.url, body, tmp_path / "out.mp4")
+            frags, _ = check_video(data, 29, w, h, fps, blocks_expected=-(-8 // fpb))  # 1 + 7 latent frames
+            assert all(any(e["scheme"] == CONTROL_SCHEME for e in f["emsg"]) for f in frags)
+            return
         if cp.multi_shot:
             cut = http.post(d.url + "/v1/videos", json=body, timeout=10)
             assert cut.status_code == 400 and cut.json()["error"]["param"] == "scenes[1].transition"

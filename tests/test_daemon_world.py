@@ -9,6 +9,7 @@ writes the same video. Hostile controls get 4xx or are coalesced, and the video 
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
 import shutil
 import subprocess
@@ -21,8 +22,9 @@ import pytest
 from streamdiff.controls import CONTROL_SCHEME, MAX_SCRIPT_ENTRIES
 
 from .helpers import Daemon, check_video, decode, fragments, http, wait_until
-from .published import write_base, write_published
+from .published import Bases, write_base, write_published
 from .server.test_player_browser import CHROMIUM, open_player
+from .test_daemon_i2v import picture
 from .test_live import Reader
 
 pytest.importorskip("diffusers")
@@ -82,6 +84,65 @@ def test_a_control_lands_at_exactly_its_acknowledged_block(world):
     assert events[:block] == [None] * block
     assert events[block:] == [{"seq": 5, "block": i, "start_frame": 13 + 16 * (i - 1)} for i in range(block, 10)]
     assert control_events(plain) == [None] * 10
+
+
+@pytest.fixture(scope="module")
+def matrix_game(tmp_path_factory):
+    root = tmp_path_factory.mktemp("matrix-game")
+    pub = write_published("matrix-game-2-universal", root, Bases(root))
+    d = Daemon(*pub.flags, "--mode", "aggregated", "--dit-gpus", "1", "--vae-gpus", "1", "--size", SIZE)
+    try:
+        yield d, pub
+    finally:
+        d.stop()
+
+
+def test_matrix_game_from_a_picture_and_a_script_is_what_generate_writes(matrix_game, tmp_path):
+    d, pub = matrix_game
+    (tmp_path / "start.png").write_bytes(picture(96, 80))
+    url = "data:image/png;base64," + base64.b64encode(picture(96, 80)).decode()
+    steps = [{"keyboard": ["forward"], "mouse": [0.05, 0.0]}] * 4 + [{"keyboard": ["right"]}] * 3
+    script = [{"seq": 1, "mode": "script", "per": "frame", "script": steps}]
+    body = {"prompt": "a road", "num_frames": 33, "size": SIZE, "seed": 9, "input_reference": url, "controls": script}
+    video = stream(d.url, body)
+    check_video(video, 33, W, H, 12, blocks_expected=3)
+    (tmp_path / "controls.json").write_text(json.dumps(script))
+    out = tmp_path / "out.mp4"
+    r = subprocess.run(
+        [sys.executable, "-m", "streamdiff.cli", "generate", *pub.flags, "--prompt", "a road", "--num-frames", "33",
+         "--size", SIZE, "--seed", "9", "--image", str(tmp_path / "start.png"),
+         "--controls", str(tmp_path / "controls.json"), "-o", str(out)],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    assert out.read_bytes() == video
+
+
+def test_a_matrix_game_action_lands_at_exactly_its_acknowledged_block(matrix_game):
+    """Matrix-Game from a picture: a held key and a mouse turn sent while it streams land at the
+    block the answer names; the frames before it are the video without them, bit for bit."""
+    d, _ = matrix_game
+    url = "data:image/png;base64," + base64.b64encode(picture(96, 80)).decode()
+    body = {"prompt": "a road", "num_frames": 9 + 12 * 7, "size": SIZE, "seed": 4, "input_reference": url}
+    reader = Reader(d.url, body)
+    reader.start()
+    wait_until(lambda: reader.fragment_count() >= 2, 120)
+    control = {"seq": 3, "keyboard": ["forward", "left"], "mouse": [0.1, -0.1]}
+    r = http.post(f"{d.url}/v1/videos/{reader.video_id}/controls", json=control, timeout=10)
+    assert r.status_code == 200, r.text
+    ack = r.json()
+    bad = http.post(f"{d.url}/v1/videos/{reader.video_id}/controls", json={"seq": 4, "keyboard": ["w"]}, timeout=10)
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "keyboard"  # minWM's key, not this space's
+    reader.join(300)
+    assert reader.error is None and reader.status == 200
+    block, start = ack["block"], ack["start_frame"]
+    assert 2 <= block < 8 and start == 9 + 12 * (block - 1)  # 3 latent frames a block: 9 frames, then 12
+    controlled, plain = bytes(reader.data), stream(d.url, body)
+    check_video(controlled, body["num_frames"], W, H, 12, blocks_expected=8)
+    a, b = decode(controlled)["pixels"], decode(plain)["pixels"]
+    assert all(np.array_equal(x, y) for x, y in zip(a[:start], b[:start], strict=True))
+    assert sum(not np.array_equal(x, y) for x, y in zip(a[start:], b[start:], strict=True)) > 0.9 * len(a[start:])
+    assert [e and e["seq"] for e in control_events(controlled)] == [None] * block + [3] * (8 - block)
 
 
 SCRIPT = {

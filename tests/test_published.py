@@ -8,6 +8,7 @@ import json
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -74,6 +75,27 @@ def test_a_file_of_another_layout_is_refused_whole(base, tmp_path):
         build_dit(spec_from_flags(*pub.flags))
 
 
+def test_a_matrix_game_file_of_another_action_space_is_refused_by_name(bases, tmp_path):
+    """Matrix-Game's three checkpoints take three action spaces: the universal file under the
+    Temple Run preset is refused naming whose it is, before anything is loaded; so is a config.json
+    that says another space."""
+    pub = write_published("matrix-game-2-universal", tmp_path, bases)
+    flags = [f if f != "matrix-game-2-universal" else "matrix-game-2-templerun" for f in pub.flags]
+    with pytest.raises(CheckpointError, match=r"a keyboard of 4 keys and a mouse \(matrix-game-2-universal's\); "
+                       r"preset matrix-game-2-templerun takes a keyboard of 7 keys, no mouse"):  # fmt: skip
+        build_dit(spec_from_flags(*flags))
+    base = Path(pub.flags[pub.flags.index("--model") + 1])
+    cfg = json.loads((base / "config.json").read_text())
+    cfg["action_config"].update(keyboard_dim_in=2, enable_mouse=True)  # GTA's
+    (base / "config.json").write_text(json.dumps(cfg))
+    try:
+        with pytest.raises(ValueError, match=r"keyboard of 2 keys and a mouse \(matrix-game-2-gta-drive's\)"):
+            build_dit(spec_from_flags(*pub.flags))
+    finally:
+        cfg["action_config"].pop("keyboard_dim_in"), cfg["action_config"].pop("enable_mouse")
+        (base / "config.json").write_text(json.dumps(cfg))
+
+
 def test_a_lora_for_another_model_is_refused_naming_its_keys(base, tmp_path):
     from streamdiff.models.presets import ModelSpec
 
@@ -120,7 +142,8 @@ def test_streamdiffd_models_lists_every_preset_with_exactly_its_fields():
     assert [r["name"] for r in rows] == [
         "self-forcing", "causvid", "causal-forcing", "causal-forcing-framewise", "causal-forcing-2step",
         "causal-forcing-1step", "causal-forcing-longvideo", "longlive", "rolling-forcing", "krea-realtime-14b",
-        "longlive2-5b",
+        "longlive2-5b", "minwm-action2v", "matrix-game-2-universal", "matrix-game-2-gta-drive",
+        "matrix-game-2-templerun",
     ]  # fmt: skip
     for r in rows:
         assert list(r) == list(JSON_FIELDS)
@@ -128,6 +151,8 @@ def test_streamdiffd_models_lists_every_preset_with_exactly_its_fields():
         assert isinstance(r["steps"], list) and isinstance(r["warp"], bool) and isinstance(r["global_sink"], bool)
         assert r["lora"] is None or set(r["lora"]) == {"rank", "alpha"}
     by = {r["name"]: r for r in rows}
+    assert by["minwm-action2v"]["controls"] == "camera" and by["self-forcing"]["controls"] is None
+    assert by["matrix-game-2-templerun"]["controls"] == "matrix-game-templerun"
     assert by["longlive"]["lora"] == {"rank": 256, "alpha": 256.0} and by["longlive"]["window"] == 12
     assert by["causvid"]["steps"] == [1000, 757, 522] and by["causvid"]["warp"] is False
     assert by["causal-forcing-1step"]["first_block_steps"] == [1000, 750, 500, 250]

@@ -205,14 +205,18 @@ def generate(cfg: Config, req: VideoRequest, args: argparse.Namespace) -> tuple[
                 if b.first_of_scene:  # what the scheduler sends with a scene's first block
                     bar.set_description(f"scene {b.scene + 1}/{len(req.scenes)}")
                     recache = scene.recache and not b.shot_start
-                    image = scene.image is not None and b.shot_start  # its block is not drawn (F - 1)
-                    dit.set_scene(sess, scene.prompt, b.shot_start, scene.seed, recache, shot_left=left - image)
+                    image = scene.image if b.shot_start else None
+                    block_image = image is not None and scene.image_block  # its block is not drawn (F - 1)
+                    cond = decode_png(image) if image is not None and not scene.image_block else None  # Matrix-Game
+                    dit.set_scene(
+                        sess, scene.prompt, b.shot_start, scene.seed, recache, shot_left=left - block_image, image=cond
+                    )
                 events = [scene_marker(b, scene)] if b.first_of_scene else []
                 if timeline is not None:  # the controls that reach this block, as the scheduler gives them
                     ctl = timeline.block(b.index, b.latent_frames, b.shot_start)
-                    sess.camera = ctl.camera or None
+                    sess.camera, sess.actions = ctl.camera or None, ctl.actions or None
                     events += [control_marker(b, ctl.seq)] if ctl.seq is not None else []
-                if b.shot_start and scene.image is not None:  # image-to-video: the picture's latent
+                if b.shot_start and scene.image is not None and scene.image_block:  # the picture's latent
                     latent = dit.start_from_image(sess, decode_png(scene.image))
                 else:
                     latent = dit.generate_block(sess, b.latent_frames, left)  # (1, C, f, h, w) float32, CPU

@@ -59,6 +59,8 @@ class GenerateBlock(Message, tag="gen"):
     # a camera model's (controls.py): the block's camera per latent frame, rows of w2c (16,
     # row-major) and fx, fy, cx, cy
     camera: list[list[float]] = []
+    # an action model's (Matrix-Game): per latent frame, the keyboard multi-hot then the mouse
+    actions: list[list[float]] = []
 
 
 class GenerateBatch(Message, tag="genb"):

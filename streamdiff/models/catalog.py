@@ -55,11 +55,20 @@ class CheckpointPreset:
     # The control space a world model takes (controls.SPACES: "camera" is minWM's, PRoPE in the
     # DiT and a pose per latent frame); None: prompts only.
     controls: str | None = None
+    # How the authors lay out a shot's noise up front: (1, F, C, h, w) "fchw" (Self-Forcing's),
+    # or (1, C, F, h, w) "cfhw" (Matrix-Game's); the same draws, another order of the values
+    noise_layout: str = "fchw"
 
     @property
     def prope(self) -> bool:
         """Whether its DiT has minWM's camera path (models/wan/prope.py)."""
         return self.controls == "camera"
+
+    @property
+    def image_block(self) -> bool:
+        """How an image starts its shot: as the shot's first latent frame, a block of its own
+        (Causal Forcing's i2v), or, for Matrix-Game, as conditioning beside every block's noise."""
+        return self.dit != "matrix-game-2"
 
     def to_json(self) -> dict:
         """The fields `streamdiffd models --json` prints, exactly."""
@@ -111,6 +120,7 @@ JSON_FIELDS = (
 
 _FOUR = (1000, 750, 500, 250)
 _CF = "thu-ml/Causal-Forcing"
+_MG = "SkyworkAI/Matrix-Game"
 
 
 def _p(name: str, source: str, checkpoint: str, weights: str, **kw) -> CheckpointPreset:
@@ -165,6 +175,15 @@ CHECKPOINT_PRESETS: dict[str, CheckpointPreset] = {
         # the held frames' cameras are not kept, and the authors switch no prompt.
         _p("minwm-action2v", "shengshu-ai/minWM", "ckpts/Wan21/Action2V/dmd/model.pt", "ema",
            frames_per_block=4, window=20, recache="never", controls="camera"),
+        # Matrix-Game 2.0 (Matrix-Game-2/configs/inference_yaml/*.yaml, distilled_model/*/config.json):
+        # an image-to-video DiT with no text branch, 3 frames a block, no sink; a flat safetensors
+        *(_p(f"matrix-game-2-{name}", _MG, ck, "generator", steps=steps, window=window, recache="never",
+             dit="matrix-game-2", i2v=True, controls=f"matrix-game-{name}", noise_layout="cfhw")
+          for name, ck, steps, window in (
+              ("universal", "base_distilled_model/base_distill.safetensors", (1000, 666, 333), 6),
+              ("gta-drive", "gta_distilled_model/gta_keyboard2dim.safetensors", (1000, 666, 333), 4),
+              ("templerun", "templerun_distilled_model/templerun_7dim_onlykey.safetensors", (1000, 750, 500, 250), 6),
+          )),
     )
 }  # fmt: skip
 

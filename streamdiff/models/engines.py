@@ -19,6 +19,7 @@ from .compiled import Compiler
 from .presets import (
     ModelSpec,
     build_dit,
+    build_image_encoder,
     build_text_encoder,
     build_vae,
     build_vae_encoder,
@@ -26,6 +27,7 @@ from .presets import (
     image_to_video,
 )
 from .wan import rolling
+from .wan.action import block_actions
 from .wan.canvas import commit_canvas
 from .wan.dit import DiTState
 from .wan.kernels import CPU_DECODE_WORKING_SET_BYTES, DecodePlan, plan_block
@@ -63,6 +65,15 @@ class DiTSession:
     # A camera model's next block's camera, a row per latent frame (controls.camera_row); None:
     # standing still where the shot is (every frame at the identity pose)
     camera: list[list[float]] | None = None
+    # Matrix-Game's: the next block's actions (a row per latent frame: multi-hot, mouse; None: the
+    # idle action), every latent frame's so far in this shot, and its image conditioning: the
+    # VAE encoder's causal state over the start image then frames of zeros, the image's latent,
+    # and the zeros' latent once the encoder's state stops changing (then every later one equals it)
+    actions: list[list[float]] | None = None
+    action_history: list[tuple[list[float], list[float]]] | None = None
+    cond_state: VAEState | None = None
+    cond_image: torch.Tensor | None = None
+    cond_steady: torch.Tensor | None = None
 
 
 class DiTEngine:
@@ -85,6 +96,12 @@ class DiTEngine:
         # the preset conditions on an image.
         self.i2v = image_to_video(self.preset)
         self.encoder = build_vae_encoder(spec, device) if self.i2v else None
+        cp = self.preset.checkpoint
+        # Matrix-Game: the image conditions every block (its CLIP tokens the context, its latents
+        # beside the noise) rather than being the shot's first block
+        self.image_condition = self.i2v and cp is not None and not cp.image_block
+        self.clip = build_image_encoder(spec, device) if self.image_condition else None
+        self.noise_layout = cp.noise_layout if cp is not None else "fchw"
         self.noise_dtype = self.model.patch_embedding.weight.dtype  # the authors draw in the model's dtype
         s = self.preset.sampler
         self.unipc = s.kind == "unipc"
@@ -164,8 +181,12 @@ class DiTEngine:
         seed: int | None = None,
         recache: bool = False,
         shot_left: int = 0,
+        image: torch.Tensor | None = None,
     ) -> None:
         """Start a scene. `cut`: a new shot (fresh KV cache, positions from 0, first-block steps).
+        A model whose blocks an image conditions (Matrix-Game) ignores the prompt: a cut starts
+        from `image` ((H, W, 3) uint8; `condition_on_image`), or, where none is given (the
+        calibration's and the profile's shots), from a blank picture.
         Otherwise `continue`: keep the visual history, swap the prompt (cross-attention cache),
         and re-cache the window under it (`WanDiT.recache`) as the sampler's `recache` policy
         says: `every_switch` at every continuing scene (LongLive re-caches at each of its
@@ -196,8 +217,8 @@ class DiTEngine:
         if cut or seed is not None:
             sess.shot_noise, sess.shot_pos, sess.seeding = None, 0, "per_block"
             if shot_left > 0:
-                c, (h, w), f = self.model.cfg.in_channels, sess.latent_hw, shot_left * self.frames_per_block
-                sess.shot_noise = self._randn((1, f, c, h, w), sess.generator)
+                shape = self._noise_shape(sess, shot_left * self.frames_per_block)
+                sess.shot_noise = self._randn(shape, sess.generator)
                 sess.seeding = "authors"
         s = self.preset.sampler
         if recache and not cut and sess.rolling is not None:
@@ -210,11 +231,73 @@ class DiTEngine:
         elif recache and not cut:
             self.model.recache(sess.state, self.encode_prompt(prompt), s.context_t, s.global_sink)
             sess.prompt = prompt
+        elif self.image_condition:  # no text: the context is the shot's image
+            if cut:
+                h, w = (n * self.preset.vae.spatial_factor for n in sess.latent_hw)
+                self.condition_on_image(sess, image if image is not None else torch.zeros(h, w, 3, dtype=torch.uint8))
         elif cut or prompt != sess.prompt:
             self.model.set_prompt(sess.state, self.encode_prompt(prompt))
             sess.prompt = prompt
         if cut and s.canvas:  # the shot's sink frame, under its first prompt (SamplerConfig.canvas)
             commit_canvas(self.model, sess.state, *sess.latent_hw, s.context_t)
+
+    @torch.no_grad()
+    def condition_on_image(self, sess: DiTSession, image: torch.Tensor) -> None:
+        """Matrix-Game's start: the picture ((H, W, 3) uint8 at the video's size) gives the shot's
+        context (its CLIP tokens through `img_emb`) and the first of its conditioning latents
+        (the VAE encoder's first chunk); every block after is conditioned on the latents of zero
+        frames after it, encoded as the blocks come (`_place_image_conditioning`). Call after the
+        cut's `set_scene`, before the shot's first block."""
+        if not self.image_condition:
+            raise ValueError(f"model {self.preset.name!r} does not condition its blocks on an image")
+        h, w = sess.latent_hw
+        f = self.preset.vae.spatial_factor
+        if tuple(image.shape) != (h * f, w * f, 3) or image.dtype != torch.uint8:
+            raise ValueError(f"the image is {tuple(image.shape)} {image.dtype}, not ({h * f}, {w * f}, 3) uint8")
+        if sess.shot_blocks or sess.state.next_frame:
+            raise ValueError("an image starts a shot: it must come before the shot's first block")
+        self.model.set_prompt(sess.state, self.clip.encode(image))
+        x = image.permute(2, 0, 1)[None, :, None].float() / 127.5 - 1.0  # (1, 3, 1, H, W) in [-1, 1]
+        sess.cond_state = self.encoder.new_state()
+        sess.cond_image = self.encoder.encode_chunk(x, sess.cond_state)
+        sess.cond_steady, sess.action_history = None, []
+
+    def _next_condition(self, sess: DiTSession) -> torch.Tensor:
+        """The next latent frame's conditioning latent: the image's first, then the zeros', four
+        frames a latent frame, through the encoder's cache until its state stops changing (from
+        then on each is the same, bit for bit, and is reused)."""
+        if sess.cond_state.latent_frames == 1 and sess.cond_image is not None:
+            out, sess.cond_image = sess.cond_image, None
+            return out
+        if sess.cond_steady is not None:
+            return sess.cond_steady
+        h, w = sess.latent_hw
+        f, dev = self.preset.vae.spatial_factor, self.encoder.conv1.weight.device
+        before = [c.clone() if c is not None else None for c in sess.cond_state.cache]
+        z = self.encoder.encode_chunk(torch.zeros(1, 3, 4, h * f, w * f, device=dev), sess.cond_state)
+        if all(a is not None and torch.equal(a, b) for a, b in zip(before, sess.cond_state.cache, strict=True)):
+            sess.cond_steady = z
+        return z
+
+    def _place_image_conditioning(self, sess: DiTSession, frames: int) -> None:
+        """The block's 20 channels beside its noise: a 4-channel mask (1 on the shot's first latent
+        frame) and the conditioning latents; and its actions, on the session's DiT state."""
+        if sess.cond_state is None:
+            raise ValueError("an image model's shot needs its image first (condition_on_image)")
+        start = sess.state.next_frame
+        z = torch.cat([self._next_condition(sess) for _ in range(frames)], dim=2)  # (1, 16, f, h, w)
+        mask = torch.zeros(1, 4, frames, *z.shape[3:], device=z.device)
+        if start == 0:
+            mask[:, :, 0] = 1
+        sess.state.cond = torch.cat([mask, z], dim=1)
+        a = self.model.cfg.action
+        if a is not None:
+            rows = sess.actions or [[0.0] * a.keyboard_dim + [0.0, 0.0] * a.mouse] * frames
+            sess.actions = None
+            if len(rows) != frames:
+                raise ValueError(f"actions for {len(rows)} latent frames in a block of {frames}")
+            sess.action_history += [(r[: a.keyboard_dim], r[a.keyboard_dim :] or [0.0, 0.0]) for r in rows]
+            sess.state.actions = block_actions(a, sess.action_history, start, frames, z.device)
 
     @torch.no_grad()
     def start_from_image(self, sess: DiTSession, image: torch.Tensor) -> torch.Tensor:
@@ -252,7 +335,7 @@ class DiTEngine:
         sessions = [self.open_session(width, height, seed=i) for i in range(2 if batch else 1)]
         for sess in sessions:
             self.set_scene(sess, "warm", cut=True)
-            if self.i2v and sess is sessions[0]:
+            if self.i2v and not self.image_condition and sess is sessions[0]:
                 self.start_from_image(sess, torch.zeros(height, width, 3, dtype=torch.uint8))
             self.generate_block(sess, fpb)  # the shot's first block (its own steps)
         if self.preset.sampler.recache != "never":
@@ -270,27 +353,35 @@ class DiTEngine:
         """A draw as the authors make it: in the model's dtype, on its device."""
         return torch.randn(shape, generator=generator, dtype=self.noise_dtype, device=generator.device)
 
+    def _noise_shape(self, sess: DiTSession, frames: int) -> tuple[int, ...]:
+        """The authors' layout of `frames` latent frames of noise: (1, F, C, h, w), or Matrix-Game's
+        (1, C, F, h, w) (`CheckpointPreset.noise_layout`)."""
+        c, (h, w) = self.model.cfg.out_channels, sess.latent_hw
+        return (1, c, frames, h, w) if self.noise_layout == "cfhw" else (1, frames, c, h, w)
+
     def _initial_noise(self, sess: DiTSession, frames: int) -> torch.Tensor:
-        """A block's initial noise, (1, frames, C, h, w) as the authors lay it out: a slice of the
-        shot's, drawn up front, or drawn now where the shot's length is not known."""
-        c, (h, w) = self.model.cfg.in_channels, sess.latent_hw
-        if sess.shot_noise is not None and sess.shot_pos + frames > sess.shot_noise.shape[1]:
+        """A block's initial noise in our (1, C, frames, h, w): a slice of the shot's, drawn up
+        front in the authors' layout, or drawn now where the shot's length is not known."""
+        axis = 2 if self.noise_layout == "cfhw" else 1
+        if sess.shot_noise is not None and sess.shot_pos + frames > sess.shot_noise.shape[axis]:
             # A steer lengthened the shot past what was drawn: go on per block (no authors' video
             # has a steer to match), rather than fail the stream.
             sess.shot_noise, sess.seeding = None, "per_block"
         if sess.shot_noise is None:
-            return self._randn((1, frames, c, h, w), sess.generator)
-        sess.shot_pos += frames
-        return sess.shot_noise[:, sess.shot_pos - frames : sess.shot_pos]
+            x = self._randn(self._noise_shape(sess, frames), sess.generator)
+        else:
+            sess.shot_pos += frames
+            x = sess.shot_noise.narrow(axis, sess.shot_pos - frames, frames)
+        return x if axis == 2 else x.permute(0, 2, 1, 3, 4)
 
     def draw_noise(self, sess: DiTSession, frames: int, renoises: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """The next block's noise in the authors' order: its initial noise, then one `randn_like`
         of the flattened (f, C, h, w) prediction per step after the first. Returned in our
         (1, C, f, h, w) layout."""
-        c, (h, w) = self.model.cfg.in_channels, sess.latent_hw
+        c, (h, w) = self.model.cfg.out_channels, sess.latent_hw
         first = self._initial_noise(sess, frames)
         again = [self._randn((frames, c, h, w), sess.generator).unsqueeze(0) for _ in range(renoises)]
-        return first.permute(0, 2, 1, 3, 4), [x.permute(0, 2, 1, 3, 4) for x in again]
+        return first, [x.permute(0, 2, 1, 3, 4) for x in again]
 
     def generate_block(self, sess: DiTSession, frames: int, shot_left: int = 0) -> torch.Tensor:
         """Denoise the next `frames` latent frames -> (1, C, frames, h, w) float32 on the CPU.
@@ -310,6 +401,9 @@ class DiTEngine:
         if self.model.cfg.prope:
             for sess in sessions:
                 self._place_camera(sess, frames)
+        if self.image_condition:
+            for sess in sessions:
+                self._place_image_conditioning(sess, frames)
         steps = [self.steps_of(s) for s in sessions]
         renoises = 0 if self.unipc else len(steps[0]) - 1  # UniPC draws no noise after the first
         noise, renoise = [], [[] for _ in range(renoises)]
@@ -368,7 +462,7 @@ class DiTEngine:
             raise ValueError(f"the rolling sampler makes whole blocks of {fpb} latent frames, not {frames}")
 
         def noise_of(i: int) -> torch.Tensor:  # blocks enter in order: the shot's noise, block by block
-            return self._initial_noise(sess, fpb).transpose(1, 2)
+            return self._initial_noise(sess, fpb)
 
         last = r.finished + shot_left - 1 if shot_left > 0 else None
         sched = self.rolling_schedule

@@ -26,9 +26,11 @@ from pathlib import Path
 
 import torch
 
+from ..controls import MATRIX_GAME
 from .catalog import CheckpointPreset, checkpoint_preset
 from .shipped import WEIGHTS_DIR, embedded_weights
 from .spec import DECODERS, ModelSpec, known_presets
+from .wan.action import ActionConfig
 from .wan.dit import DiTConfig, WanDiT
 from .wan.loading import (
     CheckpointError,
@@ -108,8 +110,12 @@ WAN22_VAE = VAEConfig(
     latents_mean=WAN22_LATENTS_MEAN,
     latents_std=WAN22_LATENTS_STD,
 )
+# Matrix-Game 2.0's (configs/distilled_model/*/config.json): the 1.3B's blocks, 36 channels in,
+# CLIP ViT-H's 1280-wide image tokens as the context; its action modules come with its preset.
+MATRIX_GAME_DIT = DiTConfig(in_channels=36, out_channels=16, image_dim=1280)
 # The Wan DiT configurations a local weights directory serves: DiT, VAE, default size, fps.
 WAN_ARCHS = {
+    "matrix-game-2": (MATRIX_GAME_DIT, VAEConfig(), (640, 352), 12),
     "wan2.1-t2v-1.3b": (DiTConfig(), VAEConfig(), (832, 480), 16),
     "wan2.1-t2v-14b": (WAN_14B, VAEConfig(), (832, 480), 16),
     "wan2.2-ti2v-5b": (WAN22_5B, WAN22_VAE, (1280, 704), 24),
@@ -146,7 +152,7 @@ def get_preset(spec: ModelSpec) -> Preset:
     elif arch in WAN_ARCHS or arch == "wan2.1":
         arch = arch if arch != "wan2.1" else "wan2.1-t2v-1.3b"
         dit, vae, size, fps = WAN_ARCHS[arch]
-        p = Preset(arch, dit, vae, SamplerConfig(), "umt5", size, fps=fps)
+        p = Preset(arch, dit, vae, SamplerConfig(), "none" if dit.image_dim else "umt5", size, fps=fps)
         if spec.path is None:
             raise ValueError(f"preset {spec.preset} needs a local weights directory (--model PATH)")
         root = Path(spec.path)
@@ -157,12 +163,17 @@ def get_preset(spec: ModelSpec) -> Preset:
         p = replace(
             p, dit=dit_config_from_json(tcfg, p.dit), vae=vae_config_from_json(read_config(root / "vae"), p.vae)
         )
+        if p.dit.image_dim:  # the context's width is the image encoder's
+            icfg = read_config(root / "image_encoder")
+            p = replace(p, dit=replace(p.dit, image_dim=icfg.get("hidden_size", p.dit.image_dim)))
     else:
         raise ValueError(f"unknown model preset {spec.preset!r} (known: {', '.join(known_presets())})")
     if cp is not None:
         p = replace(p, name=cp.name, checkpoint=cp, sampler=replace(p.sampler, **cp.sampler_settings()))
         if cp.prope:
             p = replace(p, dit=replace(p.dit, prope=True))
+        if cp.controls in MATRIX_GAME:
+            p = replace(p, dit=replace(p.dit, action=_action_config(cp, p.dit.action)))
     if spec.default_size:
         p = replace(p, default_size=tuple(spec.default_size))
     if spec.sampler:
@@ -173,6 +184,44 @@ def get_preset(spec: ModelSpec) -> Preset:
         p = replace(p, sampler=replace(p.sampler, **vals))
     p.sampler.validate()
     return p
+
+
+def _action_config(cp: CheckpointPreset, given: ActionConfig | None) -> ActionConfig:
+    """A Matrix-Game preset's action modules: its space's keys and mouse, at the sizes of a
+    `config.json` beside the weights where there is one (else the release's). A config of another
+    action space is refused, naming the preset it belongs to."""
+    space = MATRIX_GAME[cp.controls]
+    want = (len(space.keys), space.mouse)
+    if given is None:
+        return ActionConfig(keyboard_dim=want[0], mouse=want[1])
+    if given.keyboard_dim == -1 or given.mouse is None:  # sizes only: the keys and mouse are the preset's
+        return replace(given, keyboard_dim=want[0], mouse=want[1])
+    if (given.keyboard_dim, given.mouse) != want:
+        got = _space_words(given.keyboard_dim, given.mouse)
+        raise ValueError(f"the model's config.json has {got}: {cp.name} takes {_space_words(*want)}")
+    return given
+
+
+def _space_words(keys: int, mouse: bool) -> str:
+    """An action space in words, with the preset it is (a file for another is named by it)."""
+    words = f"a keyboard of {keys} keys{' and a mouse' if mouse else ', no mouse'}"
+    for name, space in MATRIX_GAME.items():
+        if (len(space.keys), space.mouse) == (keys, mouse):
+            return f"{words} ({name.replace('matrix-game-', 'matrix-game-2-')}'s)"
+    return words
+
+
+def check_action_space(sd: dict, preset: Preset) -> None:
+    """A Matrix-Game file's action space (its keyboard embedding's inputs, whether it has a mouse
+    path), refused by name where it is another preset's."""
+    a = preset.dit.action
+    kb = sd.get(f"blocks.{a.blocks[0]}.action_model.keyboard_embed.0.weight")
+    got = (int(kb.shape[1]) if kb is not None else 0, f"blocks.{a.blocks[0]}.action_model.mouse_mlp.0.weight" in sd)
+    if got != (a.keyboard_dim, a.mouse):
+        raise CheckpointError(
+            f"DiT checkpoint: its action modules take {_space_words(*got)}; preset {preset.name} takes "
+            f"{_space_words(a.keyboard_dim, a.mouse)}"
+        )
 
 
 @dataclass(frozen=True)
@@ -303,6 +352,8 @@ def build_dit(spec: ModelSpec, device: str = "cpu") -> tuple[WanDiT, Preset]:
         sd = _dit_weights(spec, preset)
         refuse_quantized(sd, spec.dit_checkpoint or spec.path)
         sd = normalize_dit_state_dict(sd)
+        if preset.dit.action is not None:
+            check_action_space(sd, preset)
         if spec.lora:
             lora = preset.checkpoint.lora if preset.checkpoint else None
             alpha = spec.lora_alpha or (lora.alpha if lora else None)
@@ -361,11 +412,11 @@ def build_taehv(spec: ModelSpec, preset: Preset, device: str = "cpu") -> TAEHVDe
     """TAEHV from `decoder_weights` (the published file's widths), or, for the embedded default
     only, at its small widths with weights drawn from the default's seed."""
     if spec.decoder_weights:
-        model = load_taehv(spec.decoder_weights, published_config(preset.dit.in_channels))
+        model = load_taehv(spec.decoder_weights, published_config(preset.dit.out_channels))
     elif preset.embedded:
         model = random_taehv(TINY_TAEHV, seed=spec.seed + 3)
     else:
-        name = "taew2_2" if preset.dit.in_channels == 48 else "taew2_1"
+        name = "taew2_2" if preset.dit.out_channels == 48 else "taew2_1"
         raise ValueError(
             f"--decoder taehv with preset {preset.name!r} needs its weights: --decoder-weights FILE "
             f"({name}.pth or {name}.safetensors from madebyollin/taehv)"
@@ -403,6 +454,17 @@ def build_vae(spec: ModelSpec, device: str = "cpu") -> tuple[WanVAEDecoder | TAE
     return model.eval().requires_grad_(False), preset
 
 
+def build_image_encoder(spec: ModelSpec, device: str = "cpu"):
+    """Matrix-Game's CLIP image encoder (wan/clip.py): `image_encoder/` beside the VAE, in
+    transformers' layout (Wan-AI's I2V diffusers releases ship the same ViT-H/14 there)."""
+    from .wan.clip import ClipImageEncoder
+
+    root = Path(spec.path) / "image_encoder"
+    if not root.is_dir():
+        raise CheckpointError(f"{spec.path}: no image_encoder/ (the CLIP ViT-H/14 vision model, transformers' layout)")
+    return ClipImageEncoder(root, device, resolve_dtype(spec, device))
+
+
 def image_to_video(preset: Preset) -> bool:
     """Whether the preset conditions on an image: a published checkpoint as its catalog entry
     says (the authors' --i2v), and the embedded default (its seeded encoder makes no meaningful
@@ -436,7 +498,10 @@ def build_vae_encoder(spec: ModelSpec, device: str = "cpu") -> WanVAEEncoder:
 
 
 def build_text_encoder(spec: ModelSpec, device: str = "cpu"):
+    """The preset's text encoder; None for a model without text (Matrix-Game's image context)."""
     preset = get_preset(spec)
+    if preset.text_encoder == "none":
+        return None
     if preset.text_encoder == "tiny":
         trained = trained_dit(preset.name)
         layers = trained.text_layers if trained is not None else 1

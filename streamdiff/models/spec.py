@@ -68,6 +68,19 @@ PRESET_FACTS = {
 }
 
 
+# Matrix-Game 2.0's DiT (its configs/distilled_model/*/config.json): the 1.3B's blocks on 36
+# channels in (16 of noise, a 4-channel mask, 16 of the start image's latents), CLIP's image
+# tokens as the context, no text; 352x640. Its mp4s are written at 12 fps (utils/visualize.py).
+PRESET_FACTS["matrix-game-2"] = {
+    "latent_channels": 16,
+    "spatial_factor": 8,
+    "temporal_factor": 4,
+    "frames_per_block": 3,
+    "fps": 12,
+    "default_size": (640, 352),
+}
+
+
 # The seeded default's architecture under its own name: `tiny` loads trained weights shipped in the
 # package where they exist (shipped.embedded_weights); `tiny-random` never does, for the
 # benchmarks built on the seeded weights (issue 36).
@@ -80,6 +93,17 @@ EMBEDDED_PRESETS = ("tiny", "tiny-random")  # weights built in the worker, no mo
 _WAN = {"freq_dim": 256, "text_dim": 4096, "text_len": 512, "in_channels": 16, "out_channels": 16}
 DIT_DIMS = {
     "wan2.1-t2v-1.3b": {"dim": 1536, "ffn_dim": 8960, "num_heads": 12, "num_layers": 30, **_WAN},
+    # text_len: CLIP's 257 image tokens; text_dim: their width (through img_emb)
+    "matrix-game-2": {
+        "dim": 1536,
+        "ffn_dim": 8960,
+        "num_heads": 12,
+        "num_layers": 30,
+        **_WAN,
+        "in_channels": 36,
+        "text_len": 257,
+        "text_dim": 1280,
+    },
     "wan2.1-t2v-14b": {"dim": 5120, "ffn_dim": 13824, "num_heads": 40, "num_layers": 40, **_WAN},
     "wan2.2-ti2v-5b": {
         "dim": 3072,
@@ -103,6 +127,8 @@ def preset_facts(name: str) -> dict:
     if cp is None:
         raise KeyError(name)
     facts = {**PRESET_FACTS[cp.dit], "frames_per_block": cp.frames_per_block, "i2v": cp.i2v}
+    if not cp.image_block:  # Matrix-Game: the image conditions every block, and there is no prompt
+        facts.update(image_block=False, text=False)
     return {**facts, "controls": cp.controls} if cp.controls else facts
 
 

@@ -27,6 +27,19 @@ DEFAULT_FRAMES_PER_BLOCK = 3
 UMT5_XXL_ENCODER_PARAMS = 256384 * 4096 + 24 * (4 * 4096 * 4096 + 3 * 4096 * 10240 + 2 * 4096 + 32 * 64) + 4096
 
 
+# CLIP ViT-H/14's vision tower (Matrix-Game's image encoder): 32 layers of width 1280 (attention
+# and an MLP of 5120), its patch embedding and positions.
+CLIP_VIT_H_PARAMS = 32 * (4 * 1280 * 1280 + 2 * 1280 * 5120 + 9 * 1280) + 3 * 14 * 14 * 1280 + 258 * 1280
+MATRIX_GAME_ACTION_BLOCKS = 15
+
+
+def action_params(dim: int, keys: int = 4) -> int:
+    """One Matrix-Game action module at the release's sizes (models/wan/action.py)."""
+    mouse = (24 + dim) * 1024 + 1024 + 1024 * 1024 + 1024 + 2048 + 1024 * 3072 + 1024 * dim
+    keyboard = keys * 128 + 128 + 128 * 128 + 128 + dim * 1024 + 1536 * 2048 + 1024 * dim
+    return mouse + keyboard
+
+
 class DoesNotFit(ValueError):
     """The model cannot run on one device of this memory: the message names it and the numbers."""
 
@@ -111,6 +124,10 @@ def model_cost(preset: str, size: tuple[int, int], dtype_bytes: int = 2) -> Mode
     params = dit_params(d) + (paths - 1) * d["num_layers"] * (d["dim"] ** 2 + d["dim"])
     text = UMT5_XXL_ENCODER_PARAMS
     kv = paths * d["num_layers"] * 2 * window * tpf * d["dim"] * dtype_bytes
+    if dit == "matrix-game-2":  # CLIP in place of umT5; 15 action modules, their mouse caches
+        text = CLIP_VIT_H_PARAMS
+        params += MATRIX_GAME_ACTION_BLOCKS * action_params(d["dim"])
+        kv += MATRIX_GAME_ACTION_BLOCKS * 2 * window * tpf * 1024 * dtype_bytes
     cross = d["num_layers"] * 2 * d["text_len"] * d["dim"] * dtype_bytes
     # One block's peak: the FFN's hidden, the block's q/k/v/o and residuals (float32 where the
     # modulation runs), and the attention's output over the window: a few dim-wide rows and one

@@ -247,6 +247,8 @@ def parse_video_request(data, cfg: Config, facts: dict) -> VideoRequest:
         if data.get("prompt") not in (None, ""):
             raise bad("give either 'prompt' or 'scenes', not both", "prompt")
         scenes = _parse_scenes(scenes_raw, total, fps, cfg)
+    if facts.get("text") is False and len(scenes) > 1:
+        raise bad("this model takes no prompt (an image and controls drive it): one scene only", "scenes")
     frames = sum(s.frames for s in scenes)
     if frames > max_frames:
         raise bad(f"the request asks for {frames} frames; the limit is {max_frames}", "scenes", "too_long")
@@ -260,7 +262,15 @@ def parse_video_request(data, cfg: Config, facts: dict) -> VideoRequest:
                 "unsupported_parameter",
             )
         png, reference = prepare_image(image_bytes(data["input_reference"], lim), width, height, lim)
-        scenes[0] = replace(scenes[0], image=png)  # the first scene's shot starts from it
+        # the first scene's shot starts from it (Matrix-Game: every block of it is conditioned on it)
+        scenes[0] = replace(scenes[0], image=png, image_block=facts.get("image_block", True))
+    elif facts.get("image_block") is False:
+        raise bad(
+            f"model '{facts.get('model') or cfg.model.preset}' starts every video from an image: "
+            "'input_reference' is required",
+            "input_reference",
+            "missing_required_parameter",
+        )
     outputs = _outputs(data.get("outputs"), cfg)
     controls = _start_controls(data.get("controls"), facts)
     return VideoRequest(
@@ -404,6 +414,9 @@ def parse_steer(data, cfg: Config) -> Scene:
         raise bad(f"Unrecognized request argument supplied: {', '.join(unknown)}", unknown[0], "unknown_parameter")
     if "prompt" not in data:
         raise bad("Missing required parameter: 'prompt'", "prompt", "missing_required_parameter")
+    cp = checkpoint_preset(cfg.model.preset)
+    if cp is not None and not cp.image_block:
+        raise bad(f"model '{cp.name}' takes no prompt: steer it with controls (POST .../controls)", "prompt")
     prompt = _prompt(data["prompt"], "prompt", cfg.limits.max_prompt_chars)
     transition = data.get("transition", "continue")
     if transition not in ("cut", "continue"):

@@ -237,7 +237,14 @@ def _controls_object(name: str | None) -> dict | None:
     space = SPACES.get(name)
     if space is None:
         return None
-    return {"space": space.name, "keys": list(space.keys), "mouse": space.mouse, "camera": space.camera}
+    return {
+        "space": space.name,
+        "keys": list(space.keys),
+        "mouse": space.mouse,
+        "mouse_max": space.mouse_max,  # |pitch| and |yaw| a latent frame, in the model's units
+        "camera": space.camera,
+        "idle": space.idle,  # the key held when none is
+    }
 
 
 async def retrieve_model(request: web.Request) -> web.Response:

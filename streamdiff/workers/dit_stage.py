@@ -100,7 +100,7 @@ class DiTStage:
             spatial_factor=p.vae.spatial_factor,
             temporal_factor=p.vae.temporal_factor,
             size_multiple=p.vae.spatial_factor * p.dit.patch_size[1],
-            latent_channels=p.dit.in_channels,
+            latent_channels=p.dit.out_channels,
             default_size=list(p.default_size),
             embedded_weights=p.embedded,
             i2v=self.engine.i2v,
@@ -227,7 +227,7 @@ class DiTStage:
         seed = self.seeds.get(msg.session)
         self.faults.hit("check", seed)
         in_order(self.next_block, msg)
-        c = self.engine.model.cfg.in_channels
+        c = self.engine.model.cfg.out_channels  # the latent the ring carries
         shape = (c, msg.frames, *sess.latent_hw)
         if msg.frames < 1:
             raise RequestError(f"a block of {msg.frames} latent frames")
@@ -237,7 +237,10 @@ class DiTStage:
         if msg.image is not None:
             if not self.engine.i2v:
                 raise RequestError(f"model {self.engine.preset.name!r} does not condition on an image")
-            if not msg.cut or msg.frames != 1 or self.engine.rolling_schedule is not None or self.cut:
+            if self.engine.image_condition:  # Matrix-Game: beside the noise of every block from the shot's first
+                if not msg.cut:
+                    raise RequestError("an image starts a shot: it comes with the shot's first block")
+            elif not msg.cut or msg.frames != 1 or self.engine.rolling_schedule is not None or self.cut:
                 raise RequestError(
                     "an image is a shot's first block of one latent frame (no rolling sampler, no VAE cut)"
                 )
@@ -245,6 +248,17 @@ class DiTStage:
             if tuple(img.shape) != (sess.latent_hw[0] * f, sess.latent_hw[1] * f, 3):
                 raise RequestError(f"the image is {img.shape[1]}x{img.shape[0]}, not the video's size")
             self.images[msg.session] = img
+        a = self.engine.model.cfg.action
+        if a is not None:  # an action model: an action per latent frame (controls.action_row)
+            n = a.keyboard_dim + 2 * a.mouse
+            if msg.actions and (
+                len(msg.actions) != msg.frames or any(len(r) != n or not np.isfinite(r).all() for r in msg.actions)
+            ):
+                raise RequestError(f"an action model's block needs {msg.frames} finite action rows of {n} values")
+        elif msg.actions:
+            raise RequestError(f"model {self.engine.preset.name!r} takes no actions")
+        if self.engine.image_condition and msg.cut and msg.image is None:
+            raise RequestError(f"model {self.engine.preset.name!r} starts every shot from an image")
         if self.engine.model.cfg.prope:  # a camera model: a camera per latent frame (controls.camera_row)
             if len(msg.camera) != msg.frames or any(len(r) != 20 or not np.isfinite(r).all() for r in msg.camera):
                 raise RequestError(f"a camera model's block needs {msg.frames} finite camera rows of 20 values")
@@ -296,15 +310,21 @@ class DiTStage:
             self.faults.hit("compute", self.seeds.get(msg.session))
             if msg.prompt is not None:
                 # an image block is not drawn: the authors draw the F - 1 frames after it
-                left = max(0, msg.shot_left - 1) if msg.image is not None else msg.shot_left
-                self.engine.set_scene(sess, msg.prompt, cut=msg.cut, seed=msg.seed, recache=msg.recache, shot_left=left)
-        latents = {}
+                block_image = msg.image is not None and not self.engine.image_condition
+                left = max(0, msg.shot_left - 1) if block_image else msg.shot_left
+                image = self.images.pop(msg.session) if self.engine.image_condition and msg.image is not None else None
+                self.engine.set_scene(
+                    sess, msg.prompt, cut=msg.cut, seed=msg.seed, recache=msg.recache, shot_left=left, image=image
+                )
+        latents, blocks = {}, []
         for msg, sess in run:  # image-to-video: the picture's latent is the shot's first block
-            if msg.image is not None:
+            if msg.image is not None and not self.engine.image_condition:
                 latents[msg.session] = self.engine.start_from_image(sess, self.images.pop(msg.session))[0]
+            else:
+                blocks.append((msg, sess))
         groups: dict[tuple, list] = {}  # sessions denoise together where size and step count agree
-        for msg, sess in (r for r in run if r[0].image is None):
-            sess.camera = msg.camera or None
+        for msg, sess in blocks:
+            sess.camera, sess.actions = msg.camera or None, msg.actions or None
             groups.setdefault((sess.latent_hw, msg.frames, len(self.engine.steps_of(sess))), []).append((msg, sess))
         for group in groups.values():
             left = [msg.shot_left for msg, _ in group]

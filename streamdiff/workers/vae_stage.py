@@ -100,7 +100,7 @@ class VAEStage:
         g = torch.Generator().manual_seed(0)
 
         def decode(states, frames: int) -> float:
-            z = torch.randn(len(states), p.dit.in_channels, frames, h // sf, w // sf, generator=g)
+            z = torch.randn(len(states), p.dit.out_channels, frames, h // sf, w // sf, generator=g)
             plan = self.engine.plan(tuple(z.shape[1:]), self.world, len(states))
             halo = ExchangeHalo(self.rank, list(plan.bands), self.platform.wait_clock()) if self.world > 1 else None
             front = self.shard_front
@@ -134,7 +134,7 @@ class VAEStage:
         if self.cut:  # each decoder stage's time: what the supervisor moves a cut by (supervisor/cut.py)
             from ..models.wan.stage_times import stage_times
 
-            z = (1, p.dit.in_channels, fpb, h // sf, w // sf)
+            z = (1, p.dit.out_channels, fpb, h // sf, w // sf)
             stages = stage_times(self.engine.model, state, lambda: torch.randn(z, generator=g), self.device, runs=2)
             out["stages_ms"] = m.StageTimes(stages, [w, h])
         return out
@@ -170,7 +170,7 @@ class VAEStage:
         self.faults.hit("check", self.seeds.get(msg.session))
         in_order(self.next_block, msg)
         p = self.engine.preset
-        if len(msg.shape) != 4 or min(msg.shape) < 1 or msg.shape[0] != p.dit.in_channels:
+        if len(msg.shape) != 4 or min(msg.shape) < 1 or msg.shape[0] != p.dit.out_channels:
             raise RequestError(f"a latent block of shape {msg.shape}")
         c, f, h, w = msg.shape
         sf = p.vae.spatial_factor

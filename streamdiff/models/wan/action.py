@@ -31,8 +31,8 @@ from torch import nn
 
 @dataclass(frozen=True)
 class ActionConfig:
-    keyboard_dim: int  # keys in the multi-hot (0: no keyboard)
-    mouse: bool  # [pitch, yaw] per pixel frame
+    keyboard_dim: int  # keys in the multi-hot (0: no keyboard; -1 in a config that does not say)
+    mouse: bool | None  # [pitch, yaw] per pixel frame (None in a config that does not say)
     blocks: tuple[int, ...] = tuple(range(15))
     hidden_size: int = 128  # keyboard embedding
     heads: int = 16

@@ -39,5 +39,5 @@ def commit_canvas(model, state, height: int, width: int, context_t: float = 0.0)
     """Commit the canvas to a fresh shot's KV cache at t = `context_t` under its prompt (set
     first), as its frame 0: what the daemon does at every cut and the evaluation does per video."""
     dev = model.patch_embedding.weight.device
-    start = position_canvas(model.cfg.in_channels, height, width, dev)
+    start = position_canvas(model.cfg.out_channels, height, width, dev)
     model.forward_block(start, torch.full((1, 1), float(context_t), device=dev), state, True)

@@ -150,7 +150,7 @@ class KVCache:
         self._tail: torch.Tensor | None = None
         self.tail_positions: list[int] = []
         if latent_hw is not None:
-            lat = (batch, cfg.in_channels, window_frames, *latent_hw)
+            lat = (batch, cfg.out_channels, window_frames, *latent_hw)
             self.latents = torch.zeros(lat, device=device, dtype=torch.float32)
             self._tail = torch.zeros((*lat[:2], sink_frames, *lat[3:]), device=device, dtype=torch.float32)
 

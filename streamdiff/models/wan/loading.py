@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from .action import ActionConfig
 from .dit import DiTConfig
 from .vae import WAN22_LATENTS_MEAN, WAN22_LATENTS_STD, VAEConfig
 
@@ -294,7 +295,8 @@ def dit_config_from_json(cfg: dict, base: DiTConfig | None = None) -> DiTConfig:
     base = base or DiTConfig()
     if "num_attention_heads" in cfg:  # diffusers
         heads = cfg["num_attention_heads"]
-        return DiTConfig(
+        return replace(
+            base,
             dim=heads * cfg.get("attention_head_dim", 128),
             ffn_dim=cfg["ffn_dim"],
             freq_dim=cfg.get("freq_dim", 256),
@@ -308,8 +310,25 @@ def dit_config_from_json(cfg: dict, base: DiTConfig | None = None) -> DiTConfig:
             eps=cfg.get("eps", 1e-6),
             rope_max_positions=cfg.get("rope_max_seq_len", 1024),
         )
-    if "dim" in cfg:  # original Wan 2.1
-        return DiTConfig(
+    if "dim" in cfg:  # original Wan 2.1 (Matrix-Game's too: its action modules' sizes)
+        a = cfg.get("action_config") or {}
+        action = base.action
+        if a:
+            action = ActionConfig(  # the keys and the mouse, where not said (-1, None), are the preset's
+                keyboard_dim=a.get("keyboard_dim_in", -1) if a.get("enable_keyboard", True) else 0,
+                mouse=a.get("enable_mouse"),
+                blocks=tuple(a.get("blocks", range(15))),
+                hidden_size=a.get("hidden_size", 128),
+                heads=a.get("heads_num", 16),
+                keyboard_hidden_dim=a.get("keyboard_hidden_dim", 1024),
+                mouse_hidden_dim=a.get("mouse_hidden_dim", 1024),
+                windows_size=a.get("windows_size", 3),
+                time_compression=a.get("vae_time_compression_ratio", 4),
+                rope_dims=tuple(a.get("rope_dim_list", (8, 28, 28))),
+                rope_theta=float(a.get("rope_theta", 256)),
+            )
+        return replace(
+            base,
             dim=cfg["dim"],
             ffn_dim=cfg["ffn_dim"],
             freq_dim=cfg.get("freq_dim", 256),
@@ -321,6 +340,7 @@ def dit_config_from_json(cfg: dict, base: DiTConfig | None = None) -> DiTConfig:
             text_len=cfg.get("text_len", base.text_len),
             patch_size=tuple(cfg.get("patch_size", (1, 2, 2))),
             eps=cfg.get("eps", 1e-6),
+            action=action,
         )
     return base
 

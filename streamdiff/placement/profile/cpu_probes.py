@@ -136,7 +136,7 @@ def level_child(role, spec, sizes, working_set, cmds, out) -> None:
             fpb, sf = p.sampler.frames_per_block, p.vae.spatial_factor
             g = torch.Generator().manual_seed(0)
             states = {size: eng.open_session() for size in sizes}
-            shapes = {(w, h): (p.dit.in_channels, fpb, h // sf, w // sf) for w, h in sizes}
+            shapes = {(w, h): (p.dit.out_channels, fpb, h // sf, w // sf) for w, h in sizes}
             plans = {size: eng.plan(shape, 1, 1) for size, shape in shapes.items()}
             acts: dict = {}  # (size, cut) -> a steady block's input to stage `cut`, and its own state
             n_stages = len(decoder_stages(eng.model)) if eng.decoder == "wan" else 0  # TAEHV: never cut

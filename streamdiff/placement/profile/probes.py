@@ -104,16 +104,18 @@ def dit_child(spec, device, cpus, threads, sizes, batches, rank, world, addr, ho
 
 
 def _image_ms(eng, w: int, h: int, timed) -> float:
-    """An image-to-video shot's first block on the DiT's device: the image encoded into the shot's
-    first latent frame and committed to the cache (`DiTEngine.start_from_image`): once a request."""
+    """An image-to-video shot's start on the DiT's device, once a request: the image encoded into
+    the shot's first latent frame and committed to the cache (`DiTEngine.start_from_image`), or,
+    for Matrix-Game, its CLIP tokens and first conditioning latent (`condition_on_image`)."""
     import torch
 
     img = torch.randint(0, 256, (h, w, 3), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
     runs = []
+    start = eng.condition_on_image if eng.image_condition else eng.start_from_image
     for i in range(FIRST_BLOCKS):
         s = eng.open_session(w, h, seed=20 + i)
         eng.set_scene(s, "profile", cut=True)
-        runs.append(timed(lambda s=s: eng.start_from_image(s, img))[0])
+        runs.append(timed(lambda s=s: start(s, img))[0])
     return median(runs)
 
 
@@ -187,7 +189,7 @@ def vae_child(spec, device, cpus, threads, rank, world, addr, sizes, splits, bat
             for weights in splits:
 
                 def decode(states, weights=weights, w=w, h=h):
-                    z = torch.randn(len(states), p.dit.in_channels, fpb, h // sf, w // sf, generator=g)
+                    z = torch.randn(len(states), p.dit.out_channels, fpb, h // sf, w // sf, generator=g)
                     plan = eng.plan(tuple(z.shape[1:]), world, len(states), weights)
                     halo = ExchangeHalo(rank, list(plan.bands), plat.wait_clock()) if world > 1 else None
                     plat.sync()
@@ -226,7 +228,7 @@ def vae_child(spec, device, cpus, threads, rank, world, addr, sizes, splits, bat
                 if watched:
                     entry["watched"] = watched
                 if world == 1 and weights is None and eng.decoder == "wan":  # TAEHV is never cut
-                    z = (1, p.dit.in_channels, fpb, h // sf, w // sf)
+                    z = (1, p.dit.out_channels, fpb, h // sf, w // sf)
                     entry["stages_ms"] = stage_times(eng.model, state, partial(torch.randn, z, generator=g), device)
                 if weights is None and batches:
                     entry["batch_ms"] = {}

@@ -172,10 +172,10 @@ class Dispatch(Admission):
                     hw = self._latent_hw(sess.width, sess.height)
                     sess.vae_cut = self.cuts.cut(dit, self._group_unit(sess.group), hw, b.latent_frames)
                 t.vae_cut = sess.vae_cut
-            camera = []
+            camera, actions = [], []
             if sess.controls is not None:  # the block takes the controls that have reached it
                 ctl = sess.controls.block(b.index, b.latent_frames, b.shot_start)
-                t.control_seq, camera = ctl.seq, ctl.camera
+                t.control_seq, camera, actions = ctl.seq, ctl.camera, ctl.actions
             msgs.append(
                 m.GenerateBlock(
                     sess.id,
@@ -190,6 +190,7 @@ class Dispatch(Admission):
                     shot_left=0 if sess.live else shot_left(sess.blocks, b.index),
                     image=scene.image if b.shot_start and first else None,
                     camera=camera,
+                    actions=actions,
                 )
             )
         for w in self.topology.members(dit):  # a DiT group's ranks all run it (rank 0 answers)
