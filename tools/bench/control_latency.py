@@ -12,11 +12,16 @@ live lead the scheduler keeps (`limits.live_lead_s`), the CPU and the stage bala
 
     tools/bench/control_latency.py --controls 30 -- --preset minwm-action2v --model DIR \\
         --dit-checkpoint DIR/model.pt --mode aggregated --dit-gpus 1 --vae-gpus 1
+    tools/bench/control_latency.py --image start.png -- --preset matrix-game-2-universal ...
+
+The keys held cycle through the model's own (one, two, none); a model that starts from a picture
+(Matrix-Game) needs `--image`.
 """
 
 from __future__ import annotations
 
 import argparse
+import base64
 import platform
 import random
 import re
@@ -74,6 +79,7 @@ def main() -> int:
     p.add_argument("--controls", type=int, default=30)
     p.add_argument("--size", default="128x64")
     p.add_argument("--warm", type=int, default=5, help="fragments before the first control")
+    p.add_argument("--image", help="the start picture, for a model that needs one (PNG, JPEG or WebP)")
     p.add_argument("flags", nargs=argparse.REMAINDER, help="-- then the daemon's flags")
     a = p.parse_args()
     flags = a.flags[1:] if a.flags[:1] == ["--"] else a.flags
@@ -83,17 +89,21 @@ def main() -> int:
         if not model.get("controls"):
             raise SystemExit(f"model {model['id']} takes no controls")
         fps, fpb = model["fps"], model["frames_per_block"]
-        player = Player(d.url, {"prompt": "a forest path", "live": True, "size": a.size, "seed": 1})
+        body = {"prompt": "a forest path", "live": True, "size": a.size, "seed": 1}
+        if a.image:
+            body["input_reference"] = "data:image/png;base64," + base64.b64encode(Path(a.image).read_bytes()).decode()
+        player = Player(d.url, body)
         player.start()
         while len(player.arrivals) < a.warm:
             time.sleep(0.02)
         block_s = fpb * 4 / fps
-        keys = [["w"], ["a"], ["d", "l"], [], ["s", "j"]]
+        k = model["controls"]["keys"]
+        keys = [[k[0]], [k[-1]], k[:2], []]
         lat, blocks_behind = [], []
         for i in range(a.controls):
             time.sleep(random.uniform(0, block_s))
             t = time.monotonic()
-            r = http.post(f"{d.url}/v1/videos/{player.video_id}/controls", json={"seq": i + 1, "keyboard": keys[i % 5]})
+            r = http.post(f"{d.url}/v1/videos/{player.video_id}/controls", json={"seq": i + 1, "keyboard": keys[i % 4]})
             r.raise_for_status()
             block = r.json()["block"]
             blocks_behind.append(block - len(player.arrivals))
