@@ -132,13 +132,16 @@ def test_a_published_preset_on_a_release_layout(tmp_path, release):
         (["--scenes", '[{"prompt": "a", "seconds": 1, "transition": "fade"}]'], "scenes[0].transition"),
         (["--scenes", '{"prompt": "a"}'], "--scenes"),
         (["--scenes", '[{"prompt": "a", "seconds": 1}]', "--size", "64x64", "--fps", "100"], "--fps"),
+        (["--prompt", "a", "--controls", "{not json"], "--controls"),
+        (["--prompt", "a", "--controls", '[{"seq": 1, "keyboard": ["w"]}]'], "--controls"),  # the default takes none
     ],
 )
 def test_a_bad_flag_is_refused_naming_it(tmp_path, flags, names):
-    if "--scenes" in flags and flags[flags.index("--scenes") + 1] != "s.json":  # the file's text, written
-        i = flags.index("--scenes") + 1
-        (tmp_path / "s.json").write_text(flags[i])
-        flags = [*flags[:i], str(tmp_path / "s.json"), *flags[i + 1 :]]
+    for flag in ("--scenes", "--controls"):
+        if flag in flags and flags[flags.index(flag) + 1] != "s.json":  # the file's text, written
+            i = flags.index(flag) + 1
+            (tmp_path / "s.json").write_text(flags[i])
+            flags = [*flags[:i], str(tmp_path / "s.json"), *flags[i + 1 :]]
     r = generate(*flags, "-o", str(tmp_path / "out.mp4"), timeout_s=60)
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
     assert names in r.stderr, r.stderr

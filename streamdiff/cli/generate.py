@@ -88,18 +88,23 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def _read_json(path: str, where: str):
+    """A flag's JSON file, or UsageError naming the flag and what is wrong."""
+    try:
+        return json.loads(Path(path).read_text())
+    except OSError as exc:
+        raise UsageError(f"{where}: cannot read it: {exc.strerror or exc}") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise UsageError(f"{where}: not JSON: {exc}") from None
+
+
 def read_request(args: argparse.Namespace) -> tuple[dict, dict[str, str]]:
     """The request body the flags describe, as the API would receive it (flags over the file's
     fields), and the flag that gave each field (what a refusal names)."""
     given: dict[str, str] = {}
     if args.scenes is not None:
         where = f"--scenes {args.scenes}"
-        try:
-            raw = json.loads(Path(args.scenes).read_text())
-        except OSError as exc:
-            raise UsageError(f"{where}: cannot read it: {exc.strerror or exc}") from None
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise UsageError(f"{where}: not JSON: {exc}") from None
+        raw = _read_json(args.scenes, where)
         if isinstance(raw, list):
             body = {"scenes": raw}
         elif isinstance(raw, dict) and "scenes" in raw:
@@ -120,12 +125,7 @@ def read_request(args: argparse.Namespace) -> tuple[dict, dict[str, str]]:
             body[field], given[field] = value, flag
     if args.controls is not None:
         where = f"--controls {args.controls}"
-        try:
-            raw = json.loads(Path(args.controls).read_text())
-        except OSError as exc:
-            raise UsageError(f"{where}: cannot read it: {exc.strerror or exc}") from None
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise UsageError(f"{where}: not JSON: {exc}") from None
+        raw = _read_json(args.controls, where)
         body["controls"] = raw.get("controls") if isinstance(raw, dict) else raw
         given["controls"] = where
     if args.image is not None:  # the API's input_reference, as a multipart file brings it

@@ -29,8 +29,8 @@ from .presets import (
 from .wan import rolling
 from .wan.action import block_actions
 from .wan.canvas import commit_canvas
-from .wan.dit import DiTState
 from .wan.kernels import CPU_DECODE_WORKING_SET_BYTES, DecodePlan, plan_block
+from .wan.kv_cache import DiTState
 from .wan.sampler import denoise_block, denoise_sessions, sigma_of, step_timesteps, unipc_timesteps
 from .wan.taehv import TAEHVState
 from .wan.vae import to_uint8_frames

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from streamdiff.models.wan.action import ActionConfig, ActionModule, block_actions
-from streamdiff.models.wan.dit import DiTConfig, KVCache
+from streamdiff.models.wan.dit import DiTConfig
+from streamdiff.models.wan.kv_cache import KVCache
 
 DIM, K, F_BLOCK, TPF = 48, 4, 3, 4
 

@@ -17,7 +17,8 @@ from streamdiff.models.compiled import compile_stats
 from streamdiff.models.engines import DiTEngine, VAEEngine
 from streamdiff.models.spec import ModelSpec
 from streamdiff.models.wan import rolling
-from streamdiff.models.wan.dit import DiTConfig, KVCache, WanDiT
+from streamdiff.models.wan.dit import DiTConfig, WanDiT
+from streamdiff.models.wan.kv_cache import KVCache
 from streamdiff.models.wan.sampler import SamplerConfig, denoise_block, denoise_sessions
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -36,7 +36,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .dit import DiTState, WanDiT, apply_rope
+from .dit import WanDiT, apply_rope
+from .kv_cache import DiTState
 from .sampler import SamplerConfig, sigma_of, step_timesteps
 
 

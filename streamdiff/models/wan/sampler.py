@@ -17,7 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .dit import DiTState, WanDiT
+from .dit import WanDiT
+from .kv_cache import DiTState
 from .unipc import FlowUniPC, flow_sigmas
 
 
