@@ -86,6 +86,29 @@ def test_a_control_lands_at_exactly_its_acknowledged_block(world):
     assert control_events(plain) == [None] * 10
 
 
+def test_a_prompt_steer_beside_the_camera(world):
+    """minWM keeps its text: a `continue` steer swaps the prompt while the camera keeps moving,
+    and both are marked where they land."""
+    d, _ = world
+    reader = Reader(d.url, {"prompt": "a forest path", "live": True, "size": SIZE, "seed": 6})
+    reader.start()
+    wait_until(lambda: reader.fragment_count() >= 2, 120)
+    vid = reader.video_id
+    held = http.post(f"{d.url}/v1/videos/{vid}/controls", json={"seq": 1, "keyboard": ["w"]}, timeout=10).json()
+    steer = http.post(f"{d.url}/v1/videos/{vid}/scenes", json={"prompt": "a snowy path"}, timeout=10)
+    assert steer.status_code == 200, steer.text
+    recache = http.post(f"{d.url}/v1/videos/{vid}/scenes", json={"prompt": "x", "recache": True}, timeout=10)
+    assert recache.status_code == 400 and recache.json()["error"]["param"] == "recache"
+    wait_until(lambda: reader.fragment_count() >= steer.json()["start_frame"] // 16 + 3, 120)
+    http.post(f"{d.url}/v1/videos/{vid}/stop", timeout=10)
+    reader.join(120)
+    frags = fragments(bytes(reader.data))
+    scenes = [e["message"]["start_frame"] for f in frags for e in f["emsg"] if e["scheme"] != CONTROL_SCHEME]
+    assert scenes == [0, steer.json()["start_frame"]]
+    seqs = [e and e["seq"] for e in control_events(bytes(reader.data))]
+    assert seqs[held["block"] :] == [1] * (len(seqs) - held["block"])
+
+
 @pytest.fixture(scope="module")
 def matrix_game(tmp_path_factory):
     root = tmp_path_factory.mktemp("matrix-game")
