@@ -35,6 +35,9 @@
    context recomputed after each block) at 832x480: ms per block, peak memory, and the
    planner's priced bytes and FLOPs beside them; skipped where the device is too small, a tiny
    width on the CPU.
+9. world: the 1.3B in minWM's 4-frame blocks, plain and with its PRoPE camera path, and
+   Matrix-Game's action DiT at 640x352: ms per steady block, the session's bytes held against the
+   planner's price, peak memory.
 
 Writes every figure to $OUT/device_check.json (or --json) after each check, so a run cut short
 keeps what it measured, and prints one summary line per check.
@@ -346,6 +349,73 @@ def check_longlive2(dev: str, a) -> dict:
     if dev.startswith("cuda"):
         out["vae_peak_gib"] = round(torch.cuda.max_memory_allocated() / GIB, 2)
     print(f"longlive2: {out}", flush=True)
+    return out
+
+
+def check_world(dev: str, a) -> dict:
+    """The world models' DiT work on the device, random bf16 weights: the 1.3B at 832x480 in
+    4-frame blocks behind a window of 20, plain and with minWM's PRoPE path (what the camera
+    costs), and Matrix-Game's DiT (15 action modules, 36 channels in, CLIP-wide context) at
+    640x352 in 3-frame blocks behind a window of 6: ms per steady block (the steps and the clean
+    pass), peak memory, and the planner's priced session bytes. Tiny widths on the CPU."""
+    from dataclasses import replace
+
+    from streamdiff.controls import camera_row
+    from streamdiff.models.presets import MATRIX_GAME_DIT
+    from streamdiff.models.wan.action import ActionConfig, block_actions
+    from streamdiff.models.wan.dit_config import DiTConfig
+    from streamdiff.models.wan.sampler import denoise_block, step_timesteps
+    from streamdiff.placement.cost import GIB, model_cost
+
+    dtype, out = (torch.float32 if dev == "cpu" else torch.bfloat16), {}
+    runs = (
+        ("wan-1.3b", DiTConfig(), None, (832, 480), 4, 20, (1000, 750, 500, 250)),
+        ("minwm", DiTConfig(prope=True), "minwm-action2v", (832, 480), 4, 20, (1000, 750, 500, 250)),
+        ("matrix-game", replace(MATRIX_GAME_DIT, action=ActionConfig(4, True)), "matrix-game-2-universal",
+         (640, 352), 3, 6, (1000, 666, 333)),
+    )  # fmt: skip
+    for name, cfg, preset, (w, h), fpb, window, steps in runs:
+        if dev == "cpu":  # the loops at tiny widths: the code path, not the figure
+            tiny = ActionConfig(4, True, blocks=(0,), heads=2, keyboard_hidden_dim=128, mouse_hidden_dim=128)
+            cfg = replace(cfg, dim=64, ffn_dim=128, num_heads=1, num_layers=2, text_dim=32, text_len=8,
+                          image_dim=32 if cfg.image_dim else 0, action=tiny if cfg.action else None)  # fmt: skip
+            w, h = 128, 64
+        model, _ = random_dit(cfg, dtype, dev)
+        if dev.startswith("cuda"):
+            torch.cuda.reset_peak_memory_stats()
+        lh, lw = h // 8, w // 8
+        state = model.new_state(lh, lw, window)
+        ctx = (1, 257, cfg.image_dim) if cfg.image_dim else (1, cfg.text_len, cfg.text_dim)
+        model.set_prompt(state, torch.randn(*ctx, device=dev).to(dtype))
+        ts, times, history = step_timesteps(steps, 5.0, True), [], []
+        for b in range(2 if a.quick else window // fpb + 3):  # steady once the window is full
+            if cfg.prope:
+                state.camera = torch.tensor([camera_row(torch.eye(4).double().numpy())] * fpb)
+            if cfg.cond_channels:
+                state.cond = torch.randn(1, cfg.cond_channels, fpb, lh, lw, device=dev)
+            if cfg.action is not None:
+                history += [([1.0, 0.0, 0.0, 0.0], [0.1, 0.0])] * fpb
+                state.actions = block_actions(cfg.action, history, state.next_frame, fpb, dev)
+            noise = torch.randn(1, cfg.out_channels, fpb, lh, lw, device=dev)
+            renoise = [torch.randn_like(noise) for _ in steps[1:]]
+            sync(dev)
+            t0 = time.perf_counter()
+            x0 = denoise_block(model, state, noise, ts, renoise)
+            sync(dev)
+            times.append(1000 * (time.perf_counter() - t0))
+            if not torch.isfinite(x0).all():
+                raise RuntimeError(f"{name} block {b}: non-finite latents")
+        r = {"size": f"{w}x{h}", "block_ms": round(statistics.median(times[-3:]), 1),
+             "session_gib": round(state.kv.nbytes / GIB, 2)}  # fmt: skip
+        if preset is not None:  # the planner prices the real configuration
+            r["priced_session_gib"] = round(model_cost(preset, (w, h), 2).session_bytes / GIB, 2)
+        if dev.startswith("cuda"):
+            r["peak_gib"] = round(torch.cuda.max_memory_allocated() / GIB, 2)
+        out[name] = r
+        del model, state
+        if dev.startswith("cuda"):
+            torch.cuda.empty_cache()
+    print(f"world: {out}", flush=True)
     return out
 
 
@@ -705,6 +775,7 @@ CHECKS = {  # in the order of what a short lease most needs
     "taehv": check_taehv,
     "krea14b": check_krea14b,
     "longlive2": check_longlive2,
+    "world": check_world,
     "daemon_real": check_daemon_real,
     "numerics": check_numerics,
     "daemon": check_daemon,
