@@ -32,6 +32,9 @@ def test_shipped_config_has_every_key_with_its_default():
     assert load(ROOT / "etc" / "streamdiff.toml") == Config()
 
 
+_WORLD = "[model]\npreset = '{}'\npath = '/models'\ndit_checkpoint = '/models/m.pt'\n"
+
+
 @pytest.mark.parametrize(
     "text,key",
     [
@@ -49,6 +52,12 @@ def test_shipped_config_has_every_key_with_its_default():
         ("[pipeline]\nheartbeat_timeout_s = 0.5", "pipeline.heartbeat_timeout_s"),
         ("[nonsense]\nx = 1", "nonsense"),
         ("[server\nport = 1", "invalid TOML"),
+        (_WORLD.format("minwm-action2v") + "[sampler]\nrecache = 'on_request'", "sampler.recache"),  # no cameras held
+        (
+            _WORLD.format("matrix-game-2-universal") + "[topology]\nmode = 'disaggregated'\ndit_devices = 2\n"
+            "dit_group_size = 2",
+            "topology.dit_group_size",
+        ),  # its action modules run on one device
     ],
 )
 def test_invalid_values_name_the_key(tmp_path, text, key):

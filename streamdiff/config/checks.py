@@ -69,6 +69,18 @@ def validate(cfg: Config) -> None:
         cfg.sampler.recache,
     )
     _check(
+        cp is None or not cp.prope or cfg.sampler.recache in ("", "never"),
+        "sampler.recache",
+        f"preset {m.preset} cannot re-cache (its held frames' cameras are not kept): never",
+        cfg.sampler.recache,
+    )
+    _check(
+        cp is None or cp.image_block or t.dit_group_size == 1,
+        "topology.dit_group_size",
+        f"preset {m.preset}'s action modules run on one device: 1",
+        t.dit_group_size,
+    )
+    _check(
         m.compile in ("auto", "on", "off"),
         "model.compile",
         "must be auto, on or off",
