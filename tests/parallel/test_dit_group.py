@@ -8,6 +8,7 @@ from __future__ import annotations
 import queue
 import time
 import traceback
+from dataclasses import replace
 
 import pytest
 import torch
@@ -22,9 +23,32 @@ from ..helpers import free_port
 CFG = DiTConfig(dim=60, ffn_dim=96, freq_dim=32, num_heads=5, num_layers=2, text_dim=24, text_len=7)
 
 
-def make_dit() -> WanDiT:
+def make_dit(camera: bool = False) -> WanDiT:
+    """The DiT; `camera`: with minWM's PRoPE path, its output projection given weight."""
     torch.manual_seed(0)
-    return WanDiT(CFG).eval()
+    model = WanDiT(replace(CFG, prope=camera)).eval()
+    if camera:
+        with torch.no_grad():
+            for blk in model.blocks:
+                blk.self_attn.prope_o.weight.normal_(0, 0.3)
+    return model
+
+
+def camera_script(model: WanDiT, h: int, w: int) -> list[torch.Tensor]:
+    """minWM's path: blocks of 2 frames, each with its frames' cameras, through eviction."""
+    g = torch.Generator().manual_seed(h * 100 + w)
+    st = model.new_state(h, w, window_frames=4)
+    model.set_prompt(st, torch.randn(1, CFG.text_len, CFG.text_dim, generator=g))
+    outs = []
+    for _ in range(3):  # the third evicts the first
+        cams = torch.randn(2, 20, generator=g)
+        cams[:, :16] = torch.eye(4).flatten() + 0.1 * cams[:, :16]  # near the identity, invertible
+        cams[:, 12:16] = torch.tensor([0.0, 0.0, 0.0, 1.0])  # w2c's last row
+        cams[:, 16:] = cams[:, 16:].abs() + 0.3
+        st.camera = cams
+        x = torch.randn(1, CFG.in_channels, 2, h, w, generator=g)
+        outs.append(model.forward_block(x, torch.full((1, 2), 600.0), st, commit=True))
+    return outs
 
 
 def script(model: WanDiT, h: int, w: int) -> list[torch.Tensor]:
@@ -52,27 +76,27 @@ def script(model: WanDiT, h: int, w: int) -> list[torch.Tensor]:
     return outs
 
 
-def rank_main(rank: int, world: int, addr: str, h: int, w: int, out) -> None:
+def rank_main(rank: int, world: int, addr: str, h: int, w: int, out, camera: bool = False) -> None:
     try:
         torch.set_num_threads(1)
         from streamdiff.parallel.dit_group import SeqParallel
         from streamdiff.parallel.vae_group import init_group
 
         init_group(addr, rank, world, "cpu", timeout_s=60)
-        model = make_dit()
+        model = make_dit(camera)
         model.parallel = sp = SeqParallel(rank, world, CFG.num_heads)
-        outs = script(model, h, w)
+        outs = (camera_script if camera else script)(model, h, w)
         st = model.new_state(h, w, window_frames=5)
         out.put((rank, [o.numpy() for o in outs], tuple(st.kv.k[0].shape), sp.bytes_sent))
     except Exception:
         out.put((rank, "error", traceback.format_exc(), 0))
 
 
-def run_group(world: int, h: int, w: int, timeout_s: float = 120) -> dict:
+def run_group(world: int, h: int, w: int, timeout_s: float = 120, camera: bool = False) -> dict:
     ctx = torch_context()
     out = ctx.Queue()
     addr = f"tcp://127.0.0.1:{free_port()}"
-    procs = [ctx.Process(target=rank_main, args=(r, world, addr, h, w, out)) for r in range(world)]
+    procs = [ctx.Process(target=rank_main, args=(r, world, addr, h, w, out, camera)) for r in range(world)]
     for p in procs:
         p.start()
     got = {}
@@ -161,3 +185,13 @@ def test_a_group_holds_one_text_encoder_and_every_rank_gets_its_embeddings():
     for embs, _ in got.values():
         for a, b in zip(embs, ref, strict=True):
             assert torch.equal(torch.from_numpy(a), b.float())
+
+
+def test_a_camera_model_in_a_dit_group_equals_one_device():
+    """minWM's PRoPE path in a group of 2: each rank transforms its own band of tokens by their
+    frames' cameras, PRoPE's keys and values go to heads and into the ring like the RoPE path's."""
+    ref = camera_script(make_dit(camera=True), 10, 6)
+    for rank, (outs, _, _) in run_group(2, 10, 6, camera=True).items():
+        for i, (a, b) in enumerate(zip(outs, ref, strict=True)):
+            err = (torch.from_numpy(a) - b).abs().max().item()
+            assert err <= 1e-5, (rank, i, err)
