@@ -77,7 +77,7 @@ def test_every_preset_streams_exact_frames_to_curl(preset, bases, tmp_path):
             "seed": 3,
         }
         fpb = cp.frames_per_block
-        if not cp.image_block:  # Matrix-Game: one shot from a picture, driven by a control script
+        if cp.image == "condition":  # Matrix-Game: one shot from a picture, driven by a control script
             refused = http.post(d.url + "/v1/videos", json={**body, "scenes": body["scenes"][:1]}, timeout=10)
             assert refused.status_code == 400 and refused.json()["error"]["param"] == "input_reference"
             space = SPACES[cp.controls]

@@ -49,3 +49,38 @@ def test_the_5b_decodes_with_taew2_2(release, tmp_path):
     finally:
         assert d.stop() == 0, d.logs()
     check_video(got, 33, 128, 64, 24, blocks_expected=3)
+
+
+def test_longlive2_from_a_picture_streams_what_generate_writes(tmp_path):
+    """LongLive 2.0's image-to-video: the picture is the first latent frame of the first block,
+    held clean through its steps (no block of its own): exact frames, the video generate writes
+    for the same request, and not the text-to-video of the same seed."""
+    import base64
+    import subprocess
+    import sys
+
+    from .helpers import http
+    from .published import Bases, write_published
+    from .test_daemon_i2v import picture
+
+    pub = write_published("longlive2-5b", tmp_path, Bases(tmp_path))
+    (tmp_path / "start.png").write_bytes(picture(96, 80))
+    url = "data:image/png;base64," + base64.b64encode(picture(96, 80)).decode()
+    body = {"prompt": "a red fox", "num_frames": 61, "size": "128x64", "seed": 4, "input_reference": url}
+    d = Daemon(*pub.flags, "--mode", "aggregated", "--dit-gpus", "1", "--vae-gpus", "1", "--size", "128x64")
+    try:
+        assert http.get(d.url + "/v1/models", timeout=10).json()["data"][0]["image_to_video"] is True
+        video, _, _ = stream_video(d.url, body)
+        text, _, _ = stream_video(d.url, {k: v for k, v in body.items() if k != "input_reference"})
+    finally:
+        assert d.stop() == 0, d.logs()
+    check_video(video, 61, 128, 64, 24, blocks_expected=2)  # 1 + 15 latent frames: two blocks of 8
+    assert video != text
+    out = tmp_path / "out.mp4"
+    r = subprocess.run(
+        [sys.executable, "-m", "streamdiff.cli", "generate", *pub.flags, "--prompt", "a red fox", "--num-frames", "61",
+         "--size", "128x64", "--seed", "4", "--image", str(tmp_path / "start.png"), "-o", str(out)],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    assert out.read_bytes() == video

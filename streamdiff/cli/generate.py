@@ -207,7 +207,8 @@ def generate(cfg: Config, req: VideoRequest, args: argparse.Namespace) -> tuple[
                     recache = scene.recache and not b.shot_start
                     image = scene.image if b.shot_start else None
                     block_image = image is not None and scene.image_block  # its block is not drawn (F - 1)
-                    cond = decode_png(image) if image is not None and not scene.image_block else None  # Matrix-Game
+                    # LongLive 2.0's and Matrix-Game's picture is no block of its own: the scene starts from it
+                    cond = decode_png(image) if image is not None and not scene.image_block else None
                     dit.set_scene(
                         sess, scene.prompt, b.shot_start, scene.seed, recache, shot_left=left - block_image, image=cond
                     )

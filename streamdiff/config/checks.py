@@ -75,7 +75,7 @@ def validate(cfg: Config) -> None:
         cfg.sampler.recache,
     )
     _check(
-        cp is None or cp.image_block or t.dit_group_size == 1,
+        cp is None or cp.image != "condition" or t.dit_group_size == 1,
         "topology.dit_group_size",
         f"preset {m.preset}'s action modules run on one device: 1",
         t.dit_group_size,

@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass
 WEIGHT_SETS = ("ema", "generator")  # `generator_ema` or `generator` of a training checkpoint
 RECACHE = ("never", "on_request", "every_switch")
 SAMPLERS = ("block", "rolling", "unipc")
+IMAGE_MODES = ("block", "first_frame", "condition")  # how an image starts a shot (CheckpointPreset.image)
 
 # "Global" attention in the authors' code is a KV cache the size of their whole video: 21 latent
 # frames (81 frames at 16 fps). A stream here may run longer, so a global model's window slides
@@ -58,6 +59,11 @@ class CheckpointPreset:
     # How the authors lay out a shot's noise up front: (1, F, C, h, w) "fchw" (Self-Forcing's),
     # or (1, C, F, h, w) "cfhw" (Matrix-Game's); the same draws, another order of the values
     noise_layout: str = "fchw"
+    # How an image (`i2v`) starts its shot (IMAGE_MODES): "block", the shot's first latent frame as
+    # a block of its own (Causal Forcing); "first_frame", the first latent frame of the shot's first
+    # block, held clean at t = 0 through its steps (LongLive 2.0); "condition", beside every block's
+    # noise, with its CLIP tokens as the context and no text (Matrix-Game)
+    image: str = "block"
 
     @property
     def prope(self) -> bool:
@@ -66,9 +72,8 @@ class CheckpointPreset:
 
     @property
     def image_block(self) -> bool:
-        """How an image starts its shot: as the shot's first latent frame, a block of its own
-        (Causal Forcing's i2v), or, for Matrix-Game, as conditioning beside every block's noise."""
-        return self.dit != "matrix-game-2"
+        """Whether the image is a block of its own (plan.Scene.image_block)."""
+        return self.image == "block"
 
     def to_json(self) -> dict:
         """The fields `streamdiffd models --json` prints, exactly."""
@@ -169,7 +174,7 @@ CHECKPOINT_PRESETS: dict[str, CheckpointPreset] = {
         # LongLive 2.0: the UniPC solver's 4 timesteps at shift 5 (sampler.unipc_timesteps)
         _p("longlive2-5b", "NVlabs/LongLive", "model_bf16.pt", "generator", steps=(1000, 937, 833, 625),
            warp=False, frames_per_block=8, window=32, sink=8, recache="never", lora=Lora(128, 128.0),
-           dit="wan2.2-ti2v-5b", sampler="unipc", multi_shot=True),
+           dit="wan2.2-ti2v-5b", sampler="unipc", multi_shot=True, i2v=True, image="first_frame"),
         # minWM Wan 2.1 Action2V (configs/causal_forcing_dmd_camera.yaml): Self-Forcing's steps,
         # 4 frames a block, a window of 20 and no sink; the stock T2V 1.3B plus PRoPE. No re-cache:
         # the held frames' cameras are not kept, and the authors switch no prompt.
@@ -178,7 +183,7 @@ CHECKPOINT_PRESETS: dict[str, CheckpointPreset] = {
         # Matrix-Game 2.0 (Matrix-Game-2/configs/inference_yaml/*.yaml, distilled_model/*/config.json):
         # an image-to-video DiT with no text branch, 3 frames a block, no sink; a flat safetensors
         *(_p(f"matrix-game-2-{name}", _MG, ck, "generator", steps=steps, window=window, recache="never",
-             dit="matrix-game-2", i2v=True, controls=f"matrix-game-{name}", noise_layout="cfhw")
+             dit="matrix-game-2", i2v=True, controls=f"matrix-game-{name}", noise_layout="cfhw", image="condition")
           for name, ck, steps, window in (
               ("universal", "base_distilled_model/base_distill.safetensors", (1000, 666, 333), 6),
               ("gta-drive", "gta_distilled_model/gta_keyboard2dim.safetensors", (1000, 666, 333), 4),

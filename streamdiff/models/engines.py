@@ -71,6 +71,9 @@ class DiTSession:
     # and the zeros' latent once the encoder's state stops changing (then every later one equals it)
     actions: list[list[float]] | None = None
     action_history: list[tuple[list[float], list[float]]] | None = None
+    # LongLive 2.0's image-to-video: the picture's latent, held as the first latent frame of the
+    # shot's first block (its next block) at t = 0 through every step
+    first_latent: torch.Tensor | None = None
     cond_state: VAEState | None = None
     cond_image: torch.Tensor | None = None
     cond_steady: torch.Tensor | None = None
@@ -97,9 +100,11 @@ class DiTEngine:
         self.i2v = image_to_video(self.preset)
         self.encoder = build_vae_encoder(spec, device) if self.i2v else None
         cp = self.preset.checkpoint
-        # Matrix-Game: the image conditions every block (its CLIP tokens the context, its latents
-        # beside the noise) rather than being the shot's first block
-        self.image_condition = self.i2v and cp is not None and not cp.image_block
+        # How an image starts a shot (catalog.IMAGE_MODES): a block of its own; the first latent
+        # frame of the first block, held at t = 0 (LongLive 2.0); or, for Matrix-Game, beside every
+        # block's noise with its CLIP tokens as the context
+        self.image_mode = cp.image if cp is not None and self.i2v else "block"
+        self.image_condition = self.i2v and self.image_mode == "condition"
         self.clip = build_image_encoder(spec, device) if self.image_condition else None
         self.noise_layout = cp.noise_layout if cp is not None else "fchw"
         self.noise_dtype = self.model.patch_embedding.weight.dtype  # the authors draw in the model's dtype
@@ -238,6 +243,9 @@ class DiTEngine:
         elif cut or prompt != sess.prompt:
             self.model.set_prompt(sess.state, self.encode_prompt(prompt))
             sess.prompt = prompt
+        if cut:  # LongLive 2.0: the picture is the first latent frame of the shot's first block
+            first = image is not None and self.image_mode == "first_frame"
+            sess.first_latent = self.image_latent(sess, image) if first else None
         if cut and s.canvas:  # the shot's sink frame, under its first prompt (SamplerConfig.canvas)
             commit_canvas(self.model, sess.state, *sess.latent_hw, s.context_t)
 
@@ -299,6 +307,17 @@ class DiTEngine:
             sess.action_history += [(r[: a.keyboard_dim], r[a.keyboard_dim :] or [0.0, 0.0]) for r in rows]
             sess.state.actions = block_actions(a, sess.action_history, start, frames, z.device)
 
+    def image_latent(self, sess: DiTSession, image: torch.Tensor) -> torch.Tensor:
+        """The picture ((H, W, 3) uint8 at the video's size) through the VAE encoder: (1, C, 1, h, w)
+        float32 on the model's device, by way of the model's dtype (the authors encode under bf16)."""
+        h, w = sess.latent_hw
+        f = self.preset.vae.spatial_factor
+        if tuple(image.shape) != (h * f, w * f, 3) or image.dtype != torch.uint8:
+            raise ValueError(f"the image is {tuple(image.shape)} {image.dtype}, not ({h * f}, {w * f}, 3) uint8")
+        x = image.permute(2, 0, 1)[None, :, None].float() / 127.5 - 1.0  # (1, 3, 1, H, W) in [-1, 1]
+        dev = self.model.patch_embedding.weight.device
+        return self.encoder.encode_image(x).to(dev, self.noise_dtype).float()
+
     @torch.no_grad()
     def start_from_image(self, sess: DiTSession, image: torch.Tensor) -> torch.Tensor:
         """Image-to-video, as the authors' `initial_latent`: encode the picture ((H, W, 3) uint8
@@ -334,8 +353,10 @@ class DiTEngine:
         fpb = self.frames_per_block
         sessions = [self.open_session(width, height, seed=i) for i in range(2 if batch else 1)]
         for sess in sessions:
-            self.set_scene(sess, "warm", cut=True)
-            if self.i2v and not self.image_condition and sess is sessions[0]:
+            held = self.image_mode == "first_frame" and sess is sessions[0]  # LongLive 2.0's held picture
+            picture = torch.zeros(height, width, 3, dtype=torch.uint8) if held else None
+            self.set_scene(sess, "warm", cut=True, image=picture)
+            if self.i2v and self.image_mode == "block" and sess is sessions[0]:
                 self.start_from_image(sess, torch.zeros(height, width, 3, dtype=torch.uint8))
             self.generate_block(sess, fpb)  # the shot's first block (its own steps)
         if self.preset.sampler.recache != "never":
@@ -398,6 +419,9 @@ class DiTEngine:
         if self.rolling_schedule is not None:
             left = shots_left or [0] * len(sessions)
             return [self._rolling_block(s, frames, n) for s, n in zip(sessions, left, strict=True)]
+        if len(sessions) > 1 and any(s.first_latent is not None for s in sessions):  # a held image runs alone
+            left = shots_left or [0] * len(sessions)
+            return [self.generate_blocks([s], frames, [n])[0] for s, n in zip(sessions, left, strict=True)]
         if self.model.cfg.prope:
             for sess in sessions:
                 self._place_camera(sess, frames)
@@ -426,7 +450,9 @@ class DiTEngine:
                 sigmas[0],
                 commit=not recompute,
                 unipc=self.unipc,
+                hold=sessions[0].first_latent,
             )
+            sessions[0].first_latent = None
         else:
             states = [s.state for s in sessions]
             noise_b, renoise_b = torch.cat(noise), [torch.cat(r) for r in renoise]

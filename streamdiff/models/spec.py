@@ -127,8 +127,10 @@ def preset_facts(name: str) -> dict:
     if cp is None:
         raise KeyError(name)
     facts = {**PRESET_FACTS[cp.dit], "frames_per_block": cp.frames_per_block, "i2v": cp.i2v}
-    if not cp.image_block:  # Matrix-Game: the image conditions every block, and there is no prompt
-        facts.update(image_block=False, text=False)
+    if not cp.image_block:  # the image is no block of its own
+        facts["image_block"] = False
+    if cp.image == "condition":  # Matrix-Game: the image conditions every block, and there is no prompt
+        facts["text"] = False
     return {**facts, "controls": cp.controls} if cp.controls else facts
 
 

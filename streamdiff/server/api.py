@@ -264,7 +264,7 @@ def parse_video_request(data, cfg: Config, facts: dict) -> VideoRequest:
         png, reference = prepare_image(image_bytes(data["input_reference"], lim), width, height, lim)
         # the first scene's shot starts from it (Matrix-Game: every block of it is conditioned on it)
         scenes[0] = replace(scenes[0], image=png, image_block=facts.get("image_block", True))
-    elif facts.get("image_block") is False:
+    elif facts.get("text") is False:
         raise bad(
             f"model '{facts.get('model') or cfg.model.preset}' starts every video from an image: "
             "'input_reference' is required",
@@ -415,7 +415,7 @@ def parse_steer(data, cfg: Config) -> Scene:
     if "prompt" not in data:
         raise bad("Missing required parameter: 'prompt'", "prompt", "missing_required_parameter")
     cp = checkpoint_preset(cfg.model.preset)
-    if cp is not None and not cp.image_block:
+    if cp is not None and cp.image == "condition":
         raise bad(f"model '{cp.name}' takes no prompt: steer it with controls (POST .../controls)", "prompt")
     prompt = _prompt(data["prompt"], "prompt", cfg.limits.max_prompt_chars)
     transition = data.get("transition", "continue")

@@ -237,7 +237,7 @@ class DiTStage:
         if msg.image is not None:
             if not self.engine.i2v:
                 raise RequestError(f"model {self.engine.preset.name!r} does not condition on an image")
-            if self.engine.image_condition:  # Matrix-Game: beside the noise of every block from the shot's first
+            if self.engine.image_mode != "block":  # in the shot's first block (LongLive 2.0), or beside every block
                 if not msg.cut:
                     raise RequestError("an image starts a shot: it comes with the shot's first block")
             elif not msg.cut or msg.frames != 1 or self.engine.rolling_schedule is not None or self.cut:
@@ -310,15 +310,15 @@ class DiTStage:
             self.faults.hit("compute", self.seeds.get(msg.session))
             if msg.prompt is not None:
                 # an image block is not drawn: the authors draw the F - 1 frames after it
-                block_image = msg.image is not None and not self.engine.image_condition
-                left = max(0, msg.shot_left - 1) if block_image else msg.shot_left
-                image = self.images.pop(msg.session) if self.engine.image_condition and msg.image is not None else None
+                in_block = self.engine.image_mode != "block"  # the image is no block of its own
+                left = max(0, msg.shot_left - 1) if msg.image is not None and not in_block else msg.shot_left
+                image = self.images.pop(msg.session) if in_block and msg.image is not None else None
                 self.engine.set_scene(
                     sess, msg.prompt, cut=msg.cut, seed=msg.seed, recache=msg.recache, shot_left=left, image=image
                 )
         latents, blocks = {}, []
         for msg, sess in run:  # image-to-video: the picture's latent is the shot's first block
-            if msg.image is not None and not self.engine.image_condition:
+            if msg.image is not None and self.engine.image_mode == "block":
                 latents[msg.session] = self.engine.start_from_image(sess, self.images.pop(msg.session))[0]
             else:
                 blocks.append((msg, sess))

@@ -128,3 +128,38 @@ def test_an_engine_block_is_diffusers_unipc_on_the_dit_then_the_clean_pass():
             x = sched.step(v, t, x).prev_sample
         ref.model.forward_block(x, torch.zeros(1, 3), r.state, True)
         torch.testing.assert_close(block, x, rtol=1e-4, atol=1e-4)
+
+
+def test_a_held_first_frame_is_longlive2s_image_to_video_first_block():
+    """LongLive 2.0's image-to-video first chunk (pipeline/causal_diffusion_inference.py, the
+    `first_i2v_block` steps; utils/i2v_conditioning.py), transcribed: before each solver step the
+    block's first latent frame is the image's and its timestep 0; after the step it is the image's
+    again; the clean pass commits the block with it. The next block, from that cache, agrees too."""
+    from streamdiff.models.engines import DiTEngine
+    from streamdiff.models.spec import ModelSpec
+    from streamdiff.models.wan.sampler import denoise_block, unipc_timesteps
+
+    eng = DiTEngine(ModelSpec(preset="tiny-random", sampler=UNIPC))
+    model, (w, h) = eng.model, (128, 64)
+    ours, ref = (eng.open_session(w, h, seed=1) for _ in range(2))
+    for s in (ours, ref):
+        eng.set_scene(s, "a red fox", cut=True)
+    g = torch.Generator().manual_seed(2)
+    noise, image = torch.randn(1, 16, 3, 8, 16, generator=g), torch.randn(1, 16, 1, 8, 16, generator=g)
+    ts = unipc_timesteps(UNIPC["steps"], UNIPC["shift"])
+    got = denoise_block(model, ours.state, noise, ts, [], unipc=True, hold=image)
+
+    solver, x = FlowUniPC([t / 1000.0 for t in ts] + [0.0]), noise.clone()
+    for t in ts:
+        x[:, :, :1] = image
+        timestep = torch.full((1, 3), t)
+        timestep[:, 0] = 0
+        x = solver.step(model.forward_block(x, timestep, ref.state, False), x)
+        x[:, :, :1] = image
+    model.forward_block(x, torch.zeros(1, 3), ref.state, True)
+    torch.testing.assert_close(got, x, rtol=0, atol=0)
+    assert torch.equal(got[:, :, :1], image)
+    after = [denoise_block(model, s.state, noise, ts, [], unipc=True) for s in (ours, ref)]
+    torch.testing.assert_close(after[0], after[1], rtol=0, atol=0)
+    with pytest.raises(ValueError, match="UniPC"):
+        denoise_block(model, ours.state, noise, [1000.0, 500.0], [noise], hold=image)

@@ -123,9 +123,12 @@ def denoise_block(
     sigmas: Sequence[float] | None = None,
     commit: bool = True,
     unipc: bool = False,
+    hold: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Denoise one block and commit it to the session's KV cache (`commit=False`: leave the
     commit to the caller, as Krea's per-block recompute does, `WanDiT.commit_and_recompute`).
+    `hold`: clean latent frames (B, C, n, H, W) that are the block's first n, held through every
+    step at t = 0 (LongLive 2.0's image-to-video first block; the UniPC solver only).
 
     noise: (B, C, f, H, W) initial noise; renoise: one noise tensor per step after the first;
     sigmas: each step's noise level (`sigma_of`; default timestep / 1000, exact for warped steps).
@@ -137,7 +140,9 @@ def denoise_block(
     sig = _on_device([[s] * b for s in sigmas], dev) if sigmas is not None else steps / 1000.0
     forward = lambda x, t, c: model.forward_block(x, t, state, c)  # noqa: E731
     if unipc:
-        return _denoise_unipc(forward, model, noise, timesteps, context_t, commit)
+        return _denoise_unipc(forward, model, noise, timesteps, context_t, commit, hold)
+    if hold is not None:
+        raise ValueError("holding a block's first frames clean is the UniPC sampler's (LongLive 2.0)")
     return _denoise(forward, model, noise, steps, sig, renoise, context_t, commit)
 
 
@@ -197,16 +202,28 @@ def _denoise(
     return x0
 
 
-def _denoise_unipc(forward, model: WanDiT, noise, timesteps: Sequence[float], context_t: float, commit: bool):
+def _denoise_unipc(
+    forward, model: WanDiT, noise, timesteps: Sequence[float], context_t: float, commit: bool, hold=None
+):
     """A fresh UniPC solver over the block (LongLive 2.0's `FlowUniPCMultistepScheduler` per
     chunk): the flow at each timestep, one solver step, the last landing on x0; then the clean
-    pass. The solver's coefficients are Python floats: no host synchronisation."""
+    pass. The solver's coefficients are Python floats: no host synchronisation. `hold` (its
+    image-to-video): the block's first frames overwritten with it before and after every step,
+    their timesteps 0 (`utils/i2v_conditioning.py`)."""
     b, _, f = noise.shape[:3]
     dev = model.patch_embedding.weight.device
     solver = FlowUniPC([t / 1000.0 for t in timesteps] + [0.0])
     x = noise.to(dev, torch.float32)
+    n = 0 if hold is None else hold.shape[2]
+
+    def held(x: torch.Tensor) -> torch.Tensor:
+        return x if not n else torch.cat([hold.to(x.dtype).expand(b, -1, -1, -1, -1), x[:, :, n:]], dim=2)
+
     for t in timesteps:
-        x = solver.step(forward(x, torch.full((b, f), t, device=dev), False), x)
+        x = held(x)
+        ts = torch.full((b, f), t, device=dev)
+        ts[:, :n] = 0.0
+        x = held(solver.step(forward(x, ts, False), x))
     if commit:
         forward(x, torch.full((b, f), context_t, device=dev), True)
     return x

@@ -111,7 +111,10 @@ def _image_ms(eng, w: int, h: int, timed) -> float:
 
     img = torch.randint(0, 256, (h, w, 3), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
     runs = []
-    start = eng.condition_on_image if eng.image_condition else eng.start_from_image
+    if eng.image_mode == "first_frame":  # the picture's latent alone: the block is an ordinary one
+        start = eng.image_latent
+    else:
+        start = eng.condition_on_image if eng.image_condition else eng.start_from_image
     for i in range(FIRST_BLOCKS):
         s = eng.open_session(w, h, seed=20 + i)
         eng.set_scene(s, "profile", cut=True)
