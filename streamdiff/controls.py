@@ -16,6 +16,9 @@ A control lands at the first block not yet started, or at a later one it names (
 never inside a block: `Timeline.receive` says which, and `Timeline.block` gives each block, as
 the DiT starts it, its conditioning and the newest `seq` that shaped it.
 
+Matrix-Game's spaces (`matrix-game-*`) take the release's keys, a multi-hot in its order, and its
+mouse units; each latent frame gets what is held (`action_row`).
+
 The `camera` space is minWM's (shengshu-ai/minWM, Wan21/wan_utils/camera_trajectory.py): keys
 move the camera 0.08 units or turn it 3 degrees per latent frame, composed in the camera's own
 frame. A shot's frame 0 is at the identity and what is held at frame i moves the camera from
@@ -350,20 +353,19 @@ class Timeline:
         else:  # a script's frames, then what is held (nothing, after a script)
             entries = [self.script.popleft() if self.script else pressed for _ in range(frames)]
         out = BlockControl(self.seq)
-        if not self.space.camera:
+        if not self.space.camera:  # an action space: each latent frame's keys and mouse, as they are
             out.actions = [action_row(self.space, e) for e in entries]
             return out
-        if self.space.camera:
-            for e in entries:
-                if e.camera is not None:
-                    w2c = np.array(e.camera[:16], dtype=np.float64).reshape(4, 4)
-                    out.camera.append(camera_row(w2c, e.camera[16:]))
-                    self.c2w = np.linalg.inv(w2c)
-                else:
-                    if self.shot_frame:  # a shot's first frame is where the shot starts
-                        self.c2w = move(self.c2w, e)
-                    out.camera.append(camera_row(np.linalg.inv(self.c2w)))
-                self.shot_frame += 1
+        for e in entries:  # the camera: the pose integrated frame by frame
+            if e.camera is not None:
+                w2c = np.array(e.camera[:16], dtype=np.float64).reshape(4, 4)
+                out.camera.append(camera_row(w2c, e.camera[16:]))
+                self.c2w = np.linalg.inv(w2c)
+            else:
+                if self.shot_frame:  # a shot's first frame is where the shot starts
+                    self.c2w = move(self.c2w, e)
+                out.camera.append(camera_row(np.linalg.inv(self.c2w)))
+            self.shot_frame += 1
         return out
 
 
