@@ -22,7 +22,7 @@ import pytest
 from streamdiff.controls import CONTROL_SCHEME, MAX_SCRIPT_ENTRIES
 
 from .helpers import Daemon, check_video, decode, fragments, http, wait_until
-from .published import Bases, write_base, write_published
+from .published import Bases, write_published
 from .server.test_player_browser import CHROMIUM, open_player
 from .test_daemon_i2v import picture
 from .test_live import Reader
@@ -33,15 +33,19 @@ SIZE, W, H = "128x64", 128, 64
 FPB = 4  # minWM's latent frames a block: 13 frames the first block, 16 each after
 
 
-@pytest.fixture(scope="module")
-def world(tmp_path_factory):
-    root = tmp_path_factory.mktemp("world")
-    pub = write_published("minwm-action2v", root, write_base(root))
+def serve(preset: str, root):
+    """A daemon serving `preset`'s tiny model in its checkpoint's layout, for a module's tests."""
+    pub = write_published(preset, root, Bases(root))
     d = Daemon(*pub.flags, "--mode", "aggregated", "--dit-gpus", "1", "--vae-gpus", "1", "--size", SIZE)
     try:
         yield d, pub
     finally:
         d.stop()
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    yield from serve("minwm-action2v", tmp_path_factory.mktemp("world"))
 
 
 def stream(url: str, body: dict) -> bytes:
@@ -111,13 +115,7 @@ def test_a_prompt_steer_beside_the_camera(world):
 
 @pytest.fixture(scope="module")
 def matrix_game(tmp_path_factory):
-    root = tmp_path_factory.mktemp("matrix-game")
-    pub = write_published("matrix-game-2-universal", root, Bases(root))
-    d = Daemon(*pub.flags, "--mode", "aggregated", "--dit-gpus", "1", "--vae-gpus", "1", "--size", SIZE)
-    try:
-        yield d, pub
-    finally:
-        d.stop()
+    yield from serve("matrix-game-2-universal", tmp_path_factory.mktemp("matrix-game"))
 
 
 def test_matrix_game_from_a_picture_and_a_script_is_what_generate_writes(matrix_game, tmp_path):
