@@ -342,6 +342,38 @@ def test_key_presses_in_the_player_page_drive_the_video_while_it_plays(world, tm
     assert errors == [], (errors, console)
 
 
+@pytest.mark.timeout(300)
+@pytest.mark.skipif(CHROMIUM is None, reason="chromium is not installed (.ci/run installs it)")
+def test_the_player_page_starts_matrix_game_from_a_picture_and_drives_it(matrix_game, tmp_path):
+    """Chromium on a Matrix-Game daemon: the page asks for the start picture, sends it, and W
+    becomes Matrix-Game's `forward` (the release's key names), acknowledged while the video plays."""
+    from playwright.sync_api import sync_playwright
+
+    d, _ = matrix_game
+    (tmp_path / "start.png").write_bytes(picture(96, 80))
+    with sync_playwright() as p:
+        browser, page, console = open_player(p, d.url)
+        assert page.is_visible("#controls") and page.is_visible("#image-row")
+        keys = page.inner_text("#keymap")
+        page.set_input_files("#image", str(tmp_path / "start.png"))
+        page.fill("#size", SIZE)
+        page.wait_for_timeout(300)  # the file read into a data URL
+        page.click("#start")
+        page.wait_for_function("window.player.firstAdvanceAt !== null", timeout=120_000)
+        page.keyboard.down("w")
+        page.wait_for_timeout(200)
+        page.keyboard.up("w")
+        page.wait_for_function("window.player.controls.filter((c) => c.ack).length === 2", timeout=30_000)
+        sent = page.evaluate("window.player.controls.map(({li, ...c}) => c)")
+        page.click("#stop")
+        page.wait_for_function("window.player.state === 'complete'", timeout=60_000)
+        errors = page.evaluate("window.player.mediaErrors")
+        browser.close()
+    assert "forward" in keys and "mouse" in keys
+    assert [c["keys"] for c in sent] == [["forward"], []] and all(c["mouse"] == [0, 0] for c in sent)
+    assert sent[0]["ack"]["block"] >= 1 and errors == [], (errors, console)
+
+
 def test_a_model_without_controls_refuses_them(plain_daemon):
     url = plain_daemon.url
     r = http.post(url + "/v1/videos", json={"prompt": "x", "num_frames": 9, "size": "128x64",
