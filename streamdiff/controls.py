@@ -103,10 +103,6 @@ class Control:
     per: str = "frame"  # frame | block
     block: int | None = None  # the block it names, or None: the first not started
 
-    @property
-    def entries(self) -> int:
-        return len(self.script)
-
 
 # ----------------------------------------------------------------------------- parsing
 

@@ -176,6 +176,24 @@ def stream_video(url: str, body: dict, timeout: float = 300) -> tuple[bytes, lis
     return b"".join(chunks), arrivals, headers
 
 
+# The real Wan 2.1 T2V 1.3B transformer as diffusers configures it (WanTransformer3DModel's
+# keyword arguments): the tests' and the device check's references, other sizes by override.
+WAN21_1_3B_DIFFUSERS = dict(
+    patch_size=(1, 2, 2),
+    num_attention_heads=12,
+    attention_head_dim=128,
+    in_channels=16,
+    out_channels=16,
+    text_dim=4096,
+    freq_dim=256,
+    ffn_dim=8960,
+    num_layers=30,
+    cross_attn_norm=True,
+    qk_norm="rms_norm_across_heads",
+    eps=1e-6,
+    rope_max_seq_len=1024,
+)
+
 TOKENIZER_WORDS = "a red fox runs through snow blue whale city at night".split()
 
 

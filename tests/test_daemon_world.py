@@ -309,6 +309,16 @@ def test_nan_a_flood_and_the_websocket(world):
     assert video["status"] != "failed", video
 
 
+def tap_w_while_it_plays(page) -> None:
+    """Start the page's video; once it plays, hold W and let go: both controls answered."""
+    page.click("#start")
+    page.wait_for_function("window.player.firstAdvanceAt !== null", timeout=120_000)
+    page.keyboard.down("w")
+    page.wait_for_timeout(300)
+    page.keyboard.up("w")
+    page.wait_for_function("window.player.controls.filter((c) => c.ack).length === 2", timeout=30_000)
+
+
 @pytest.mark.timeout(300)
 @pytest.mark.skipif(CHROMIUM is None, reason="chromium is not installed (.ci/run installs it)")
 def test_key_presses_in_the_player_page_drive_the_video_while_it_plays(world, tmp_path):
@@ -322,12 +332,7 @@ def test_key_presses_in_the_player_page_drive_the_video_while_it_plays(world, tm
         assert page.is_visible("#controls") and page.is_checked("#live")
         page.fill("#prompt", "a forest path")
         page.fill("#size", SIZE)
-        page.click("#start")
-        page.wait_for_function("window.player.firstAdvanceAt !== null", timeout=120_000)
-        page.keyboard.down("w")
-        page.wait_for_timeout(300)
-        page.keyboard.up("w")
-        page.wait_for_function("window.player.controls.filter((c) => c.ack).length === 2", timeout=30_000)
+        tap_w_while_it_plays(page)
         page.wait_for_function("window.player.controls[0].shownMs !== null", timeout=60_000)
         sent = page.evaluate("window.player.controls.map(({li, ...c}) => c)")
         acks = page.inner_text("#acks")
@@ -358,12 +363,7 @@ def test_the_player_page_starts_matrix_game_from_a_picture_and_drives_it(matrix_
         page.set_input_files("#image", str(tmp_path / "start.png"))
         page.fill("#size", SIZE)
         page.wait_for_timeout(300)  # the file read into a data URL
-        page.click("#start")
-        page.wait_for_function("window.player.firstAdvanceAt !== null", timeout=120_000)
-        page.keyboard.down("w")
-        page.wait_for_timeout(200)
-        page.keyboard.up("w")
-        page.wait_for_function("window.player.controls.filter((c) => c.ack).length === 2", timeout=30_000)
+        tap_w_while_it_plays(page)
         sent = page.evaluate("window.player.controls.map(({li, ...c}) => c)")
         page.click("#stop")
         page.wait_for_function("window.player.state === 'complete'", timeout=60_000)

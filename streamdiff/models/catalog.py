@@ -65,6 +65,10 @@ class CheckpointPreset:
     # noise, with its CLIP tokens as the context and no text (Matrix-Game)
     image: str = "block"
 
+    def __post_init__(self) -> None:
+        if self.image not in IMAGE_MODES:
+            raise ValueError(f"{self.name}: image must be one of {', '.join(IMAGE_MODES)}, got {self.image!r}")
+
     @property
     def prope(self) -> bool:
         """Whether its DiT has minWM's camera path (models/wan/prope.py)."""

@@ -11,6 +11,7 @@ diffusers = pytest.importorskip("diffusers")
 from streamdiff.models.wan.dit import DiTConfig, WanDiT  # noqa: E402
 from streamdiff.models.wan.loading import load_into, normalize_dit_state_dict, normalize_vae_state_dict  # noqa: E402
 from streamdiff.models.wan.vae import WAN22_LATENTS_MEAN, WAN22_LATENTS_STD, VAEConfig, WanVAEDecoder  # noqa: E402
+from streamdiff.testing import WAN21_1_3B_DIFFUSERS  # noqa: E402
 
 SMALL_DIT = dict(
     num_attention_heads=2,
@@ -25,6 +26,14 @@ SMALL_DIT = dict(
     rope_max_seq_len=1024,
 )
 TEXT_LEN = 12
+# Wan 2.2 TI2V 5B's: 24 heads of 128, 48 latent channels in and out
+WAN22_5B_DIFFUSERS = {
+    **WAN21_1_3B_DIFFUSERS,
+    "num_attention_heads": 24,
+    "ffn_dim": 14336,
+    "in_channels": 48,
+    "out_channels": 48,
+}
 
 
 def diffusers_wan22_vae(base_dim: int = 160, decoder_base_dim: int = 256):

@@ -16,7 +16,7 @@ from streamdiff.models.wan.loading import (
 )
 from streamdiff.models.wan.vae import VAEConfig, WanVAEDecoder
 
-from .conftest import TEXT_LEN, make_dit_pair
+from .conftest import TEXT_LEN, WAN21_1_3B_DIFFUSERS, WAN22_5B_DIFFUSERS, make_dit_pair
 
 
 @pytest.mark.parametrize("shape", [(5, 6, 10), (3, 8, 8), (2, 4, 14)], ids=["5x6x10", "3x8x8", "2x4x14"])
@@ -56,30 +56,13 @@ def test_batch_of_two(dit_pair):
     assert (ours.forward_full(x, tt, ctx) - expected).abs().max().item() <= 1e-4
 
 
-REAL_DIT = dict(
-    patch_size=(1, 2, 2),
-    num_attention_heads=12,
-    attention_head_dim=128,
-    in_channels=16,
-    out_channels=16,
-    text_dim=4096,
-    freq_dim=256,
-    ffn_dim=8960,
-    num_layers=30,
-    cross_attn_norm=True,
-    qk_norm="rms_norm_across_heads",
-    eps=1e-6,
-    rope_max_seq_len=1024,
-)
-
-
 def shapes(module: torch.nn.Module) -> dict[str, tuple]:
     return {k: tuple(v.shape) for k, v in module.state_dict().items()}
 
 
 def test_real_dit_config_key_mapping_covers_diffusers():
     with torch.device("meta"):
-        ref = WanTransformer3DModel(**REAL_DIT)
+        ref = WanTransformer3DModel(**WAN21_1_3B_DIFFUSERS)
         ours = WanDiT(DiTConfig())
     assert count_params(ours) == count_params(ref)
     assert round(count_params(ours) / 1e9, 3) == 1.419
@@ -90,7 +73,6 @@ def test_real_dit_config_key_mapping_covers_diffusers():
 
 # diffusers' configuration of Wan2.2-TI2V-5B (its convert_wan_to_diffusers.py), and the
 # original release's config.json (../shared/notes/wan22.md, section 1).
-WAN22_5B_DIFFUSERS = {**REAL_DIT, "num_attention_heads": 24, "ffn_dim": 14336, "in_channels": 48, "out_channels": 48}
 WAN22_5B_ORIGINAL = {
     "_class_name": "WanModel",
     "model_type": "ti2v",
@@ -138,7 +120,7 @@ def test_our_names_are_the_original_names_diffusers_converts():
     """diffusers' own converter for original Wan checkpoints, applied to our state dict, must
     produce exactly diffusers' keys and shapes: our naming is the original release's."""
     with torch.device("meta"):
-        ref = WanTransformer3DModel(**REAL_DIT)
+        ref = WanTransformer3DModel(**WAN21_1_3B_DIFFUSERS)
         ours = WanDiT(DiTConfig())
     converted = convert_wan_transformer_to_diffusers(dict(ours.state_dict()))
     assert {k: tuple(v.shape) for k, v in converted.items()} == shapes(ref)

@@ -29,7 +29,7 @@ from streamdiff.models.wan.vae_blocks import Ctx, patchify, unpatchify
 from streamdiff.models.wan.vae_encoder import WanVAEEncoder, encoder_state_dict
 from streamdiff.models.wan.vae_shapes import stage_shapes
 
-from .conftest import diffusers_wan22_vae, perturb_
+from .conftest import WAN22_5B_DIFFUSERS, diffusers_wan22_vae, perturb_
 
 # The release's shape (base 160, decoder 256) narrowed: 8 and 12 keep every shortcut's channel
 # arithmetic (DupUp3D 48 -> 48 -> 24, AvgDown3D 8 -> 8 -> 16 -> 32) and the 48 latent channels.
@@ -170,21 +170,7 @@ def test_a_wan22_directory_is_the_5b_preset(tmp_path):
     1280x704 at 24 fps; sizes are multiples of 32 (16x VAE, 2x2 patches)."""
     with torch.device("meta"):
         diffusers_wan22_vae().save_config(tmp_path / "vae")
-        diffusers.WanTransformer3DModel(
-            patch_size=(1, 2, 2),
-            num_attention_heads=24,
-            attention_head_dim=128,
-            in_channels=48,
-            out_channels=48,
-            text_dim=4096,
-            freq_dim=256,
-            ffn_dim=14336,
-            num_layers=30,
-            cross_attn_norm=True,
-            qk_norm="rms_norm_across_heads",
-            eps=1e-6,
-            rope_max_seq_len=1024,
-        ).save_config(tmp_path / "transformer")
+        diffusers.WanTransformer3DModel(**WAN22_5B_DIFFUSERS).save_config(tmp_path / "transformer")
     p = get_preset(ModelSpec(preset="wan2.2-ti2v-5b", path=str(tmp_path)))
     assert (p.dit, p.vae, p.default_size, p.fps) == (WAN22_5B, WAN22_VAE, (1280, 704), 24)
     facts = preset_facts("wan2.2-ti2v-5b")

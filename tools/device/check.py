@@ -64,6 +64,7 @@ import torch  # noqa: E402
 
 from streamdiff.models.wan.dit import WanDiT  # noqa: E402
 from streamdiff.platform.devices import cpu_model  # noqa: E402
+from streamdiff.testing import WAN21_1_3B_DIFFUSERS  # noqa: E402
 
 
 def pick_device(name: str | None) -> str:
@@ -452,21 +453,7 @@ def check_numerics(dev: str, a) -> dict:
     # DiT: one latent frame of the real config (1560 tokens at 832x480), per-frame timesteps.
     layers = 2 if a.quick else 30
     torch.manual_seed(0)
-    ref = WanTransformer3DModel(
-        patch_size=(1, 2, 2),
-        num_attention_heads=12,
-        attention_head_dim=128,
-        in_channels=16,
-        out_channels=16,
-        text_dim=4096,
-        freq_dim=256,
-        ffn_dim=8960,
-        num_layers=layers,
-        cross_attn_norm=True,
-        qk_norm="rms_norm_across_heads",
-        eps=1e-6,
-        rope_max_seq_len=1024,
-    ).eval()
+    ref = WanTransformer3DModel(**{**WAN21_1_3B_DIFFUSERS, "num_layers": layers}).eval()
     with torch.no_grad():  # away from the init's symmetric values
         for p in ref.parameters():
             p.add_(torch.randn(p.shape, generator=g) * 0.02)
@@ -695,21 +682,8 @@ def write_random_release(root: Path, dev: str, quick: bool) -> Path:
     d = root / "wan-random"
     torch.manual_seed(0)
     with torch.device(dev):  # initialising 1.3B weights on an accelerator takes seconds
-        dit = WanTransformer3DModel(
-            patch_size=(1, 2, 2),
-            num_attention_heads=1 if quick else 12,
-            attention_head_dim=128,
-            in_channels=16,
-            out_channels=16,
-            text_dim=4096,
-            freq_dim=256,
-            ffn_dim=256 if quick else 8960,
-            num_layers=1 if quick else 30,
-            cross_attn_norm=True,
-            qk_norm="rms_norm_across_heads",
-            eps=1e-6,
-            rope_max_seq_len=1024,
-        )
+        small = {"num_attention_heads": 1, "ffn_dim": 256, "num_layers": 1} if quick else {}
+        dit = WanTransformer3DModel(**{**WAN21_1_3B_DIFFUSERS, **small})
     dit.to("cpu", torch.bfloat16).save_pretrained(str(d / "transformer"))
     del dit
     with torch.device(dev):
