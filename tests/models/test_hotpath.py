@@ -31,7 +31,7 @@ TS = [1000.0, 500.0]
 class CopyingKV(KVCache):
     """The cache as it was before the ring (92242eb): frames in shot order, every eviction shifts
     the kept frames down over the evicted ones in every layer's buffers. Transcribed here as the
-    reference; the ring offset stays 0, so `write` and `read` address slots in shot order."""
+    reference; its frames stay in slots 0.., so `write` and `read` address slots in shot order."""
 
     def make_room(self, new_frames: int) -> None:
         excess = self.frames + new_frames - self.window
@@ -42,7 +42,8 @@ class CopyingKV(KVCache):
         for buf in (*self.k, *self.v):
             buf[:, :, lo : hi - excess * t] = buf[:, :, lo + excess * t : hi].clone()
         super().make_room(new_frames)
-        self.start = 0
+        self.order = list(range(self.frames))
+        self._runs.clear()
 
 
 @pytest.fixture(scope="module")
@@ -72,7 +73,7 @@ def test_ring_equals_the_copying_cache(model, sink):
     ref = model.new_state(LAT_H, LAT_W, 8, sink)
     ref.kv.__class__ = CopyingKV
     got, want = blocks(model, ring, sizes), blocks(model, ref, sizes)
-    assert ring.kv.start != 0  # the ring wrapped
+    assert ring.kv.wrapped
     for g, w in zip(got, want, strict=True):
         torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
     kv, n = ring.kv, ring.kv.frames
@@ -93,7 +94,7 @@ def test_batched_sessions_with_wrapped_rings_equal_each_alone(model):
     a, b = model.new_state(LAT_H, LAT_W, 8, 0), model.new_state(LAT_H, LAT_W, 8, 2)
     blocks(model, a, [3, 3, 3, 1], seed=2)
     blocks(model, b, [3, 3, 3], seed=3)
-    assert a.kv.start != b.kv.start
+    assert a.kv.order != b.kv.order
     for frames in (3, 1):
         alone = [st for st in (a, b)]
         import copy

@@ -14,19 +14,22 @@ class KVCache:
 
     Layout per layer: `[B, heads, capacity_tokens, head_dim]` (SDPA's layout, so attention reads
     a view with no copy), allocated once when the session opens and reused by every shot (`reset`),
-    so a session never holds two caches. `capacity` is `window` frames, the current block's included:
+    so a session never holds two caches. `capacity` is `window` frames, the current block's included.
 
-        slot:  | sink 0 .. sink-1 | ring: sink .. window-1                          |
-        frame: | first frames     | held frames, oldest at `start`, wrapping around |
-
-    The first `sink` frames of the shot are never evicted. The rest is a ring: evicting the oldest
-    frames moves `start` on, and the next block's keys overwrite their slots; nothing is copied.
-    Attention without a mask does not depend on the order of the keys (RoPE is applied before they
-    are cached), so it reads the valid slots as one view: a prefix while the ring has not wrapped,
-    the whole buffer after (eviction only happens when a block fills the window exactly).
+    Each held frame has a slot of the buffer (`order`: the slots of the held frames in shot
+    order). The first `sink` frames of the shot hold slots 0..sink-1 and are never evicted.
+    Evicting frames frees their slots and the next block's keys overwrite them; nothing is
+    copied. A new frame takes the lowest free slot, so until the first eviction the held frames
+    are a prefix of the buffer in order; eviction only happens when a block fills the window
+    exactly, so from then on every slot is held. Attention without a mask does not depend on the
+    order of the keys (RoPE is applied before they are cached), so it reads the valid slots as
+    one view: a prefix of `frames` + the block's frames, the whole buffer once full.
     `read` gives frames back in shot order where order matters (the rolling sampler's context).
-    The current block's keys are written just past the committed frames during the denoising steps
+    The current block's keys are written to the slots it will hold during the denoising steps
     and committed by the clean pass.
+
+    Which frames go: the oldest past the sinks, except a pinned shot sink (`pin`: LongLive 2.0's
+    multi-shot, the first frames of a new shot's first block), which stays until the next pin.
 
     The clean latents behind the held frames (`latents`, for re-caches) stay in shot order: they are
     1/5000 of the keys/values, and their users index them by position.
@@ -49,8 +52,9 @@ class KVCache:
         self.tpf = tokens_per_frame
         self.window = window_frames
         self.sink = sink_frames
-        self.frames = 0  # committed frames held
-        self.start = 0  # ring offset (frames past the sinks) of the oldest held non-sink frame
+        self.order: list[int] = []  # the slot of each held (committed) frame, in shot order
+        self.pinned: tuple[int, int] | None = None  # the shot sink: (first held frame, frames)
+        self._runs: dict[tuple[int, int], list[tuple[int, int]]] = {}  # _frame_slots, until a change
         # `heads`: this rank's share in a DiT group (parallel/dit_group.py), else all of them.
         shape = (batch, heads or cfg.num_heads, window_frames * tokens_per_frame, cfg.head_dim)
         self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.num_layers)]
@@ -91,13 +95,48 @@ class KVCache:
             self.latents = torch.zeros(lat, device=device, dtype=torch.float32)
             self._tail = torch.zeros((*lat[:2], sink_frames, *lat[3:]), device=device, dtype=torch.float32)
 
+    @property
+    def frames(self) -> int:
+        """Committed frames held. Setting it more holds the next frames (the slots the block was
+        written to); less drops the newest."""
+        return len(self.order)
+
+    @frames.setter
+    def frames(self, n: int) -> None:
+        if n < len(self.order):
+            del self.order[n:]
+        else:
+            self.order += self._free()[: n - len(self.order)]
+        self._runs.clear()
+
+    @property
+    def wrapped(self) -> bool:
+        """Whether a frame has been evicted since the shot (or re-cache) began: the held frames
+        are no longer the buffer's first slots in order."""
+        return self.order != list(range(len(self.order)))
+
+    def _free(self) -> list[int]:
+        held = set(self.order)
+        return [s for s in range(self.window) if s not in held]
+
     def reset(self, frames: int = 0) -> None:
         """Keep only the first `frames` frames (at most the sinks once the ring has wrapped: they
-        never move) and restart the ring; their keys/values stay as written. For a re-cache."""
-        if frames > max(self.sink, 0) and self.start:
+        never move) and restart; their keys/values stay as written. For a re-cache."""
+        if self.order[:frames] != list(range(frames)):
             raise ValueError(f"only the {self.sink} sink frames can be kept once the ring has wrapped")
-        self.frames, self.start = frames, 0
+        self.frames, self.pinned = frames, None
         del self.positions[frames:], self.blocks[frames:]
+
+    def pin(self, block_frames: int) -> None:
+        """Pin the first frames (at most `sink`) of the block just committed as the shot sink,
+        in place of any earlier one: LongLive 2.0's multi-shot sink (the authors'
+        `_pin_current_chunk`). It is evicted by nothing until the next pin; attention reads it
+        as any held frame. Needs sinks (the authors pin only with a sink size)."""
+        if not self.sink:
+            raise ValueError("a shot sink needs sink frames")
+        if not 0 < block_frames <= self.frames:
+            raise ValueError(f"a block of {block_frames} frames is not among the {self.frames} held")
+        self.pinned = (self.frames - block_frames, min(self.sink, block_frames))
 
     def new_shot(self) -> None:
         """Empty the cache for the session's next shot: the same buffers, nothing held."""
@@ -112,21 +151,14 @@ class KVCache:
         return sum(t.numel() * t.element_size() for t in bufs)
 
     def _frame_slots(self, lo: int, hi: int) -> list[tuple[int, int]]:
-        """Frame slots of the ring holding frames [lo, hi) of the held sequence (in shot order),
-        at most three contiguous pieces: the sinks, then the ring up to its end, then from its start."""
-        s, ring = self.sink, self.window - self.sink
-        out = []
-        if lo < s:
-            out.append((lo, min(hi, s)))
-            lo = s
-        if lo < hi:
-            a = s + (self.start + lo - s) % ring  # slot of frame lo
-            n = hi - lo
-            first = min(n, self.window - a)
-            out.append((a, a + first))
-            if n > first:
-                out.append((s, s + n - first))
-        return out
+        """Frame slots holding frames [lo, hi) of the held sequence (in shot order; frames past
+        the held ones: the slots the next block takes), as runs of consecutive slots."""
+        runs = self._runs.get((lo, hi))
+        if runs is None:
+            held = len(self.order)
+            runs = _runs(self.order[lo:hi] + self._free()[: max(0, hi - max(lo, held))])
+            self._runs[(lo, hi)] = runs
+        return runs
 
     def _slots(self, lo: int, hi: int) -> list[tuple[int, int]]:
         """Token ranges of the buffer holding frames [lo, hi) (`_frame_slots` in tokens)."""
@@ -141,7 +173,7 @@ class KVCache:
         for a, b in self._frame_slots(self.frames, self.frames + f):
             ks[:, a:b], vs[:, a:b] = k[:, i : i + b - a], v[:, i : i + b - a]
             i += b - a
-        return ks, vs, self.window if self.start else self.frames + f
+        return ks, vs, self.frames + f
 
     def read(self, layer: int, lo: int, hi: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """The keys/values of held frames [lo, hi) in shot order, as views of contiguous pieces."""
@@ -169,30 +201,41 @@ class KVCache:
                 ks[layer][:, :, a:b] = ki
                 vs[layer][:, :, a:b] = vi
             i += b - a
-        return self.window * self.tpf if self.start else (self.frames + f) * self.tpf
+        return (self.frames + f) * self.tpf  # a prefix: the whole buffer once full
 
     def make_room(self, new_frames: int) -> None:
-        """Evict the oldest non-sink frames so that `new_frames` more fit in the window: the ring
-        start moves on (the keys/values stay where they are, to be overwritten)."""
+        """Evict the oldest frames past the sinks and the pinned shot sink so that `new_frames`
+        more fit in the window: their slots are freed (the keys/values stay, to be overwritten)."""
         excess = self.frames + new_frames - self.window
         if excess <= 0:
             return
-        if excess > self.frames - self.sink:  # only frames past the sinks can go (an empty cache takes a window)
+        p0, pn = self.pinned or (0, 0)
+        gone = [i for i in range(self.sink, self.frames) if not p0 <= i < p0 + pn][:excess]
+        if len(gone) < excess:  # an empty cache takes a window; only unpinned frames past the sinks go
             raise ValueError(
                 f"a block of {new_frames} frames does not fit a window of {self.window} "
-                f"frames with {self.sink} sink frames"
+                f"frames with {self.sink} sink frames" + (f" and a shot sink of {pn}" if pn else "")
             )
-        self.start = (self.start + excess) % (self.window - self.sink)
+        out = set(gone)
+        kept = [i for i in range(self.frames) if i not in out]
         if self.latents is not None:
             lat = self.latents
-            if self.sink:
-                self._keep_tail(
-                    lat[:, :, self.sink : self.sink + excess], self.positions[self.sink : self.sink + excess]
-                )
+            if self.sink:  # (slices, not a list index: that would be an index tensor made on the host)
+                gone_lat = torch.cat([lat[:, :, a:b] for a, b in _runs(gone)], dim=2)
+                self._keep_tail(gone_lat, [self.positions[i] for i in gone])
             # The latents stay in shot order (small: a copy of a few frames' latents).
-            lat[:, :, self.sink : self.frames - excess] = lat[:, :, self.sink + excess : self.frames].clone()
-        del self.positions[self.sink : self.sink + excess], self.blocks[self.sink : self.sink + excess]
-        self.frames -= excess
+            at = 0
+            for a, b in _runs(kept):
+                if a != at:
+                    lat[:, :, at : at + b - a] = lat[:, :, a:b].clone()
+                at += b - a
+        # (a cache used without `keep_latents`, as the action modules' tests use it, has no positions)
+        self.positions = [self.positions[i] for i in kept if i < len(self.positions)]
+        self.blocks = [self.blocks[i] for i in kept if i < len(self.blocks)]
+        self.order = [self.order[i] for i in kept]
+        if self.pinned is not None:  # it keeps its frames; those before it went
+            self.pinned = (p0 - sum(1 for i in gone if i < p0), pn)
+        self._runs.clear()
 
     def _keep_tail(self, gone: torch.Tensor, positions: list[int]) -> None:
         """The last `sink` evicted frames, oldest first, in the preallocated `_tail`."""
@@ -238,13 +281,28 @@ class KVCache:
         return torch.cat([known[p][0][:, :, known[p][1] : known[p][1] + 1] for p in positions], dim=2)
 
 
+def _runs(items: list[int]) -> list[tuple[int, int]]:
+    """Ascending runs of consecutive integers, as [start, end) pairs, in the order given."""
+    runs: list[tuple[int, int]] = []
+    for i in items:
+        if runs and runs[-1][1] == i:
+            runs[-1] = (runs[-1][0], i + 1)
+        else:
+            runs.append((i, i + 1))
+    return runs
+
+
 class DiTState:
     """Everything the DiT keeps for one session between blocks."""
 
     def __init__(self, kv: KVCache) -> None:
         self.kv = kv
         self.cross: list[tuple[torch.Tensor, torch.Tensor]] = []  # per layer (k, v) of the prompt
-        self.next_frame = 0  # absolute frame index (RoPE position) of the next block in this shot
+        self.next_frame = 0  # absolute frame index of the next block in this shot
+        # LongLive 2.0's multi-shot (SamplerConfig.shot_offset): the frames' RoPE positions are
+        # next_frame + rope_offset (shot index x offset); `pin_next` pins the next committed block
+        self.rope_offset = 0
+        self.pin_next = False
         # A camera model's (cfg.prope): the next block's camera per latent frame, (f, 20) rows of
         # w2c and fx, fy, cx, cy (controls.camera_row), set before the block, read by every pass of it
         self.camera: torch.Tensor | None = None
@@ -256,4 +314,4 @@ class DiTState:
     def new_shot(self) -> None:
         """The next shot reuses this state's buffers (a cut never holds two caches)."""
         self.kv.new_shot()
-        self.cross, self.next_frame = [], 0
+        self.cross, self.next_frame, self.rope_offset, self.pin_next = [], 0, 0, False
