@@ -38,6 +38,9 @@ class Scene:
     # whether the image is the shot's first latent frame, a block of its own (Causal Forcing), or
     # conditions every block of the shot from its first (Matrix-Game: no block of its own)
     image_block: bool = True
+    # a cut the model makes over its kept history (LongLive 2.0's multi-shot transition): planned
+    # as a continue (the VAE's causal cache goes on), the DiT told it starts a shot
+    keeps_history: bool = False
 
 
 @dataclass(frozen=True)
@@ -64,7 +67,7 @@ def plan_blocks(scenes: list[Scene], frames_per_block: int, temporal_factor: int
     blocks: list[Block] = []
     timeline = 0
     for si, scene in enumerate(scenes):
-        shot_start = si == 0 or scene.transition == "cut"
+        shot_start = si == 0 or (scene.transition == "cut" and not scene.keeps_history)
         latent = latent_frames_for(scene.frames, shot_start, temporal_factor)
         remaining_out = scene.frames
         sizes = [frames_per_block] * -(-latent // frames_per_block)

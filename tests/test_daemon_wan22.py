@@ -84,3 +84,51 @@ def test_longlive2_from_a_picture_streams_what_generate_writes(tmp_path):
     )  # fmt: skip
     assert r.returncode == 0, r.stderr
     assert out.read_bytes() == video
+
+
+def test_longlive2_storyboard_cuts_over_the_kept_history(tmp_path):
+    """A storyboard of a shot, a cut and a continue on longlive2-5b: the cut is LongLive 2.0's
+    shot transition (tests/models/test_multishot.py holds it to the authors' loop), planned as a
+    continuing scene (the VAE goes on: 4 frames a latent frame) and told to the DiT. Exact frames,
+    one fragment per block, each scene marked with its transition; the bytes `generate` writes
+    for the same storyboard; and not the video of the same storyboard with the cut a continue."""
+    import json
+    import subprocess
+    import sys
+
+    import numpy as np
+
+    from .helpers import decode
+    from .published import Bases, write_published
+
+    pub = write_published("longlive2-5b", tmp_path, Bases(tmp_path))
+    scenes = [
+        {"prompt": "a red fox runs through snow", "num_frames": 29},  # 1 + 7 latent frames: a block
+        {"prompt": "a city at night", "num_frames": 18, "transition": "cut"},  # 5 of a block of 8
+        {"prompt": "the city in rain", "num_frames": 16, "transition": "continue"},  # 4 of a block
+    ]
+    body = {"scenes": scenes, "size": "128x64", "seed": 4}
+    flat = {**body, "scenes": [scenes[0], {**scenes[1], "transition": "continue"}, scenes[2]]}
+    d = Daemon(*pub.flags, "--mode", "aggregated", "--dit-gpus", "1", "--vae-gpus", "1", "--size", "128x64")
+    try:
+        video, _, _ = stream_video(d.url, body)
+        continued, _, _ = stream_video(d.url, flat)
+    finally:
+        assert d.stop() == 0, d.logs()
+    frags, _ = check_video(video, 63, 128, 64, 24, blocks_expected=3)
+    marks = [e["message"] for f in frags for e in f["emsg"] if e["scheme"] == "urn:streamdiff:scene:2026"]
+    assert [(m["scene"], m["transition"], m["start_frame"]) for m in marks] == [
+        (0, "cut", 0), (1, "cut", 29), (2, "continue", 47)
+    ]  # fmt: skip
+    # the first shot's block is the same; from the cut on, another picture
+    a, b = (np.stack(decode(v)["pixels"]).astype(np.int16) for v in (video, continued))
+    assert np.array_equal(a[:29], b[:29]) and np.abs(a[29:] - b[29:]).mean() > 1.0
+    (tmp_path / "story.json").write_text(json.dumps(body))
+    out = tmp_path / "out.mp4"
+    r = subprocess.run(
+        [sys.executable, "-m", "streamdiff.cli", "generate", *pub.flags, "--scenes", str(tmp_path / "story.json"),
+         "--size", "128x64", "--seed", "4", "-o", str(out)],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    assert out.read_bytes() == video

@@ -209,9 +209,9 @@ def generate(cfg: Config, req: VideoRequest, args: argparse.Namespace) -> tuple[
                     block_image = image is not None and scene.image_block  # its block is not drawn (F - 1)
                     # LongLive 2.0's and Matrix-Game's picture is no block of its own: the scene starts from it
                     cond = decode_png(image) if image is not None and not scene.image_block else None
-                    dit.set_scene(
-                        sess, scene.prompt, b.shot_start, scene.seed, recache, shot_left=left - block_image, image=cond
-                    )
+                    drawn = left - block_image
+                    kept = scene.keeps_history
+                    dit.set_scene(sess, scene.prompt, b.shot_start, scene.seed, recache, drawn, cond, kept)
                 events = [scene_marker(b, scene)] if b.first_of_scene else []
                 if timeline is not None:  # the controls that reach this block, as the scheduler gives them
                     ctl = timeline.block(b.index, b.latent_frames, b.shot_start)

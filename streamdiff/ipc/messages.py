@@ -49,6 +49,8 @@ class GenerateBlock(Message, tag="gen"):
     cut: bool = False
     seed: int | None = None
     recache: bool = False  # with a continuing prompt: recompute the window's keys/values under it
+    # a new shot over the kept history (LongLive 2.0's multi-shot; DiTEngine.set_scene): no `cut`
+    transition: bool = False
     vae_cut: int = 0  # topology.vae_cut: the decoder stages to run on it (set at a shot's start; 0: the worker's)
     # blocks of its shot from this one on, as planned now (0: live, open-ended): the shot's noise drawn up
     # front at a scene's start, and the rolling sampler's window stops taking new blocks at its end

@@ -50,9 +50,9 @@ class CheckpointPreset:
     sampler: str = "block"  # block | rolling (Rolling Forcing's window of blocks at staggered noise levels)
     kv_recompute: bool = False  # Krea: each block recomputes its context's keys/values under the prompt
     i2v: bool = False  # the authors condition this checkpoint on an image (image-to-video)
-    # The authors' shot change keeps the history (LongLive 2.0's multi-shot: a RoPE offset and a
-    # shot sink), which is not built: a cut after a video's first scene is refused, naming it.
-    multi_shot: bool = False
+    # LongLive 2.0's multi-shot: a cut keeps the history, the next shot's RoPE positions moved on
+    # by this many frames a shot and its first block pinned as a shot sink (SamplerConfig.shot_offset)
+    shot_offset: int = 0
     # The control space a world model takes (controls.SPACES: "camera" is minWM's, PRoPE in the
     # DiT and a pose per latent frame); None: prompts only.
     controls: str | None = None
@@ -105,6 +105,7 @@ class CheckpointPreset:
             "recache": self.recache,
             "kind": self.sampler,
             "kv_recompute": self.kv_recompute,
+            "shot_offset": self.shot_offset,
         }
 
 
@@ -125,6 +126,7 @@ JSON_FIELDS = (
     "lora",
     "dit",
     "controls",
+    "shot_offset",
 )
 
 _FOUR = (1000, 750, 500, 250)
@@ -178,7 +180,7 @@ CHECKPOINT_PRESETS: dict[str, CheckpointPreset] = {
         # LongLive 2.0: the UniPC solver's 4 timesteps at shift 5 (sampler.unipc_timesteps)
         _p("longlive2-5b", "NVlabs/LongLive", "model_bf16.pt", "generator", steps=(1000, 937, 833, 625),
            warp=False, frames_per_block=8, window=32, sink=8, recache="never", lora=Lora(128, 128.0),
-           dit="wan2.2-ti2v-5b", sampler="unipc", multi_shot=True, i2v=True, image="first_frame"),
+           dit="wan2.2-ti2v-5b", sampler="unipc", shot_offset=8, i2v=True, image="first_frame"),
         # minWM Wan 2.1 Action2V (configs/causal_forcing_dmd_camera.yaml): Self-Forcing's steps,
         # 4 frames a block, a window of 20 and no sink; the stock T2V 1.3B plus PRoPE. No re-cache:
         # the held frames' cameras are not kept, and the authors switch no prompt.

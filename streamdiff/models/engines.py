@@ -31,7 +31,7 @@ from .wan.action import block_actions
 from .wan.canvas import commit_canvas
 from .wan.kernels import CPU_DECODE_WORKING_SET_BYTES, DecodePlan, plan_block
 from .wan.kv_cache import DiTState
-from .wan.sampler import denoise_block, denoise_sessions, sigma_of, step_timesteps, unipc_timesteps
+from .wan.sampler import SHOT_PREFIX, denoise_block, denoise_sessions, sigma_of, step_timesteps, unipc_timesteps
 from .wan.taehv import TAEHVState
 from .wan.vae import to_uint8_frames
 from .wan.vae_blocks import Halo, VAEState
@@ -56,6 +56,9 @@ class DiTSession:
     generator: torch.Generator  # on the model's device: the stream torch.manual_seed(seed) gives it
     shot_blocks: int = 0  # blocks generated since the last cut (the first uses its own steps)
     prompt: str | None = None
+    # a multi-shot transition's caption: its first block's prompt carries SHOT_PREFIX, the blocks
+    # after take the caption alone (the authors' prompts per block: utils/dataset.py)
+    shot_prompt: str | None = None
     # "authors": the shot's noise was drawn up front (a fixed length), "per_block": drawn as
     # each block starts (a live shot, whose length nobody knows). See docs/design.md, Seeding.
     seeding: str = "per_block"
@@ -187,8 +190,14 @@ class DiTEngine:
         recache: bool = False,
         shot_left: int = 0,
         image: torch.Tensor | None = None,
+        transition: bool = False,
     ) -> None:
         """Start a scene. `cut`: a new shot (fresh KV cache, positions from 0, first-block steps).
+        `transition`: a new shot over the kept history, the model's own (LongLive 2.0's multi-shot,
+        `SamplerConfig.shot_offset`): the caches and the noise go on, the first block's prompt
+        starts with the words its training marks a new shot with (`SHOT_PREFIX`; the blocks after
+        take the caption alone), the RoPE positions move on by `shot_offset`, and the first
+        block's first sink frames are pinned after its clean pass (the shot sink).
         A model whose blocks an image conditions (Matrix-Game) ignores the prompt: a cut starts
         from `image` ((H, W, 3) uint8; `condition_on_image`), or, where none is given (the
         calibration's and the profile's shots), from a blank picture.
@@ -214,6 +223,16 @@ class DiTEngine:
         if recache and policy == "never":
             raise ValueError("this model's sampler.recache is 'never': a scene cannot ask for recache")
         recache = recache or policy == "every_switch"
+        s = self.preset.sampler
+        sess.shot_prompt = None
+        if transition:
+            if cut or not s.shot_offset:
+                why = "it is no cut" if cut else f"model {self.preset.name!r} has none (sampler.shot_offset)"
+                raise ValueError(f"a shot transition keeps the history: {why}")
+            sess.state.rope_offset += s.shot_offset
+            sess.state.pin_next = True
+            sess.shot_prompt = prompt.removeprefix(SHOT_PREFIX)
+            prompt = SHOT_PREFIX + sess.shot_prompt
         if cut:  # the same buffers, emptied (one cache per session); rolling: the blocks in flight go
             (sess.rolling or sess.state).new_shot()
             sess.shot_blocks = 0
@@ -225,7 +244,6 @@ class DiTEngine:
                 shape = self._noise_shape(sess, shot_left * self.frames_per_block)
                 sess.shot_noise = self._randn(shape, sess.generator)
                 sess.seeding = "authors"
-        s = self.preset.sampler
         if recache and not cut and sess.rolling is not None:
             rolling.recache(self.model, sess.rolling, self.encode_prompt(prompt), s.context_t)
             sess.prompt = prompt
@@ -468,6 +486,9 @@ class DiTEngine:
             if recompute:
                 self.model.commit_and_recompute(sess.state, x0[i : i + 1], frames, ctx_t)
             sess.shot_blocks += 1
+            if sess.shot_prompt is not None:  # a transition's first block is done: the caption alone
+                self.model.set_prompt(sess.state, self.encode_prompt(sess.shot_prompt))
+                sess.prompt, sess.shot_prompt = sess.shot_prompt, None
         return list(to_host(x0).split(1))
 
     def _place_camera(self, sess: DiTSession, frames: int) -> None:

@@ -421,23 +421,16 @@ def parse_steer(data, cfg: Config) -> Scene:
     transition = data.get("transition", "continue")
     if transition not in ("cut", "continue"):
         raise bad(f"'transition' must be 'cut' or 'continue', got {transition!r}", "transition")
-    if transition == "cut":
-        _cut_served(cfg, "transition")
     seed = _integer(data["seed"], "seed", 0, MAX_SEED) if data.get("seed") is not None else None
-    return Scene(prompt, 1, transition, seed, _recache(data, transition, cfg))
+    kept = transition == "cut" and _keeps_history(cfg)
+    return Scene(prompt, 1, transition, seed, _recache(data, transition, cfg), keeps_history=kept)
 
 
-def _cut_served(cfg: Config, field: str) -> None:
-    """A cut after a video's start, unless the model's authors change shots another way than a
-    fresh start (LongLive 2.0's multi-shot transition, which keeps the history: not built)."""
+def _keeps_history(cfg: Config) -> bool:
+    """Whether this server's model makes a cut over the kept history (LongLive 2.0's multi-shot
+    transition: a RoPE offset and a shot sink; docs/design.md, Multi-shot) rather than afresh."""
     cp = checkpoint_preset(cfg.model.preset)
-    if cp is not None and cp.multi_shot:
-        raise bad(
-            f"'{field}': a cut is refused: {cp.name}'s shot change is LongLive 2.0's multi-shot transition "
-            "(a RoPE offset and a shot sink over the kept history), which this server does not serve yet; "
-            "use 'continue'",
-            field,
-        )
+    return cp is not None and cp.shot_offset > 0
 
 
 def _parse_scenes(raw, total: int | None, fps: int, cfg: Config) -> list[Scene]:
@@ -462,8 +455,6 @@ def _parse_scenes(raw, total: int | None, fps: int, cfg: Config) -> list[Scene]:
             raise bad(f"'{p}transition' must be 'cut' or 'continue', got {transition!r}", p + "transition")
         if i == 0 and transition == "continue":
             transition = "cut"  # the first scene always starts a shot
-        elif i > 0 and transition == "cut":
-            _cut_served(cfg, p + "transition")
         seed = _integer(sc["seed"], p + "seed", 0, MAX_SEED) if sc.get("seed") is not None else None
         recache = _recache(sc, transition, cfg, p)
         lengths.append(_length(sc, fps, p, lim.max_frames))
@@ -484,7 +475,11 @@ def _parse_scenes(raw, total: int | None, fps: int, cfg: Config) -> list[Scene]:
             lengths[i] = share + (1 if k < extra else 0)
     elif total is not None and sum(lengths) != total:
         raise bad(f"the scenes add up to {sum(lengths)} frames but the request asks for {total}", "scenes")
-    return [Scene(p, n, t, s, r) for (p, t, s, r), n in zip(parsed, lengths)]
+    kept = _keeps_history(cfg)
+    return [
+        Scene(p, n, t, s, r, keeps_history=kept and i > 0 and t == "cut")
+        for i, ((p, t, s, r), n) in enumerate(zip(parsed, lengths))
+    ]
 
 
 def _recache(obj: dict, transition: str, cfg: Config, prefix: str = "") -> bool:

@@ -257,6 +257,8 @@ class DiTStage:
                 raise RequestError(f"an action model's block needs {msg.frames} finite action rows of {n} values")
         elif msg.actions:
             raise RequestError(f"model {self.engine.preset.name!r} takes no actions")
+        if msg.transition and (msg.cut or not self.engine.preset.sampler.shot_offset or msg.prompt is None):
+            raise RequestError(f"model {self.engine.preset.name!r} takes no shot transition here")
         if self.engine.image_condition and msg.cut and msg.image is None:
             raise RequestError(f"model {self.engine.preset.name!r} starts every shot from an image")
         if self.engine.model.cfg.prope:  # a camera model: a camera per latent frame (controls.camera_row)
@@ -314,7 +316,7 @@ class DiTStage:
                 left = max(0, msg.shot_left - 1) if msg.image is not None and not in_block else msg.shot_left
                 image = self.images.pop(msg.session) if in_block and msg.image is not None else None
                 self.engine.set_scene(
-                    sess, msg.prompt, cut=msg.cut, seed=msg.seed, recache=msg.recache, shot_left=left, image=image
+                    sess, msg.prompt, msg.cut, msg.seed, msg.recache, left, image, msg.transition
                 )
         latents, blocks = {}, []
         for msg, sess in run:  # image-to-video: the picture's latent is the shot's first block

@@ -178,15 +178,24 @@ def test_the_api_refuses_recache_only_on_a_never_server(policy, refused):
         assert parse_steer(steer, cfg).recache
 
 
-def test_longlive2s_cut_is_refused_by_name_and_continue_is_served():
-    """LongLive 2.0's shot change keeps the history (a RoPE offset and a shot sink), which is not
-    built: a cut after the first scene, in a request or a steer, is a 400 naming it."""
+def test_longlive2s_cut_is_a_shot_transition_over_the_kept_history():
+    """On longlive2-5b a cut after the first scene, in a request or a steer, keeps the history
+    (LongLive 2.0's multi-shot): planned as a continuing scene, the VAE going on, and flagged for
+    the DiT. On another model a cut starts afresh."""
     from streamdiff.config import Config, ModelConfig
-    from streamdiff.server.api import APIError, parse_steer
+    from streamdiff.plan import plan_blocks
+    from streamdiff.server.api import parse_steer, parse_video_request
+    from streamdiff.supervisor.topology import model_facts
 
     cfg = Config(model=ModelConfig(preset="longlive2-5b"))
-    with pytest.raises(APIError, match="multi-shot") as err:
-        parse_steer({"prompt": "a blue whale", "transition": "cut"}, cfg)
-    assert err.value.status == 400 and err.value.param == "transition"
-    assert parse_steer({"prompt": "a blue whale"}, cfg).transition == "continue"
-    assert parse_steer({"prompt": "a blue whale", "transition": "cut"}, Config()).transition == "cut"
+    steer = parse_steer({"prompt": "a blue whale", "transition": "cut"}, cfg)
+    assert steer.transition == "cut" and steer.keeps_history
+    assert not parse_steer({"prompt": "a blue whale"}, cfg).keeps_history
+    assert not parse_steer({"prompt": "a blue whale", "transition": "cut"}, Config()).keeps_history
+    scenes = [{"prompt": "a fox", "num_frames": 29}, {"prompt": "a city", "num_frames": 18, "transition": "cut"}]
+    for c, kept in ((cfg, True), (Config(), False)):
+        req = parse_video_request({"scenes": scenes, "size": "256x144"}, c, model_facts(c))
+        assert [sc.keeps_history for sc in req.scenes] == [False, kept]
+        blocks = plan_blocks(req.scenes, 8, 4)
+        assert [b.shot_start for b in blocks] == [True, False] if kept else [True, True]
+        assert blocks[1].frames_out == (32 if kept else 29)  # 4 frames a latent frame, or a new shot's 1 + 4 x 7

@@ -557,9 +557,10 @@ class WanDiT(nn.Module):
 
         rope = self.rope()
         if len(states) == 1:  # (L, 1, pairs), broadcast over the state's own batch
-            ropes = rope.tables(states[0].next_frame, fp, hp, wp, rows)
+            ropes = rope.tables(states[0].next_frame + states[0].rope_offset, fp, hp, wp, rows)
         else:  # (S, L, 1, pairs): each session at its own positions
-            ropes = tuple(torch.stack(t) for t in zip(*(rope.tables(st.next_frame, fp, hp, wp, rows) for st in states)))
+            tabs = (rope.tables(st.next_frame + st.rope_offset, fp, hp, wp, rows) for st in states)
+            ropes = tuple(torch.stack(t) for t in zip(*tabs))
         kvs = [st.kv for st in states]
         cams = self._cameras(states, b, fp) if cfg.prope else None
         acts = None
@@ -582,6 +583,9 @@ class WanDiT(nn.Module):
                 st.kv.keep_latents(x if len(states) == 1 else x[i : i + 1], st.next_frame)
                 st.kv.frames += fp
                 st.next_frame += fp
+                if st.pin_next:  # a multi-shot transition's first block: the new shot's sink
+                    st.kv.pin(fp)
+                    st.pin_next = False
         out = out.view(b, fp, hp, wp, pt, ph, pw, cfg.out_channels)
         return out.permute(0, 7, 1, 4, 2, 5, 3, 6).reshape(b, cfg.out_channels, f, h, w).float()
 

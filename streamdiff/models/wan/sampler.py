@@ -21,6 +21,10 @@ from .dit import WanDiT
 from .kv_cache import DiTState
 from .unipc import FlowUniPC, flow_sigmas
 
+# The words LongLive 2.0's training data start a new shot's prompt with (its utils/dataset.py):
+# a multi-shot transition's prompt carries them (DiTEngine.set_scene)
+SHOT_PREFIX = "The scene transitions. "
+
 
 @dataclass(frozen=True)
 class SamplerConfig:
@@ -40,6 +44,10 @@ class SamplerConfig:
     # A shot starts with the position canvas (canvas.py) committed at t = 0 as its sink frame: the
     # trained tiny default's absolute position (a Wan DiT has none). Never decoded.
     canvas: bool = False
+    # LongLive 2.0's multi-shot: a cut keeps the visual history, and the next shot's RoPE positions
+    # move on by this many frames a shot, its prompt marked (SHOT_PREFIX), and the first sink
+    # frames of its first block pinned as the shot sink (KVCache.pin). 0: a cut starts afresh.
+    shot_offset: int = 0
 
     def validate(self) -> None:
         if self.recache not in ("never", "on_request", "every_switch"):
@@ -59,6 +67,13 @@ class SamplerConfig:
                 )
         if self.canvas and (self.kind != "block" or self.sink_frames < 1 or self.kv_recompute):
             raise ValueError("canvas needs the block sampler, a sink frame to hold it and no kv_recompute")
+        if self.shot_offset < 0:
+            raise ValueError(f"shot_offset must be >= 0, got {self.shot_offset}")
+        if self.shot_offset and (self.kind == "rolling" or self.sink_frames < 1 or self.recache != "never"):
+            # a re-cache would lay every held frame at the current shot's positions
+            raise ValueError(
+                "shot_offset needs the block or unipc sampler, sink frames for the shot sink and recache 'never'"
+            )
         if self.window_frames - self.sink_frames < self.frames_per_block:
             raise ValueError(
                 f"window_frames ({self.window_frames}) - sink_frames ({self.sink_frames}) "

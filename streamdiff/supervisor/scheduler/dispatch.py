@@ -186,6 +186,7 @@ class Dispatch(Admission):
                     cut=b.shot_start and first,
                     seed=scene.seed if first else None,
                     recache=first and scene.recache and not b.shot_start,
+                    transition=first and scene.keeps_history,
                     vae_cut=t.vae_cut,
                     shot_left=0 if sess.live else shot_left(sess.blocks, b.index),
                     image=scene.image if b.shot_start and first else None,

@@ -5,6 +5,8 @@ joins its session's timeline (controls.py) at the first unstarted block; the ans
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from ...controls import ControlError
 from ...plan import Scene, replan_from
 from ..engine import DONE, RUNNING
@@ -31,7 +33,7 @@ class Steering(SchedulerState):
         if start >= total:
             self._out.append(Steered(ev.session, refused=(409, "no block of the video is left to steer")))
             return
-        new = Scene(ev.scene.prompt, total - start, ev.scene.transition, ev.scene.seed, ev.scene.recache)
+        new = replace(ev.scene, frames=total - start)
         self._replan(sess, at, new)
         sess.steered_at.append(at)
         self._out.append(Steered(sess.id, len(sess.scenes) - 1, start, list(sess.scenes)))
