@@ -315,9 +315,7 @@ class DiTStage:
                 in_block = self.engine.image_mode != "block"  # the image is no block of its own
                 left = max(0, msg.shot_left - 1) if msg.image is not None and not in_block else msg.shot_left
                 image = self.images.pop(msg.session) if in_block and msg.image is not None else None
-                self.engine.set_scene(
-                    sess, msg.prompt, msg.cut, msg.seed, msg.recache, left, image, msg.transition
-                )
+                self.engine.set_scene(sess, msg.prompt, msg.cut, msg.seed, msg.recache, left, image, msg.transition)
         latents, blocks = {}, []
         for msg, sess in run:  # image-to-video: the picture's latent is the shot's first block
             if msg.image is not None and self.engine.image_mode == "block":
