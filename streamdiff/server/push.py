@@ -8,6 +8,13 @@ refuses it, goes away, or cannot be reached) is reported on the video object and
 next fragment made (the ingest's viewers are live: they want the edge, not a replay). It ends
 when the video does. We run ffmpeg rather than write RTMP and SRT ourselves: both protocols are
 ffmpeg's, and it repackages the track exactly.
+
+SRT is a live protocol over UDP: its receiver holds what arrives for its latency (120 ms by
+default) and drops what it holds when the sender closes. So an SRT push is sent at the video's
+frame rate (`-re`: a video made faster than real time would otherwise arrive in one burst),
+each packet as it is muxed (`-flush_packets 1`), and ffmpeg's input stays open until its last
+frame is due and SRT_LINGER_S more, so that the ingest delivers the video's end (measured: a
+48-frame push closed at once lost its last frame; sent in a burst and closed, all of them).
 """
 
 from __future__ import annotations
@@ -21,6 +28,7 @@ import time
 from .jobs import Job, JobExpired
 
 log = logging.getLogger("streamdiff.push")
+SRT_LINGER_S = 1.0  # an SRT push's wait after the last frame: the receiver's latency buffer drains
 
 
 class Push:
@@ -36,24 +44,16 @@ class Push:
     def describe(self) -> dict:
         return {"name": self.name, "state": self.state, "attempts": self.attempts, "error": self.error}
 
+    @property
+    def srt(self) -> bool:
+        return self.url.startswith("srt")
+
     def _command(self) -> list[str]:
-        fmt = "flv" if self.url.startswith("rtmp") else "mpegts"
         exe = shutil.which("ffmpeg") or "ffmpeg"
-        return [
-            exe,
-            "-hide_banner",
-            "-loglevel",
-            "error",
-            "-f",
-            "mp4",
-            "-i",
-            "pipe:0",
-            "-c",
-            "copy",
-            "-f",
-            fmt,
-            self.url,
-        ]
+        live = ["-re"] if self.srt else []
+        out = ["-flush_packets", "1", "-f", "mpegts"] if self.srt else ["-f", "flv"]
+        head = [exe, "-hide_banner", "-loglevel", "error", *live]
+        return [*head, "-f", "mp4", "-i", "pipe:0", "-c", "copy", *out, self.url]
 
     async def _run(self) -> None:
         start, wait = 0, 1.0  # the first fragment to send (a chunk index of the job's bytes)
@@ -95,6 +95,10 @@ class Push:
                     async for chunk, _ in chunks:
                         await self._write(proc, chunk)
                         sent[0] += 1
+                if self.srt:  # ffmpeg reads the frames at their rate (-re); then the ingest delivers the last
+                    per = dict(zip(self.job.fragment_chunks, self.job.fragment_frames, strict=True))
+                    media_s = sum(per.get(i, 0) for i in range(start, sent[0])) / self.job.request.fps
+                    await asyncio.sleep(max(0.0, t0 + media_s - time.monotonic()) + SRT_LINGER_S)
                 proc.stdin.close()
             except (BrokenPipeError, ConnectionResetError, JobExpired):
                 pass  # ffmpeg gave up (its exit and stderr say why), or the video's bytes went

@@ -1,5 +1,5 @@
-"""Pushing a video to an operator's ingest (server/push.py): ffmpeg listening as an RTMP server
-receives exactly the frames of a fixed-length video, repackaged without re-encoding; a push to a
+"""Pushing a video to an operator's ingest (server/push.py): ffmpeg listening as an RTMP or SRT
+server receives exactly the frames of a fixed-length video, repackaged without re-encoding; a push to a
 dead destination is reported on the video and never stops it; a request names only configured
 outputs, and the operator's configuration is checked at start."""
 
@@ -39,14 +39,15 @@ def test_the_operators_destinations_are_checked_at_start(destinations, names):
 @pytest.fixture(scope="module")
 def pushing(tmp_path_factory):
     d = tmp_path_factory.mktemp("push")
-    live, dead = free_port(), free_port()  # nothing ever listens on `dead`
+    live, srt, dead = free_port(), free_port(), free_port()  # nothing ever listens on `dead`
     cfg = d / "c.toml"
     cfg.write_text(
         "[outputs]\nretry_max_s = 1.0\n"
-        f'destinations = {{ studio = "rtmp://127.0.0.1:{live}/live/test", dead = "rtmp://127.0.0.1:{dead}/live/x" }}\n'
+        f'destinations = {{ studio = "rtmp://127.0.0.1:{live}/live/test", relay = "srt://127.0.0.1:{srt}", '
+        f'dead = "rtmp://127.0.0.1:{dead}/live/x" }}\n'
     )
     daemon = Daemon("--config", str(cfg))
-    yield daemon, live, d
+    yield daemon, {"studio": live, "relay": srt}, d
     assert daemon.stop() == 0, daemon.logs()
 
 
@@ -62,17 +63,23 @@ def wait_done(url: str, vid: str) -> dict:
 
 @needs_ffmpeg
 @pytest.mark.timeout(300)
-def test_an_rtmp_ingest_receives_the_exact_frames(pushing):
-    daemon, port, d = pushing
-    received = d / "received.flv"
+@pytest.mark.parametrize("output", ["studio", "relay"])
+def test_an_ingest_receives_the_exact_frames(pushing, output):
+    """RTMP (FLV) to `studio`, SRT (MPEG-TS) to `relay`: an ffmpeg listening as the ingest."""
+    daemon, ports, d = pushing
+    port = ports[output]
+    if output == "studio":
+        src, fmt = ["-listen", "1", "-i", f"rtmp://127.0.0.1:{port}/live/test"], "flv"
+    else:
+        src, fmt = ["-i", f"srt://127.0.0.1:{port}?mode=listener"], "mpegts"
+    received = d / f"received.{fmt}"
     listener = subprocess.Popen(
-        ["ffmpeg", "-hide_banner", "-loglevel", "error", "-y", "-listen", "1", "-i", f"rtmp://127.0.0.1:{port}/live/test",
-         "-c", "copy", "-f", "flv", str(received)],
+        ["ffmpeg", "-hide_banner", "-loglevel", "error", "-y", *src, "-c", "copy", "-f", fmt, str(received)],
         stderr=subprocess.PIPE,
-    )  # fmt: skip
+    )
     try:
         time.sleep(1.0)  # ffmpeg binds before it accepts; a push before that is retried anyway
-        body = {"prompt": "a red ball moving right", "num_frames": 45, "size": "128x64", "outputs": ["studio"]}
+        body = {"prompt": "a red ball moving right", "num_frames": 45, "size": "128x64", "outputs": [output]}
         vid = http.post(daemon.url + "/v1/videos", json=body, timeout=30).json()["id"]
         video = wait_done(daemon.url, vid)
         listener.wait(timeout=60)  # the publisher's end ends the listener's input
@@ -108,9 +115,5 @@ def test_a_request_names_only_configured_outputs(pushing):
     for outputs, param in ((["nowhere"], "outputs[0]"), (["studio", "studio"], "outputs"), ("studio", "outputs")):
         r = http.post(daemon.url + "/v1/videos", json={"prompt": "x", "outputs": outputs}, timeout=10)
         assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
-    assert (
-        "dead, studio"
-        in http.post(daemon.url + "/v1/videos", json={"prompt": "x", "outputs": ["rtmp://evil/x"]}, timeout=10).json()[
-            "error"
-        ]["message"]
-    )
+    r = http.post(daemon.url + "/v1/videos", json={"prompt": "x", "outputs": ["rtmp://evil/x"]}, timeout=10)
+    assert "dead, relay, studio" in r.json()["error"]["message"]
