@@ -48,6 +48,7 @@ class Job:
         self.ends: list[int] = []  # byte offset just past each chunk, for ranges without a join
         self.fragment_chunks: list[int] = []  # the chunk index of each block's fragment, in order
         self.fragment_frames: list[int] = []  # the frames each fragment holds
+        self.fragment_times: list[float] = []  # when each fragment was here (time.monotonic)
         self.nbytes = 0
         self.readers = 0  # transfers following or reading this job right now
         self.frames_done = 0
@@ -104,6 +105,7 @@ class Job:
         if block is not None:
             self.fragment_chunks.append(len(self.chunks) - 1)
             self.fragment_frames.append(block.emit)
+            self.fragment_times.append(time.monotonic())
             self.frames_done += block.emit
             if self.t_first_fragment is None:
                 self.t_first_fragment = time.monotonic()
@@ -169,7 +171,7 @@ class Job:
         """Drop the bytes (the video object stays); a reader still following is woken to fail."""
         now = int(time.time())
         self.expired, self.chunks, self.is_fragment, self.ends = True, [], [], []
-        self.fragment_chunks, self.fragment_frames = [], []
+        self.fragment_chunks, self.fragment_frames, self.fragment_times = [], [], []
         self.expires_at = min(self.expires_at or now, now)
         self._notify()
 

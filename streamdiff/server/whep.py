@@ -33,7 +33,11 @@ RTP_CLOCK = 90000
 
 
 def make_track(job: Job, fps: int):
-    """The video track: the job's access units from its newest fragment on, paced at `fps`."""
+    """The video track: the job's access units from its newest fragment on, paced at `fps` from
+    the time that fragment was here. Not from the first send: the handshake between the offer
+    and the first packet (ICE, DTLS: about a second) would otherwise stay in every frame's
+    latency for the life of the stream. The frames made meanwhile go out at once, and from then
+    on each leaves as its time comes (or as it is made, where generation falls behind)."""
     import av
     from aiortc.mediastreams import MediaStreamError, MediaStreamTrack
 
@@ -61,7 +65,8 @@ def make_track(job: Job, fps: int):
                     raise MediaStreamError
                 else:
                     await job.changed()
-            self.t0 = self.t0 if self.t0 is not None else time.monotonic()
+            if self.t0 is None:  # the start block's arrival: frames are due at its pace from then
+                self.t0 = job.fragment_times[self.next - 1] if job.fragment_times else time.monotonic()
             wait = self.t0 + self.frame / fps - time.monotonic()
             if wait > 0:
                 await asyncio.sleep(wait)
