@@ -49,13 +49,18 @@ def peak_mem(device: str) -> float | None:
 def build(spec: ModelSpec, device: str, random_weights: bool, layers: int | None):
     """The preset's modules; `random_weights` builds the real configs without checkpoints."""
     preset = get_preset(spec) if (spec.preset == "tiny" or not random_weights) else None
-    if preset is None:  # real config, random weights: no weights directory needed
-        from streamdiff.models.presets import Preset
-        from streamdiff.models.wan.dit import DiTConfig
+    if preset is None:  # a real configuration (presets.WAN_ARCHS), random weights: no weights directory
+        from streamdiff.models.catalog import checkpoint_preset
+        from streamdiff.models.presets import WAN_ARCHS, Preset
         from streamdiff.models.wan.sampler import SamplerConfig
-        from streamdiff.models.wan.vae import VAEConfig
 
-        preset = Preset("wan2.1-t2v-1.3b", DiTConfig(), VAEConfig(), SamplerConfig(**spec.sampler), "umt5", (832, 480))
+        cp = checkpoint_preset(spec.preset)  # a published checkpoint: its DiT, its authors' sampler
+        arch = cp.dit if cp is not None else spec.preset
+        if arch not in WAN_ARCHS:
+            raise SystemExit(f"--random-weights builds a checkpoint preset or one of {sorted(WAN_ARCHS)}")
+        dcfg, vcfg, size, _fps = WAN_ARCHS[arch]
+        sampler = {**(cp.sampler_settings() if cp is not None else {}), **spec.sampler}
+        preset = Preset(spec.preset, dcfg, vcfg, SamplerConfig(**sampler), "umt5", size)
     dtype = resolve_dtype(spec, device)
     dcfg = preset.dit if layers is None else type(preset.dit)(**{**preset.dit.__dict__, "num_layers": layers})
     torch.manual_seed(0)
@@ -129,6 +134,7 @@ def bench(
         "frames_per_block": f,
         "steps": len(ts),
         "dit_layers": dit.cfg.num_layers,
+        "dit_full_layers": preset.dit.num_layers,
         "threads": torch.get_num_threads(),
         "first_block_dit_s": first_dit,
         "first_block_vae_s": first_vae,
@@ -152,6 +158,17 @@ def bench(
     return out
 
 
+def price(r: dict, name: str, size: tuple[int, int], at: tuple[int, int]) -> dict:
+    """The measured block priced at size `at`: the DiT by the ratio of its FLOPs a block there and
+    here (the planner's own pricing across configurations), the VAE by the ratio of pixels (its
+    convolutions are per pixel; the middle attention, a small share, grows faster)."""
+    from streamdiff.placement.cost import model_cost
+
+    dit = r["dit_block_s"] * model_cost(name, at).block_flops / model_cost(name, size).block_flops
+    vae = r["vae_block_s"] * (at[0] * at[1]) / (size[0] * size[1])
+    return {"size": f"{at[0]}x{at[1]}", "dit_block_s": dit, "vae_block_s": vae, "dit_vae_ratio": dit / vae}
+
+
 def show(r: dict) -> None:
     line = (
         f"{r['preset']:>16} {r['size']:>8} {r['device']:>5} {r['dtype']:>8} threads={r['threads']} "
@@ -165,12 +182,18 @@ def show(r: dict) -> None:
         )
     if "peak_mem_gib" in r:
         line += f", peak {r['peak_mem_gib']:.1f} GiB"
+    if "priced" in r:
+        p = r["priced"]
+        line += (
+            f"; priced at {p['size']}: DiT {p['dit_block_s']:.1f} s, VAE {p['vae_block_s']:.1f} s a block, "
+            f"DiT/VAE {p['dit_vae_ratio']:.2f}"
+        )
     print(line, flush=True)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--preset", action="append", help="tiny (default) and/or wan2.1-t2v-1.3b")
+    ap.add_argument("--preset", action="append", help="tiny (default); with --random-weights, a presets.WAN_ARCHS name")
     ap.add_argument("--model", help="weights directory for real presets")
     ap.add_argument("--random-weights", action="store_true", help="real configs without checkpoints")
     ap.add_argument("--device", default="cpu")
@@ -183,6 +206,18 @@ def main() -> None:
     ap.add_argument("--warm-blocks", type=int, help="blocks before timing (default: fill the attention window)")
     ap.add_argument("--layers", type=int, help="DiT layers (default: the preset's)")
     ap.add_argument("--calibrate", action="store_true", help="measure the tiny DiT's per-layer fraction")
+    ap.add_argument(
+        "--full-depth",
+        action="store_true",
+        help="time the DiT at 1 and 2 layers and give its full depth's time (t1 + (L - 1)(t2 - t1)): "
+        "a 5B's 30 layers at full width are minutes a block on two CPU cores",
+    )
+    ap.add_argument(
+        "--price",
+        metavar="WxH",
+        help="also price the measured block at this size: the DiT by its FLOPs a block "
+        "(placement.cost.model_cost, from the configuration), the VAE by its pixels",
+    )
     ap.add_argument("--json", help="append results to this JSON file")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
@@ -207,7 +242,17 @@ def main() -> None:
                 f"TINY_DIT_OVERHEAD_FRACTION = {over:.4f} -> {layers} layers for ratio {a.dit_vae_ratio}"
             )
             continue
-        r = bench(spec, a.device, size, a.blocks, a.random_weights, layers=a.layers, warm_blocks=a.warm_blocks)
+        if a.full_depth:
+            r = bench(spec, a.device, size, a.blocks, a.random_weights, layers=1, warm_blocks=a.warm_blocks)
+            two = bench(spec, a.device, size, a.blocks, a.random_weights, 2, skip_vae=True, warm_blocks=a.warm_blocks)
+            depth, per_layer = r["dit_full_layers"], two["dit_block_s"] - r["dit_block_s"]
+            full = r["dit_block_s"] + (depth - 1) * per_layer
+            r.update(dit_layers=depth, dit_block_s=full, dit_per_layer_s=per_layer)
+            r["dit_vae_ratio"] = r["dit_block_s"] / r["vae_block_s"]
+        else:
+            r = bench(spec, a.device, size, a.blocks, a.random_weights, layers=a.layers, warm_blocks=a.warm_blocks)
+        if a.price:
+            r["priced"] = price(r, name, size, tuple(int(v) for v in a.price.split("x")))
         show(r)
         results.append(r)
     if a.json and results:
