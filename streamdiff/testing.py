@@ -377,3 +377,47 @@ def check_video(data: bytes, frames: int, width: int, height: int, fps: int, blo
         assert probe["fps"] == f"{fps}/1" and probe["codec"] == "h264"
         assert probe["decode_errors"] == ""
     return frags, dec
+
+
+# Headless Chromium (Debian's package, driven by Playwright): the player page's tests and the
+# viewer-latency benchmark launch it alike.
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+CHROMIUM_FLAGS = [
+    "--no-sandbox",
+    "--disable-gpu",
+    "--autoplay-policy=no-user-gesture-required",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--no-first-run",
+    "--disable-quic",
+]
+
+
+def launch_chromium(playwright):
+    """A headless Chromium from a `sync_playwright()` context."""
+    return playwright.chromium.launch(executable_path=CHROMIUM, headless=True, args=CHROMIUM_FLAGS)
+
+
+def cpu_model() -> str:
+    """This machine's CPU, as the benchmark pages name it."""
+    try:
+        return next(ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name"))
+    except (OSError, StopIteration):
+        import platform
+
+        return platform.processor() or platform.machine()
+
+
+def stage_means(url: str) -> dict[str, float]:
+    """A daemon's mean DiT, VAE and encode seconds a block so far (its /metrics): the stage balance
+    a benchmark records with its figure."""
+    import re
+
+    text = http.get(url + "/metrics", timeout=10).text
+    out = {}
+    for stage in ("dit", "vae", "encode"):
+        s = re.search(rf'^streamdiff_stage_block_seconds_sum{{stage="{stage}"}} ([\d.e+-]+)$', text, re.M)
+        n = re.search(rf'^streamdiff_stage_block_seconds_count{{stage="{stage}"}} ([\d.e+-]+)$', text, re.M)
+        out[stage] = float(s[1]) / float(n[1]) if s and n and float(n[1]) else 0.0
+    return out

@@ -11,6 +11,7 @@ import sys
 import pytest
 
 from streamdiff.testing import (  # noqa: F401  (re-exported for the tests)
+    CHROMIUM,
     DEFAULT_LAYOUT,
     LAYOUT_FLAGS,
     ROOT,
@@ -23,6 +24,7 @@ from streamdiff.testing import (  # noqa: F401  (re-exported for the tests)
     fragments,
     free_port,
     http,
+    launch_chromium,
     post_video,
     stream_video,
     wait_until,

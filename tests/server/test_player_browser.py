@@ -7,21 +7,9 @@ import time
 
 import pytest
 
-from ..helpers import Daemon, http
+from ..helpers import CHROMIUM, Daemon, http, launch_chromium
 
-CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 pytestmark = pytest.mark.skipif(CHROMIUM is None, reason="chromium is not installed (.ci/run installs it)")
-
-FLAGS = [
-    "--no-sandbox",
-    "--disable-gpu",
-    "--autoplay-policy=no-user-gesture-required",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-    "--no-first-run",
-    "--disable-quic",
-]
 
 
 @pytest.fixture
@@ -31,7 +19,7 @@ def daemon(plain_daemon):
 
 def open_player(p, url: str):
     """Chromium on the player page, once it has read the model: (browser, page, console lines)."""
-    browser = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=FLAGS)
+    browser = launch_chromium(p)
     page = browser.new_page()
     console: list[str] = []
     page.on("console", lambda m: console.append(m.text))
@@ -221,7 +209,7 @@ def test_hls_js_plays_a_live_video_and_a_late_viewer_starts_at_the_live_edge(dae
     vid = http.post(daemon.url + "/v1/videos", json=body, timeout=30).json()["id"]
     try:
         with sync_playwright() as p:
-            browser = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=FLAGS)
+            browser = launch_chromium(p)
             first = open_viewer(browser, daemon.url, vid, hls_js)
             first.wait_for_function("window.viewer.playing || window.viewer.errors.length", timeout=60_000)
             first.wait_for_timeout(10_000)
@@ -292,7 +280,7 @@ def test_chromium_receives_a_live_video_over_whep_and_steers_it_on_the_data_chan
     with sync_playwright() as p:
         # Chromium's own ICE: its host addresses hidden behind mDNS names, which aiortc meets as
         # peer-reflexive candidates when the browser's checks arrive
-        browser = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=FLAGS)
+        browser = launch_chromium(p)
         page = browser.new_page()
         page.route(
             f"{url}/whep-viewer.html",

@@ -24,7 +24,6 @@ import argparse
 import base64
 import platform
 import random
-import re
 import statistics
 import sys
 import threading
@@ -34,7 +33,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from streamdiff.testing import Daemon, fragments, http  # noqa: E402
+from streamdiff.testing import Daemon, cpu_model, fragments, http, stage_means  # noqa: E402
 
 
 class Player(threading.Thread):
@@ -55,23 +54,6 @@ class Player(threading.Thread):
                 done = sum("end" in f for f in fragments(bytes(data)))
                 now = time.monotonic()
                 self.arrivals += [now] * (done - len(self.arrivals))
-
-
-def stage_means(url: str) -> dict[str, float]:
-    text = http.get(url + "/metrics", timeout=10).text
-    out = {}
-    for stage in ("dit", "vae", "encode"):
-        s = re.search(rf'^streamdiff_stage_block_seconds_sum{{stage="{stage}"}} ([\d.e+-]+)$', text, re.M)
-        n = re.search(rf'^streamdiff_stage_block_seconds_count{{stage="{stage}"}} ([\d.e+-]+)$', text, re.M)
-        out[stage] = float(s[1]) / float(n[1]) if s and n and float(n[1]) else 0.0
-    return out
-
-
-def cpu_model() -> str:
-    try:
-        return next(ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name"))
-    except (OSError, StopIteration):
-        return platform.processor() or "unknown"
 
 
 def main() -> int:

@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import platform
 import re
 import sys
 import time
@@ -34,7 +33,7 @@ import httpx  # noqa: E402
 import psutil  # noqa: E402
 
 from streamdiff.server.hls import PARTS_PER_SEGMENT  # noqa: E402
-from streamdiff.testing import Daemon, http  # noqa: E402
+from streamdiff.testing import Daemon, cpu_model, http  # noqa: E402
 
 
 def stalls(url: str) -> float:
@@ -136,10 +135,8 @@ def main() -> int:
                 rows[n].append(asyncio.run(one_video(d, n, a.seconds, a.size, a.webrtc)))
     finally:
         d.stop()
-    names = [ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
-             if ln.startswith("model name")] if Path("/proc/cpuinfo").exists() else []  # fmt: skip
-    cpu = names[0] if names else platform.processor() or platform.machine()
-    print(f"{cpu}, {os.cpu_count()} CPUs; {a.seconds:g} s live videos at {a.size}; {a.webrtc} WebRTC viewer(s) each")
+    what = f"{a.seconds:g} s live videos at {a.size}; {a.webrtc} WebRTC viewer(s) each"
+    print(f"{cpu_model()}, {os.cpu_count()} CPUs; {what}")
     print("viewers  supervisor CPU s  of one core  stalls  parts fetched  errors  WebRTC frames")
     for n in counts:
         secs = [x["cpu_s"] for x in rows[n]]
