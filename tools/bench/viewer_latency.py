@@ -189,7 +189,8 @@ def main() -> int:
         t0 = ready.arrivals[0]
         rows = [{"block": a.skip + i, "ready_s": ready.arrivals[a.skip + i] - t0, "mse_s": m, "webrtc_s": w}
                 for i, (m, w) in enumerate(zip(got["mse"], got["webrtc"], strict=True))]  # fmt: skip
-        Path(a.json).write_text(json.dumps({"cpu": cpu_model(), "size": a.size, "fps": fps, "blocks": rows}, indent=1))
+        facts = {"cpu": cpu_model(), "size": a.size, "fps": fps, "stage_ms": {"dit": dit, "vae": vae, "encode": enc}}
+        Path(a.json).write_text(json.dumps({**facts, "blocks": rows}, indent=1))
     for path, xs in got.items():
         xs = [x for x in xs if x is not None]
         if not xs:
