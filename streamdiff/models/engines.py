@@ -16,6 +16,7 @@ import torch
 from ..controls import camera_row
 from ..plan import cache_frames
 from .compiled import Compiler
+from .image_condition import ImageCondition
 from .presets import (
     ModelSpec,
     build_dit,
@@ -27,7 +28,6 @@ from .presets import (
     image_to_video,
 )
 from .wan import rolling
-from .wan.action import block_actions
 from .wan.canvas import commit_canvas
 from .wan.kernels import CPU_DECODE_WORKING_SET_BYTES, DecodePlan, plan_block
 from .wan.kv_cache import DiTState
@@ -69,17 +69,12 @@ class DiTSession:
     # standing still where the shot is (every frame at the identity pose)
     camera: list[list[float]] | None = None
     # Matrix-Game's: the next block's actions (a row per latent frame: multi-hot, mouse; None: the
-    # idle action), every latent frame's so far in this shot, and its image conditioning: the
-    # VAE encoder's causal state over the start image then frames of zeros, the image's latent,
-    # and the zeros' latent once the encoder's state stops changing (then every later one equals it)
+    # idle action), and the shot's conditioning on its start picture
     actions: list[list[float]] | None = None
-    action_history: list[tuple[list[float], list[float]]] | None = None
+    condition: ImageCondition | None = None
     # LongLive 2.0's image-to-video: the picture's latent, held as the first latent frame of the
     # shot's first block (its next block) at t = 0 through every step
     first_latent: torch.Tensor | None = None
-    cond_state: VAEState | None = None
-    cond_image: torch.Tensor | None = None
-    cond_steady: torch.Tensor | None = None
 
 
 class DiTEngine:
@@ -272,8 +267,8 @@ class DiTEngine:
         """Matrix-Game's start: the picture ((H, W, 3) uint8 at the video's size) gives the shot's
         context (its CLIP tokens through `img_emb`) and the first of its conditioning latents
         (the VAE encoder's first chunk); every block after is conditioned on the latents of zero
-        frames after it, encoded as the blocks come (`_place_image_conditioning`). Call after the
-        cut's `set_scene`, before the shot's first block."""
+        frames after it, encoded as the blocks come (`ImageCondition`). Call after the cut's
+        `set_scene`, before the shot's first block."""
         if not self.image_condition:
             raise ValueError(f"model {self.preset.name!r} does not condition its blocks on an image")
         h, w = sess.latent_hw
@@ -283,52 +278,7 @@ class DiTEngine:
         if sess.shot_blocks or sess.state.next_frame:
             raise ValueError("an image starts a shot: it must come before the shot's first block")
         self.model.set_prompt(sess.state, self.clip.encode(image))
-        x = image.permute(2, 0, 1)[None, :, None].float() / 127.5 - 1.0  # (1, 3, 1, H, W) in [-1, 1]
-        sess.cond_state = self.encoder.new_state()
-        sess.cond_image = self.encoder.encode_chunk(x, sess.cond_state)
-        sess.cond_steady, sess.action_history = None, []
-
-    def _next_condition(self, sess: DiTSession) -> torch.Tensor:
-        """The next latent frame's conditioning latent: the image's first, then the zeros', four
-        frames a latent frame, through the encoder's cache until its state stops changing (from
-        then on each is the same, bit for bit, and is reused)."""
-        if sess.cond_state.latent_frames == 1 and sess.cond_image is not None:
-            out, sess.cond_image = sess.cond_image, None
-            return out
-        if sess.cond_steady is not None:
-            return sess.cond_steady
-        h, w = sess.latent_hw
-        f, dev = self.preset.vae.spatial_factor, self.encoder.conv1.weight.device
-        # The encoder replaces its cache's tensors (never writes into them): the old ones, kept by
-        # reference, are what it held before; one host read decides whether any changed.
-        before = list(sess.cond_state.cache)
-        z = self.encoder.encode_chunk(torch.zeros(1, 3, 4, h * f, w * f, device=dev), sess.cond_state)
-        after = sess.cond_state.cache
-        if all(a is not None for a in before):
-            changed = torch.stack([(a != b).any() for a, b in zip(before, after, strict=True)]).any()
-            if not changed.item():
-                sess.cond_steady = z
-        return z
-
-    def _place_image_conditioning(self, sess: DiTSession, frames: int) -> None:
-        """The block's 20 channels beside its noise: a 4-channel mask (1 on the shot's first latent
-        frame) and the conditioning latents; and its actions, on the session's DiT state."""
-        if sess.cond_state is None:
-            raise ValueError("an image model's shot needs its image first (condition_on_image)")
-        start = sess.state.next_frame
-        z = torch.cat([self._next_condition(sess) for _ in range(frames)], dim=2)  # (1, 16, f, h, w)
-        mask = torch.zeros(1, 4, frames, *z.shape[3:], device=z.device)
-        if start == 0:
-            mask[:, :, 0] = 1
-        sess.state.cond = torch.cat([mask, z], dim=1)
-        a = self.model.cfg.action
-        if a is not None:
-            rows = sess.actions or [[0.0] * a.keyboard_dim + [0.0, 0.0] * a.mouse] * frames
-            sess.actions = None
-            if len(rows) != frames:
-                raise ValueError(f"actions for {len(rows)} latent frames in a block of {frames}")
-            sess.action_history += [(r[: a.keyboard_dim], r[a.keyboard_dim :] or [0.0, 0.0]) for r in rows]
-            sess.state.actions = block_actions(a, sess.action_history, start, frames, z.device)
+        sess.condition = ImageCondition(self.encoder, image)
 
     def image_latent(self, sess: DiTSession, image: torch.Tensor) -> torch.Tensor:
         """The picture ((H, W, 3) uint8 at the video's size) through the VAE encoder: (1, C, 1, h, w)
@@ -448,9 +398,13 @@ class DiTEngine:
         if self.model.cfg.prope:
             for sess in sessions:
                 self._place_camera(sess, frames)
-        if self.image_condition:
+        if self.image_condition:  # the block's mask and latents beside its noise, and its actions
             for sess in sessions:
-                self._place_image_conditioning(sess, frames)
+                if sess.condition is None:
+                    raise ValueError("an image model's shot needs its image first (condition_on_image)")
+                st = sess.state
+                st.cond, st.actions = sess.condition.block(st.next_frame, frames, self.model.cfg.action, sess.actions)
+                sess.actions = None
         steps = [self.steps_of(s) for s in sessions]
         renoises = 0 if self.unipc else len(steps[0]) - 1  # UniPC draws no noise after the first
         noise, renoise = [], [[] for _ in range(renoises)]
