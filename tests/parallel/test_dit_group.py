@@ -1,7 +1,7 @@
 """One DiT over a group of processes (Ulysses sequence parallelism over gloo) against the same
-DiT on one device: streamed blocks with KV-cache eviction and sinks, a prompt re-cache, and a
-batch of two sessions at different positions, for groups of 2 and 3 with heights and head
-counts that do not divide by the group."""
+DiT on one device: streamed blocks with KV-cache eviction and sinks, a prompt re-cache, a batch
+of two sessions at different positions and a multi-shot transition, for groups of 2 and 3 with
+heights and head counts that do not divide by the group."""
 
 from __future__ import annotations
 
@@ -73,6 +73,12 @@ def script(model: WanDiT, h: int, w: int) -> list[torch.Tensor]:
     model.forward_block(block(1), torch.zeros(1, 1), other, commit=True)
     x = torch.cat([block(), block()])  # two sessions, one forward, each its own cache and position
     outs.append(model.forward_sessions(x, torch.tensor([[900.0, 900.0], [300.0, 300.0]]), [st, other], commit=True))
+    # LongLive 2.0's shot transition (DiTEngine.set_scene(transition=True)): each rank's band of
+    # rows at positions moved on, and the block pinned as the shot sink past later evictions
+    st.rope_offset, st.pin_next = st.rope_offset + 8, True
+    for _ in range(3):
+        outs.append(model.forward_block(block(), torch.zeros(1, 2), st, commit=True))
+    assert st.kv.pinned is not None
     return outs
 
 
