@@ -20,6 +20,7 @@ import struct
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -270,6 +271,34 @@ def fragments(data: bytes) -> list[dict]:
         elif kind == "mdat" and out:
             out[-1]["end"] = off + size
     return out
+
+
+class FragmentArrivals(threading.Thread):
+    """A stream read as it comes, as a tool's player: each fragment's arrival on `clock` once its
+    last byte is here, and its frame count; the response's `headers` once it starts. Only the
+    bytes after the last whole fragment are parsed again as more come."""
+
+    def __init__(self, method: str, url: str, json: dict | None = None, clock=time.monotonic) -> None:
+        super().__init__(daemon=True)
+        self.method, self.url, self.json, self.clock = method, url, json, clock
+        self.arrivals: list[float] = []
+        self.frames: list[int] = []
+        self.headers: httpx.Headers = httpx.Headers()
+
+    def run(self) -> None:
+        data, done = bytearray(), 0  # done: the end of the last whole fragment
+        with http.stream(self.method, self.url, json=self.json, timeout=600) as r:
+            self.headers = r.headers
+            for chunk in r.iter_raw():
+                data += chunk
+                now = self.clock()
+                rest = bytes(data[done:])
+                whole = [f for f in fragments(rest) if "end" in f and f["end"] <= len(rest)]
+                for f in whole:
+                    self.arrivals.append(now)
+                    self.frames.append(f["samples"])
+                if whole:
+                    done += whole[-1]["end"]
 
 
 def decode(data: bytes, strict: bool = True) -> dict:

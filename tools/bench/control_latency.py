@@ -26,34 +26,13 @@ import platform
 import random
 import statistics
 import sys
-import threading
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from streamdiff.testing import Daemon, cpu_model, fragments, http, stage_means  # noqa: E402
-
-
-class Player(threading.Thread):
-    """A live stream read as it comes: each complete fragment's arrival time."""
-
-    def __init__(self, url: str, body: dict) -> None:
-        super().__init__(daemon=True)
-        self.url, self.body = url, body
-        self.arrivals: list[float] = []
-        self.video_id: str | None = None
-
-    def run(self) -> None:
-        data = bytearray()
-        with http.stream("POST", self.url + "/v1/videos", json={**self.body, "stream": True}, timeout=600) as r:
-            self.video_id = r.headers.get("X-Video-Id")
-            for chunk in r.iter_raw():
-                data += chunk
-                done = sum("end" in f for f in fragments(bytes(data)))
-                now = time.monotonic()
-                self.arrivals += [now] * (done - len(self.arrivals))
+from streamdiff.testing import Daemon, FragmentArrivals, cpu_model, http, stage_means  # noqa: E402
 
 
 def main() -> int:
@@ -74,10 +53,11 @@ def main() -> int:
         body = {"prompt": "a forest path", "live": True, "size": a.size, "seed": 1}
         if a.image:
             body["input_reference"] = "data:image/png;base64," + base64.b64encode(Path(a.image).read_bytes()).decode()
-        player = Player(d.url, body)
+        player = FragmentArrivals("POST", d.url + "/v1/videos", {**body, "stream": True})
         player.start()
         while len(player.arrivals) < a.warm:
             time.sleep(0.02)
+        vid = player.headers["X-Video-Id"]
         block_s = fpb * 4 / fps
         k = model["controls"]["keys"]
         keys = [[k[0]], [k[-1]], k[:2], []]
@@ -85,7 +65,7 @@ def main() -> int:
         for i in range(a.controls):
             time.sleep(random.uniform(0, block_s))
             t = time.monotonic()
-            r = http.post(f"{d.url}/v1/videos/{player.video_id}/controls", json={"seq": i + 1, "keyboard": keys[i % 4]})
+            r = http.post(f"{d.url}/v1/videos/{vid}/controls", json={"seq": i + 1, "keyboard": keys[i % 4]})
             r.raise_for_status()
             block = r.json()["block"]
             blocks_behind.append(block - len(player.arrivals))
@@ -93,7 +73,7 @@ def main() -> int:
                 time.sleep(0.005)
             lat.append(player.arrivals[block] - t)
         means = stage_means(d.url)
-        http.post(f"{d.url}/v1/videos/{player.video_id}/stop", timeout=10)
+        http.post(f"{d.url}/v1/videos/{vid}/stop", timeout=10)
         player.join(60)
     finally:
         d.stop()

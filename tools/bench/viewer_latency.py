@@ -25,14 +25,21 @@ import json
 import os
 import statistics
 import sys
-import threading
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from streamdiff.testing import CHROMIUM, Daemon, cpu_model, fragments, http, launch_chromium, stage_means  # noqa: E402
+from streamdiff.testing import (  # noqa: E402
+    CHROMIUM,
+    Daemon,
+    FragmentArrivals,
+    cpu_model,
+    http,
+    launch_chromium,
+    stage_means,
+)
 
 # In the player page's origin (its codecFromInit and findBox): both viewers, their timings in
 # wall-clock milliseconds (performance.timeOrigin + the page's clock), into window.lat.
@@ -101,26 +108,7 @@ async ({ vid }) => {
 """
 
 
-class Ready(threading.Thread):
-    """The raw stream read here: each fragment's arrival (wall clock) and its frame count."""
-
-    def __init__(self, url: str) -> None:
-        super().__init__(daemon=True)
-        self.url, self.arrivals, self.frames = url, [], []
-
-    def run(self) -> None:
-        data = bytearray()
-        with http.stream("GET", self.url, timeout=600) as r:
-            for chunk in r.iter_raw():
-                data += chunk
-                now = time.time()
-                done = [f for f in fragments(bytes(data)) if "end" in f]
-                for f in done[len(self.arrivals) :]:
-                    self.arrivals.append(now)
-                    self.frames.append(f["samples"])
-
-
-def block_latencies(ready: Ready, lat: dict, fps: int, skip: int) -> dict[str, list]:
+def block_latencies(ready: FragmentArrivals, lat: dict, fps: int, skip: int) -> dict[str, list]:
     """Per block from `skip` on: its first frame's time on each path less the block's ready time
     (None where the path showed none of its frames): MSE's presented, WebRTC's decoded. (A WebRTC
     frame's presentation names it only by an RTP timestamp from a random origin, and the first
@@ -168,7 +156,7 @@ def main() -> int:
             body = {"prompt": "a red ball moving right on a blue background", "live": True, "seconds": a.seconds,
                     "size": a.size, "seed": 1, "stream": False}  # fmt: skip
             vid = http.post(d.url + "/v1/videos", json=body, timeout=30).json()["id"]
-            ready = Ready(f"{d.url}/v1/videos/{vid}/content")
+            ready = FragmentArrivals("GET", f"{d.url}/v1/videos/{vid}/content", clock=time.time)
             ready.start()
             page.evaluate(HARNESS, {"vid": vid})
             page.wait_for_function("window.lat.done", timeout=int((a.seconds + 120) * 1000), polling=500)
