@@ -722,9 +722,12 @@ def test_streamdiffd_plan_ranks_layouts_for_hardware_we_do_not_have():
 
 
 def test_streamdiffd_profile_measures_this_machine(tmp_path):
-    """A real profile at a small size, one round: every figure the simulator reads, positive."""
+    """A real profile at a small size, one round of one level cycle (the cycle that runs the
+    cuts): every figure the simulator reads, positive."""
     out = tmp_path / "p.json"
-    r = run_cli("profile", "--sizes", "64x32", "--rounds", "1", "--out", str(out))
+    bad = run_cli("profile", "--cycles", "0")
+    assert bad.returncode == 2 and "--cycles: 0 must be at least 1" in bad.stderr, bad.stderr
+    r = run_cli("profile", "--sizes", "64x32", "--rounds", "1", "--cycles", "1", "--out", str(out))
     assert r.returncode == 0, r.stderr
     from streamdiff.placement.profile.schema import Profile
 

@@ -15,6 +15,7 @@ from pathlib import Path
 from ..config import OBJECTIVES, ConfigError
 from ..config.loader import load
 from ..flags import add_model_args, overrides_from_args
+from ..placement.profile.cpu_probes import LEVEL_CYCLES
 
 
 def _size(text: str) -> tuple[int, int]:
@@ -41,10 +42,19 @@ def profile_main(argv: list[str]) -> int:
     add_model_args(p)
     p.add_argument("--sizes", type=_sizes, help="frame sizes, comma-separated (default: the model's size)")
     p.add_argument("--rounds", type=int, default=3, help="measurement rounds; each figure is their median")
+    p.add_argument(
+        "--cycles",
+        type=int,
+        default=LEVEL_CYCLES,
+        help=f"on a CPU, the interleaved cycles that level the one- and two-thread stages in each round "
+        f"(default {LEVEL_CYCLES}; fewer: a quicker profile, more exposed to the machine's drift)",
+    )
     p.add_argument("--out", help="write the profile here (default: the state directory, where the daemon looks)")
     a = p.parse_args(argv)
     if a.rounds < 1:
         p.error(f"--rounds: {a.rounds} must be at least 1")
+    if a.cycles < 1:
+        p.error(f"--cycles: {a.cycles} must be at least 1")
     from ..placement.auto import state_dir
     from ..placement.profile.measure import measure
     from ..placement.profile.schema import cache_path
@@ -53,7 +63,7 @@ def profile_main(argv: list[str]) -> int:
     cfg = _config(a)
     default = tuple(model_facts(cfg)["default_size"])
     sizes = a.sizes or [default]
-    prof = measure(cfg, sizes, rounds=a.rounds, log=lambda s: print(s, file=sys.stderr))
+    prof = measure(cfg, sizes, rounds=a.rounds, cycles=a.cycles, log=lambda s: print(s, file=sys.stderr))
     out = Path(a.out) if a.out else cache_path(str(state_dir(cfg)), cfg, sizes[0])
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(prof.to_json())

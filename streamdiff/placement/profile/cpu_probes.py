@@ -185,7 +185,9 @@ def level_child(role, spec, sizes, working_set, cmds, out) -> None:
         out.put(("error", traceback.format_exc()))
 
 
-def levels(spec, sizes: list[tuple[int, int]], working_set: int, timeout_s: float, cuts=()) -> dict:
+def levels(
+    spec, sizes: list[tuple[int, int]], working_set: int, timeout_s: float, cuts=(), cycles: int = LEVEL_CYCLES
+) -> dict:
     """Each stage's steady block at one and two threads, from the same minute.
 
     The thread rounds of `_measure_once` run one after the other, a minute or so apart, and this
@@ -193,7 +195,7 @@ def levels(spec, sizes: list[tuple[int, int]], working_set: int, timeout_s: floa
     (docs/design.md#placement-placement). Here the
     one-thread DiT and VAE
     (side by side, as disagg-1+1 runs them) and each stage on two threads take turns for
-    LEVEL_CYCLES cycles, so a drift slows all four alike; the medians set each figure's level
+    `cycles` cycles, so a drift slows all four alike; the medians set each figure's level
     (`rescale`).
 
     Every other cycle also runs each of `cuts` side by side as a stage-cut layout runs it: the
@@ -222,7 +224,7 @@ def levels(spec, sizes: list[tuple[int, int]], working_set: int, timeout_s: floa
 
     try:
         answers(2)  # both ready
-        for cycle in range(LEVEL_CYCLES):
+        for cycle in range(cycles):
             for cut in (0, *cuts) if cycle % 2 == 0 else (0,):
                 cmds["dit"].put((1, cpus_of(0, 1), cut, f"1/{cut}"))  # as disagg-1+1's workers are pinned
                 cmds["vae"].put((1, cpus_of(1, 1), cut, f"1/{cut}"))

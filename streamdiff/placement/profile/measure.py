@@ -6,7 +6,7 @@ import time
 
 from ...platform.devices import device_count, device_memory, device_name
 from ...spawn import torch_context
-from .cpu_probes import LEVEL_WINDOW_S, PROBE_BLOCKS, hybrid_probe, levels, rescale
+from .cpu_probes import LEVEL_CYCLES, LEVEL_WINDOW_S, PROBE_BLOCKS, hybrid_probe, levels, rescale
 from .harness import GROUP_SIZES_MAX, cpus_of, heads_of, median, run_children
 from .probes import dit_child, encode_ms, host_child, vae_child
 from .schema import Profile, model_key, offered_cuts
@@ -57,10 +57,18 @@ def _probe_count(spec, kind: str, n: int) -> int:
     )
 
 
-def measure(cfg, sizes: list[tuple[int, int]], rounds: int = 1, log=print, timeout_s: float = 900.0) -> Profile:
+def measure(
+    cfg,
+    sizes: list[tuple[int, int]],
+    rounds: int = 1,
+    log=print,
+    timeout_s: float = 900.0,
+    cycles: int = LEVEL_CYCLES,
+) -> Profile:
     """Measure every figure the planner and the simulator use on the devices of
     `cfg.topology.device`; with several rounds, each figure is the median of its rounds (the
-    rounds interleave, so a machine whose speed drifts is sampled across the drift)."""
+    rounds interleave, so a machine whose speed drifts is sampled across the drift). `cycles`:
+    the CPU levels' interleaved cycles a round (`cpu_probes.levels`)."""
     kind = cfg.topology.device
     n = device_count(kind)
     if n < 1:
@@ -72,13 +80,15 @@ def measure(cfg, sizes: list[tuple[int, int]], rounds: int = 1, log=print, timeo
     progress = Progress(rounds * _probe_count(model_spec(cfg), kind, n), log)
     results = []
     for r in range(rounds):
-        results.append(_measure_once(cfg, kind, n, sizes, timeout_s, progress))
+        results.append(_measure_once(cfg, kind, n, sizes, timeout_s, progress, cycles))
         log(f"profile: round {r + 1} of {rounds} done after {time.perf_counter() - progress.t0:.0f}s")
     prof.sizes = merge(results)
     return prof
 
 
-def _measure_once(cfg, kind: str, n: int, sizes: list[tuple[int, int]], timeout_s: float, progress: Progress) -> dict:
+def _measure_once(
+    cfg, kind: str, n: int, sizes: list[tuple[int, int]], timeout_s: float, progress: Progress, cycles: int
+) -> dict:
     from ...supervisor.topology import free_port, model_facts, model_spec
 
     spec, facts = model_spec(cfg), model_facts(cfg)
@@ -120,7 +130,7 @@ def _measure_once(cfg, kind: str, n: int, sizes: list[tuple[int, int]], timeout_
         quick = max(res[key]["vae"]["1"]["block_ms"] for key in res) * PROBE_BLOCKS <= 1000 * LEVEL_WINDOW_S
         probes = sorted({offered[-1], offered[(len(offered) - 1) // 2]}) if offered and quick else []
         progress.step("the levels: 1- and 2-thread stages in interleaved cycles" + (" and cuts" if probes else ""))
-        rescale(res, levels(spec, sizes, ws, timeout_s, tuple(probes)))
+        rescale(res, levels(spec, sizes, ws, timeout_s, tuple(probes), cycles))
     for g in range(2, min(n, GROUP_SIZES_MAX, heads_of(spec)) + 1):
         progress.step(f"a DiT group of {g} ranks over the real collective")
         addr = f"tcp://127.0.0.1:{free_port()}"
