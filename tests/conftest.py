@@ -107,8 +107,8 @@ def _fixture_funcs(item) -> list:
 
 
 def pytest_configure(config):
-    """Under pytest-xdist each test process gets one of the cores for its in-process torch (two
-    processes with a thread per core each would oversubscribe them)."""
+    """Under pytest-xdist each test process runs its in-process torch on one thread (`.ci/run`
+    starts one process per core and one more: a thread per core each would oversubscribe them)."""
     if os.environ.get("PYTEST_XDIST_WORKER"):
         import torch
 
