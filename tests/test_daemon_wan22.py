@@ -21,6 +21,21 @@ def release(tmp_path_factory):
     return write_base(tmp_path_factory.mktemp("wan22"), "wan2.2-ti2v-5b")
 
 
+@pytest.fixture(scope="module")
+def longlive2(tmp_path_factory):
+    """LongLive 2.0's tiny model in its checkpoint's layout, and one daemon serving it for the
+    module's tests."""
+    from .published import Bases, write_published
+
+    root = tmp_path_factory.mktemp("longlive2")
+    pub = write_published("longlive2-5b", root, Bases(root))
+    d = Daemon(*pub.flags, "--mode", "aggregated", "--dit-gpus", "1", "--vae-gpus", "1", "--size", "128x64")
+    try:
+        yield d, pub
+    finally:
+        assert d.stop() == 0, d.logs()
+
+
 def test_the_5b_streams_24_fps_sharded_equal_to_unsharded(release):
     """33 frames: 1 + 8 latent frames, three blocks of 3; 128x64 is 4 latent rows, 2 a shard."""
     body = {"prompt": "a red fox runs through snow", "num_frames": 33, "size": "128x64", "seed": 3}
@@ -51,7 +66,7 @@ def test_the_5b_decodes_with_taew2_2(release, tmp_path):
     check_video(got, 33, 128, 64, 24, blocks_expected=3)
 
 
-def test_longlive2_from_a_picture_streams_what_generate_writes(tmp_path):
+def test_longlive2_from_a_picture_streams_what_generate_writes(longlive2, tmp_path):
     """LongLive 2.0's image-to-video: the picture is the first latent frame of the first block,
     held clean through its steps (no block of its own): exact frames, the video generate writes
     for the same request, and not the text-to-video of the same seed."""
@@ -60,20 +75,15 @@ def test_longlive2_from_a_picture_streams_what_generate_writes(tmp_path):
     import sys
 
     from .helpers import http
-    from .published import Bases, write_published
     from .test_daemon_i2v import picture
 
-    pub = write_published("longlive2-5b", tmp_path, Bases(tmp_path))
+    d, pub = longlive2
     (tmp_path / "start.png").write_bytes(picture(96, 80))
     url = "data:image/png;base64," + base64.b64encode(picture(96, 80)).decode()
     body = {"prompt": "a red fox", "num_frames": 61, "size": "128x64", "seed": 4, "input_reference": url}
-    d = Daemon(*pub.flags, "--mode", "aggregated", "--dit-gpus", "1", "--vae-gpus", "1", "--size", "128x64")
-    try:
-        assert http.get(d.url + "/v1/models", timeout=10).json()["data"][0]["image_to_video"] is True
-        video, _, _ = stream_video(d.url, body)
-        text, _, _ = stream_video(d.url, {k: v for k, v in body.items() if k != "input_reference"})
-    finally:
-        assert d.stop() == 0, d.logs()
+    assert http.get(d.url + "/v1/models", timeout=10).json()["data"][0]["image_to_video"] is True
+    video, _, _ = stream_video(d.url, body)
+    text, _, _ = stream_video(d.url, {k: v for k, v in body.items() if k != "input_reference"})
     check_video(video, 61, 128, 64, 24, blocks_expected=2)  # 1 + 15 latent frames: two blocks of 8
     assert video != text
     out = tmp_path / "out.mp4"
@@ -86,7 +96,7 @@ def test_longlive2_from_a_picture_streams_what_generate_writes(tmp_path):
     assert out.read_bytes() == video
 
 
-def test_longlive2_storyboard_cuts_over_the_kept_history(tmp_path):
+def test_longlive2_storyboard_cuts_over_the_kept_history(longlive2, tmp_path):
     """A storyboard of a shot, a cut and a continue on longlive2-5b: the cut is LongLive 2.0's
     shot transition (tests/models/test_multishot.py holds it to the authors' loop), planned as a
     continuing scene (the VAE goes on: 4 frames a latent frame) and told to the DiT. Exact frames,
@@ -99,9 +109,8 @@ def test_longlive2_storyboard_cuts_over_the_kept_history(tmp_path):
     import numpy as np
 
     from .helpers import decode
-    from .published import Bases, write_published
 
-    pub = write_published("longlive2-5b", tmp_path, Bases(tmp_path))
+    d, pub = longlive2
     scenes = [
         {"prompt": "a red fox runs through snow", "num_frames": 29},  # 1 + 7 latent frames: a block
         {"prompt": "a city at night", "num_frames": 18, "transition": "cut"},  # 5 of a block of 8
@@ -109,12 +118,8 @@ def test_longlive2_storyboard_cuts_over_the_kept_history(tmp_path):
     ]
     body = {"scenes": scenes, "size": "128x64", "seed": 4}
     flat = {**body, "scenes": [scenes[0], {**scenes[1], "transition": "continue"}, scenes[2]]}
-    d = Daemon(*pub.flags, "--mode", "aggregated", "--dit-gpus", "1", "--vae-gpus", "1", "--size", "128x64")
-    try:
-        video, _, _ = stream_video(d.url, body)
-        continued, _, _ = stream_video(d.url, flat)
-    finally:
-        assert d.stop() == 0, d.logs()
+    video, _, _ = stream_video(d.url, body)
+    continued, _, _ = stream_video(d.url, flat)
     frags, _ = check_video(video, 63, 128, 64, 24, blocks_expected=3)
     marks = [e["message"] for f in frags for e in f["emsg"] if e["scheme"] == "urn:streamdiff:scene:2026"]
     assert [(m["scene"], m["transition"], m["start_frame"]) for m in marks] == [
