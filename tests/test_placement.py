@@ -722,12 +722,12 @@ def test_streamdiffd_plan_ranks_layouts_for_hardware_we_do_not_have():
 
 
 def test_streamdiffd_profile_measures_this_machine(tmp_path):
-    """A real profile at a small size, one round of one level cycle (the cycle that runs the
-    cuts): every figure the simulator reads, positive."""
+    """A real profile at a small size, one round of two level cycles (the first runs the cuts,
+    the second not): every figure the simulator reads, positive."""
     out = tmp_path / "p.json"
     bad = run_cli("profile", "--cycles", "0")
     assert bad.returncode == 2 and "--cycles: 0 must be at least 1" in bad.stderr, bad.stderr
-    r = run_cli("profile", "--sizes", "64x32", "--rounds", "1", "--cycles", "1", "--out", str(out))
+    r = run_cli("profile", "--sizes", "64x32", "--rounds", "1", "--cycles", "2", "--out", str(out))
     assert r.returncode == 0, r.stderr
     from streamdiff.placement.profile.schema import Profile
 
@@ -751,9 +751,11 @@ def test_streamdiffd_profile_measures_this_machine(tmp_path):
         probe = fig["hybrid"]  # a DiT below shard 0 on its core while the group decodes
         assert probe["dit"]["own_ms"] > 0 and probe["dit"]["wall_ms"] >= probe["dit"]["own_ms"] * 0.9
         assert probe["dit"]["alone_ms"] > 0
-        # its CPU time over the group's steady blocks only: it ran at most all of that time
+        # its CPU time over the group's steady blocks only: it ran at most all of that time. Below
+        # the shard in priority it may run none of it where other processes load the cores (the
+        # suite's three on two: once 0.0), and then its time per block beside the group is endless.
         seen = probe["dit"]["window"]
-        assert 0 < seen["cpu_ms"] <= seen["wall_ms"] * 1.05 and "watched" not in probe["group"][0]
+        assert 0 <= seen["cpu_ms"] <= seen["wall_ms"] * 1.05 and "watched" not in probe["group"][0]
         assert [x["rows"] for x in probe["group"]] == [1, 3]
         lv = fig["levels"]  # the interleaved cycles set each thread round's level
         for role in ("dit", "vae"):
