@@ -15,10 +15,11 @@ frame rate (`-re`: a video made faster than real time would otherwise arrive in 
 each packet as it is muxed (`-flush_packets 1`), and ffmpeg's input stays open until its last
 frame is due and SRT_LINGER_S more, so that the ingest delivers the video's end (measured: a
 48-frame push closed at once lost its last frame; sent in a burst and closed, all of them).
-"Due" counts from ffmpeg's own start, its first progress report (`-progress`): counted from
-when the push started it, a loaded host that started ffmpeg late closed its input while ffmpeg
-still paced the last frames, and the ingest lost them (43 of 45 frames, three test processes on
-two cores).
+"Due" counts from ffmpeg's own start, its first progress report (`-progress`: ffmpeg writes it
+one stats period, 0.5 s, after it starts, so the wait errs long; a shorter `-stats_period` would
+need ffmpeg 4.4). Counted from when the push started ffmpeg, a loaded host that started it late
+closed its input while it still paced the last frames, and the ingest lost them (43 of 45
+frames, three test processes on two cores).
 """
 
 from __future__ import annotations
@@ -54,7 +55,7 @@ class Push:
 
     def _command(self) -> list[str]:
         exe = shutil.which("ffmpeg") or "ffmpeg"
-        live = ["-re", "-nostats", "-progress", "pipe:1", "-stats_period", "0.1"] if self.srt else []
+        live = ["-re", "-nostats", "-progress", "pipe:1"] if self.srt else []
         out = ["-flush_packets", "1", "-f", "mpegts"] if self.srt else ["-f", "flv"]
         head = [exe, "-hide_banner", "-loglevel", "error", *live]
         return [*head, "-f", "mp4", "-i", "pipe:0", "-c", "copy", *out, self.url]
