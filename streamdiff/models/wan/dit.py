@@ -547,7 +547,10 @@ class WanDiT(nn.Module):
             cond = torch.cat([st.cond.to(x.device, x.dtype) for st in states]).expand(b, -1, -1, -1, -1)
             x_in = torch.cat([x, cond], dim=1)
         band = x_in[..., rows[0] * ph : rows[1] * ph, :]
-        tokens = self.patch_embedding(band.to(wdt.dtype)).flatten(2).transpose(1, 2)  # (B, L, C)
+        # (B, L, C), laid out as every later block's output is: a transposed view here would make
+        # the compiled halves (`compile_blocks`) compile once more for the first block, whose
+        # input alone would be a view, and it runs the first block's projections on contiguous rows.
+        tokens = self.patch_embedding(band.to(wdt.dtype)).flatten(2).transpose(1, 2).contiguous()
 
         # Timestep embeddings per frame. The time MLP stays float32 (see `cast`), and the
         # modulation arithmetic is float32 as in the reference.
