@@ -146,7 +146,8 @@ def test_a_storyboard_with_three_cuts_holds_one_cache():
     sess = eng.open_session(128, 64, seed=0)
     kv = sess.state.kv
     buffers = [t.data_ptr() for t in (*kv.k, *kv.v)]
-    shots = [(11, 4), (12, 2), (13, 5), (14, 3)]  # (seed, blocks): a cut before each after the first
+    shots = [(11, 3), (12, 1), (13, 2), (14, 1)]  # (seed, blocks): a cut before each after the first; each
+    # shorter than one before it, whose cached frames it must not attend
     got = []
     with LargeAllocations(kv.k[0].numel() * kv.k[0].element_size()) as big:
         for seed, n in shots:
