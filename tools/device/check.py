@@ -47,7 +47,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing as mp
 import os
 import statistics
 import subprocess
@@ -553,6 +552,7 @@ def _group_rank(rank, world, addr, backend, dev, size, quick, q):
 
 def check_vae_group(dev: str, a) -> dict:
     from streamdiff.models.wan.vae import VAEConfig, WanVAEDecoder
+    from streamdiff.spawn import torch_context
     from streamdiff.supervisor.topology import free_port
 
     w, h = (int(v) for v in a.size.split("x"))
@@ -572,7 +572,7 @@ def check_vae_group(dev: str, a) -> dict:
     del vae
     out = {"k1_block_s": ref_t[1:]}
     backends = ["gloo"] if dev == "cpu" else (["nccl", "gloo"] if dev.startswith("cuda") else ["xccl", "gloo"])
-    ctx = mp.get_context("spawn")
+    ctx = torch_context()  # the daemon's own: each rank forks from a server that imported torch once
     for backend in backends:
         q = ctx.Queue()
         addr = f"tcp://127.0.0.1:{free_port()}"
