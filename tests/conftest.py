@@ -120,7 +120,7 @@ def pytest_collection_modifyitems(config, items):
         fn = getattr(item, "function", None)
         if fn is not None and any(starts_processes(f) for f in [fn, *_fixture_funcs(item)]):
             item.add_marker(pytest.mark.slow)
-    _slow_files_first(items)
+    _slow_files_first(items, float(config.getini("timeout") or 0))
     if accelerator() is None:
         skip = pytest.mark.skip(reason="no CUDA or XPU accelerator on this machine")
         for item in items:
@@ -128,18 +128,30 @@ def pytest_collection_modifyitems(config, items):
                 item.add_marker(skip)
 
 
-def _slow_files_first(items) -> None:
-    """Files in order of how many slow tests they hold, most first, each file's tests together
-    (stable otherwise). `.ci/run` hands whole files to its two processes in this order
-    (`--dist loadfile --no-loadscope-reorder`): the process that draws a long one early still
-    has the many short files to balance against, where pytest-xdist's own order (most tests
-    first) left a single one-minute test to the end, run by one process while the other idled."""
+def _slow_files_first(items, default_timeout_s: float) -> None:
+    """Files in order of how long they say they run, each file's tests together (stable
+    otherwise): first the files holding a test that declares a timeout above the default
+    (`default_timeout_s`, setup.cfg's), the longest first; then by how many slow tests they
+    hold. `.ci/run` hands whole files to its processes in this order (`--dist loadfile
+    --no-loadscope-reorder`): the process that draws a long one early still has the many short
+    files to balance against. In pytest-xdist's own order (most tests first) a one-minute test
+    was left to the end, run by one process while the others idled; ordered by slow tests alone,
+    the device check (one test, a minute) started 5 min 18 s into a 6 min 28 s run, and its
+    process ran on alone for the last 15 s."""
     slow: dict[str, int] = {}
+    declared: dict[str, float] = {}
     for item in items:
         f = item.nodeid.split("::")[0]
         slow[f] = slow.get(f, 0) + ("slow" in item.keywords)
+        mark = item.get_closest_marker("timeout")
+        declared[f] = max(declared.get(f, 0.0), float(mark.args[0]) if mark and mark.args else 0.0)
     first = {f: i for i, f in enumerate(slow)}
-    items.sort(key=lambda item: (-slow[item.nodeid.split("::")[0]], first[item.nodeid.split("::")[0]]))
+
+    def key(item):
+        f = item.nodeid.split("::")[0]
+        return (-max(declared[f], default_timeout_s), -slow[f], first[f])
+
+    items.sort(key=key)
 
 
 @pytest.fixture(autouse=True)
