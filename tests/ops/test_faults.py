@@ -158,17 +158,19 @@ def test_drain_deadline_cuts_long_streams(tmp_path):
 
 
 @pytest.mark.timeout(600)
-def test_hundred_disconnects_at_random_points():
+def test_fifty_disconnects_at_random_points_leave_nothing_behind():
     # The seeded weights' noise, so that the stop points fall across the stream: the trained
     # default's frames compress so well that a 20 s video is shorter than the later ones. The
     # latest point is some blocks in, with more in flight: later ones cost CPU and test the same.
+    # Fifty: a leak of anything a session holds (a descriptor, a child, a segment) shows in fifty
+    # as in a hundred, and each costs the first blocks (0.2 CPU-s), whenever its client leaves.
     d = Daemon("--model", "tiny-random")
     try:
         rng = random.Random(7)
         h0 = wait_idle(d)
         base_fds, children = fd_count(d.proc.pid), set(d.children())
         segments = d.segments()
-        for i in range(100):
+        for i in range(50):
             stop_at = rng.choice([0, 1, 200, 5_000, 30_000, 80_000])
             with http.stream(
                 "POST",
@@ -188,7 +190,7 @@ def test_hundred_disconnects_at_random_points():
         data, _, _ = stream_video(d.url, {"prompt": "still fine", "num_frames": 33, "size": "128x64"})
         check_video(data, 33, 128, 64, 16)
         metrics = http.get(d.url + "/metrics").text
-        assert 'streamdiff_sessions_total{outcome="cancelled"} 100' in metrics
+        assert 'streamdiff_sessions_total{outcome="cancelled"} 50' in metrics
     finally:
         assert d.stop() == 0
         assert d.segments() == []
