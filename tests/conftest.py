@@ -20,6 +20,7 @@ import multiprocessing
 import os
 import subprocess
 import types
+from pathlib import Path
 
 import pytest
 
@@ -120,7 +121,7 @@ def pytest_collection_modifyitems(config, items):
         fn = getattr(item, "function", None)
         if fn is not None and any(starts_processes(f) for f in [fn, *_fixture_funcs(item)]):
             item.add_marker(pytest.mark.slow)
-    _slow_files_first(items, float(config.getini("timeout") or 0))
+    _longest_files_first(items)
     if accelerator() is None:
         skip = pytest.mark.skip(reason="no CUDA or XPU accelerator on this machine")
         for item in items:
@@ -128,30 +129,59 @@ def pytest_collection_modifyitems(config, items):
                 item.add_marker(skip)
 
 
-def _slow_files_first(items, default_timeout_s: float) -> None:
-    """Files in order of how long they say they run, each file's tests together (stable
-    otherwise): first the files holding a test that declares a timeout above the default
-    (`default_timeout_s`, setup.cfg's), the longest first; then by how many slow tests they
-    hold. `.ci/run` hands whole files to its processes in this order (`--dist loadfile
-    --no-loadscope-reorder`): the process that draws a long one early still has the many short
-    files to balance against. In pytest-xdist's own order (most tests first) a one-minute test
-    was left to the end, run by one process while the others idled; ordered by slow tests alone,
-    the device check (one test, a minute) started 5 min 18 s into a 6 min 28 s run, and its
-    process ran on alone for the last 15 s."""
-    slow: dict[str, int] = {}
-    declared: dict[str, float] = {}
+# Each test file's seconds in a whole run (its tests' setup, call and teardown, three processes
+# on two cores): the order `.ci/run` hands files out in. `pytest --record-durations` writes it.
+DURATIONS = Path(__file__).with_name("durations.json")
+# A file the record does not hold yet: about this long a slow test, and any other.
+GUESS_S = {True: 5.0, False: 0.1}
+
+
+def _longest_files_first(items) -> None:
+    """Files in order of their recorded seconds (DURATIONS), longest first, each file's tests
+    together (stable otherwise). `.ci/run` hands whole files to its processes in this order
+    (`--dist loadfile --no-loadscope-reorder`): the process that draws a long one early still has
+    the many short files to balance against, and the run ends on short ones. In pytest-xdist's
+    own order (most tests first) a one-minute test was left to the end, run by one process while
+    the others idled; ordered by how many slow tests a file held, the device check (one test, a
+    minute) or the in-process compile tests (none slow, 50 s) ran alone at the end."""
+    recorded = json.loads(DURATIONS.read_text()) if DURATIONS.exists() else {}
+    guess: dict[str, float] = {}
     for item in items:
         f = item.nodeid.split("::")[0]
-        slow[f] = slow.get(f, 0) + ("slow" in item.keywords)
-        mark = item.get_closest_marker("timeout")
-        declared[f] = max(declared.get(f, 0.0), float(mark.args[0]) if mark and mark.args else 0.0)
-    first = {f: i for i, f in enumerate(slow)}
+        guess[f] = guess.get(f, 0.0) + GUESS_S["slow" in item.keywords]
+    first = {f: i for i, f in enumerate(guess)}
 
     def key(item):
         f = item.nodeid.split("::")[0]
-        return (-max(declared[f], default_timeout_s), -slow[f], first[f])
+        return (-recorded.get(f, guess[f]), first[f])
 
     items.sort(key=key)
+
+
+_seconds: dict[str, float] = {}
+
+
+def pytest_addoption(parser):
+    parser.addoption(
+        "--record-durations",
+        action="store_true",
+        help="write each test file's seconds in this run to tests/durations.json (the suite's file order)",
+    )
+
+
+def pytest_runtest_logreport(report):
+    f = report.nodeid.split("::")[0]
+    _seconds[f] = _seconds.get(f, 0.0) + report.duration
+
+
+def pytest_sessionfinish(session):
+    """With --record-durations, the run's seconds per file over those recorded before (a run of
+    some files records those), written once by the process that ran or drove them all
+    (pytest-xdist's test processes report to it)."""
+    if session.config.getoption("record_durations") and not os.environ.get("PYTEST_XDIST_WORKER"):
+        recorded = json.loads(DURATIONS.read_text()) if DURATIONS.exists() else {}
+        ranked = sorted({**recorded, **_seconds}.items(), key=lambda kv: -kv[1])
+        DURATIONS.write_text(json.dumps({f: round(s, 1) for f, s in ranked}, indent=0) + "\n")
 
 
 @pytest.fixture(autouse=True)
