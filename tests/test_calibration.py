@@ -136,3 +136,35 @@ def test_a_bad_given_file_is_refused_at_start_naming_it(tmp_path, text, names):
         load_config(None, {"pipeline": {"calibration_given": str(path)}})
     with pytest.raises(ConfigError, match="No such file"):
         load_config(None, {"pipeline": {"calibration_given": str(tmp_path / "absent.json")}})
+
+
+@pytest.mark.parametrize("decoder", ["wan", "taehv"])
+def test_given_timings_on_the_cpu_leave_the_cache_a_timed_start_measures(tmp_path, decoder):
+    """Timings given, a whole decoder on the CPU decodes its start-up blocks at a quarter of the
+    preset's latent rows and columns (they run only for the cache they leave): the cache's bytes
+    per latent pixel are what a timed start measures at the preset's size."""
+    import os
+
+    import torch
+
+    from streamdiff.ipc.shm import Ring
+    from streamdiff.workers.faults import Faults
+    from streamdiff.workers.vae_stage import VAEStage
+
+    threads = torch.get_num_threads()
+    rings = [Ring.create(f"t{os.getpid()}c{decoder}", name, 1, 1024) for name in ("latent", "frames")]
+    try:
+        base = spec(tmp_path, model=ModelSpec(decoder=decoder), latent_ring=rings[0].spec, frame_ring=rings[1].spec)
+        stage = VAEStage(replace(base, calibration_dir=""), Faults((), base.name, 0))  # timed at start
+        timed = stage.calibration["memory"]
+        shapes = []
+        decode = stage.engine.decode_blocks
+        stage.engine.decode_blocks = lambda states, z, *a: shapes.append(tuple(z.shape[-2:])) or decode(states, z, *a)
+        given = stage.calibrate(m.GivenTimes(260.0))
+        (w, h), sf = stage.engine.preset.default_size, stage.engine.preset.vae.spatial_factor
+        assert shapes == [(h // sf // 4 // 2 * 2, w // sf // 4 // 2 * 2)] * 2 and shapes[0] != (h // sf, w // sf)
+        assert given["memory"] == timed and given["cost"] == m.StageCost(260.0, [w, h])
+    finally:
+        torch.set_num_threads(threads)
+        for r in rings:
+            r.close(unlink=True)

@@ -107,8 +107,12 @@ class AcceleratorPlatform(Platform):
         self.rt.empty_cache()
         return max(0, int(0.9 * self.rt.mem_get_info(self.torch_device)[0]) - reserve)
 
+    @property
+    def counts_transients(self) -> bool:
+        return hasattr(self.rt, "max_memory_allocated")
+
     def peak_during(self, fn) -> tuple[object, int]:
-        if not hasattr(self.rt, "max_memory_allocated"):
+        if not self.counts_transients:
             return fn(), 0
         dev = self.torch_device
         before = self.rt.memory_allocated(dev)

@@ -93,6 +93,11 @@ class Platform:
         The CPU's is the configured budget (pipeline.cpu_memory_budget_bytes)."""
         return cpu_budget
 
+    @property
+    def counts_transients(self) -> bool:
+        """Whether `peak_during` counts anything here."""
+        return False
+
     def peak_during(self, fn) -> tuple[object, int]:
         """(fn(), the bytes its run allocated on the device beyond what was allocated before:
         a block's transients, its activations and workspaces). Nothing counted on the CPU."""
