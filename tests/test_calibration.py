@@ -168,3 +168,32 @@ def test_given_timings_on_the_cpu_leave_the_cache_a_timed_start_measures(tmp_pat
         torch.set_num_threads(threads)
         for r in rings:
             r.close(unlink=True)
+
+
+def test_given_timings_on_the_cpu_run_no_dit_block_and_hold_what_a_timed_start_measures(tmp_path):
+    """Timings given, a DiT worker on the CPU runs no block at start (it counts no transients, and
+    a session's caches are allocated when it opens and its scene is set): what a session holds is
+    what a timed start measures."""
+    import os
+
+    import torch
+
+    from streamdiff.ipc.shm import Ring
+    from streamdiff.workers.dit_stage import DiTStage
+    from streamdiff.workers.faults import Faults
+
+    threads = torch.get_num_threads()
+    ring = Ring.create(f"t{os.getpid()}cd", "latent", 1, 1024)
+    try:
+        base = spec(tmp_path, model=ModelSpec(), latent_ring=ring.spec, frame_ring=ring.spec)
+        stage = DiTStage(replace(base, name="dit0", roles=("dit",), calibration_dir=""), Faults((), "dit0", 0))
+        timed = stage.calibration["memory"]
+        blocks = []
+        generate = stage.engine.generate_block
+        stage.engine.generate_block = lambda *a: blocks.append(a) or generate(*a)
+        given = stage.calibrate(m.GivenTimes(130.0, {"2": 130.0}))
+        assert blocks == [] and given["memory"] == timed
+        assert given["cost"] == m.StageCost(130.0, list(stage.engine.preset.default_size), busy_ms=130.0)
+    finally:
+        torch.set_num_threads(threads)
+        ring.close(unlink=True)

@@ -11,9 +11,11 @@ estimate: the supervisor's capacity model learns from every block after.
 
 Given timings (`pipeline.calibration_given`, a file of them) replace the timed blocks of every
 start: the test suite starts dozens of daemons of distinct models and layouts, each of which
-would time its blocks once. What a session holds (its caches, exact) is still measured, from
-one block; a whole decoder on the CPU (no transients counted) decodes it at a quarter of the
-preset's rows and columns, its cache the same bytes per latent pixel at any size.
+would time its blocks once. What a session holds (its caches, exact) is still measured: the
+DiT's caches once a session opens and its scene is set, the decoder's from two blocks. On an
+accelerator a first block runs in each stage for its transients; the CPU counts none, so there
+the DiT runs no block and a whole decoder decodes at a quarter of the preset's rows and columns
+(its cache the same bytes per latent pixel at any size).
 
 On an accelerator the calibration blocks also warm the compiled graphs; a stored or given
 calibration skips them, so the first request compiles. That is for tests and development, not a

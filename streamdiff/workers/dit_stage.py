@@ -112,13 +112,15 @@ class DiTStage:
         """One steady-state block at the preset's default size, timed (the admission model's
         first estimate, refined by every block after), and what a session holds in memory.
         `given`: timings given instead (workers/calibration.py): only the shot's first block
-        runs, for the caches it fills and its transients."""
+        runs, for its transients, and on a platform that counts none (the CPU) no block: the
+        caches are allocated when the session opens and its scene is set."""
         p, w, h = self.engine.preset, *self.engine.preset.default_size
         fpb = p.sampler.frames_per_block
         sess = self.engine.open_session(w, h, seed=0)
         self.engine.set_scene(sess, "calibration", cut=True)
-        # the first block has its own steps
-        _, first_t = self.platform.peak_during(lambda: self.engine.generate_block(sess, fpb))
+        first_t = 0
+        if given is None or self.platform.counts_transients:  # the first block has its own steps
+            _, first_t = self.platform.peak_during(lambda: self.engine.generate_block(sess, fpb))
         if given is None:
             ms, own_ms, alone_t = self._time_steady(sess)
         else:
