@@ -48,6 +48,10 @@ LAYOUT_FLAGS = {"--dit-gpus", "--vae-gpus", "--mode", "--devices", "--objective"
 DEFAULT_LAYOUT = ("--dit-gpus", "1", "--vae-gpus", "1")  # the tests' layout where none is given: not planned
 
 
+# Starts of a Daemon whose free port was taken before it could listen (`Daemon.__init__`).
+PORT_TRIES = 3
+
+
 class Daemon:
     """streamdiffd in a subprocess on a free port with a unique instance name. `flags`: what
     every daemon of this process is started with as well (the test suite's calibration store,
@@ -65,25 +69,34 @@ class Daemon:
         prefix: tuple[str, ...] = (),
     ) -> None:
         """`prefix`: a command that runs the daemon (e.g. in a namespace of its own); it must exec
-        it, so that the process started is the daemon's."""
-        self.port = free_port()
+        it, so that the process started is the daemon's. A start whose port another process took
+        between `free_port` and the daemon's bind (an outgoing connection's ephemeral port, say)
+        is started again on another, up to PORT_TRIES times."""
         self.instance = instance or "t" + secrets.token_hex(4)
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log = tempfile.NamedTemporaryFile(prefix="streamdiffd-", suffix=".log", delete=False)
         if not LAYOUT_FLAGS & set(args):
             args = (*DEFAULT_LAYOUT, *args)
-        cmd = [*prefix, sys.executable, "-m", "streamdiff.cli", "--port", str(self.port), "--instance", self.instance]
-        cmd += [*self.flags, *args]
-        self.proc = subprocess.Popen(
-            cmd,
-            cwd=ROOT,
-            stdout=self.log,
-            stderr=subprocess.STDOUT,
-            env={**os.environ, **(env or {})},
-            start_new_session=True,
-        )
-        if wait:
-            self.wait_healthy(timeout_s)
+        for tries_left in range(PORT_TRIES - 1, -1, -1):
+            self.port = free_port()
+            self.url = f"http://127.0.0.1:{self.port}"
+            self.log = tempfile.NamedTemporaryFile(prefix="streamdiffd-", suffix=".log", delete=False)
+            cmd = [*prefix, sys.executable, "-m", "streamdiff.cli", "--port", str(self.port)]
+            cmd += ["--instance", self.instance, *self.flags, *args]
+            self.proc = subprocess.Popen(
+                cmd,
+                cwd=ROOT,
+                stdout=self.log,
+                stderr=subprocess.STDOUT,
+                env={**os.environ, **(env or {})},
+                start_new_session=True,
+            )
+            if not wait:
+                return
+            try:
+                self.wait_healthy(timeout_s)
+                return
+            except RuntimeError:
+                if not tries_left or f"cannot listen on 127.0.0.1:{self.port}:" not in self.logs():
+                    raise
 
     def wait_healthy(self, timeout_s: float = 120) -> dict:
         deadline = time.monotonic() + timeout_s

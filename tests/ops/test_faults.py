@@ -218,3 +218,25 @@ def test_supervisor_kill_then_restart_cleans_up():
         assert d2.stop() == 0
     assert d2.segments() == []
     assert subprocess.run(["pgrep", "-f", f"--instance {instance}"], capture_output=True).stdout == b""
+
+
+def test_a_daemon_whose_free_port_was_taken_starts_again_on_another(monkeypatch):
+    """The suite's starter (streamdiff/testing.py): a port picked free and taken by another
+    process before the daemon listens (an outgoing connection's ephemeral port, say) fails that
+    start naming the port, and the starter starts it again on another."""
+    import socket
+
+    from streamdiff import testing
+
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        taken = held.getsockname()[1]
+        picks = iter([taken])
+        free = testing.free_port
+        monkeypatch.setattr(testing, "free_port", lambda: next(picks, None) or free())
+        d = Daemon()
+        try:
+            assert d.port != taken and d.health()["status"] == "ok"
+        finally:
+            assert d.stop() == 0

@@ -78,39 +78,50 @@ def main() -> int:
 
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
+    shares = cpu_shares(a.nodes)
+
+    def launch(i: int) -> tuple[Node, subprocess.Popen]:
+        node = Node(f"node{i + 1}", a.host, free_port(), free_port())
+        cmd = [sys.executable, "-m", "streamdiff.cli", "--node-id", node.name, "--host", a.host]
+        cmd += ["--port", str(node.port), "--agent-port", str(node.agent_port)]
+        cmd += ["--instance", f"cl{os.getpid()}{node.name}"]
+        if a.store_dir:
+            cmd += ["--store-dir", a.store_dir]
+        env = dict(os.environ)
+        if a.gpus_per_node:
+            devs = ",".join(str(i * a.gpus_per_node + k) for k in range(a.gpus_per_node))
+            env["CUDA_VISIBLE_DEVICES"] = env["ZE_AFFINITY_MASK"] = devs
+        log = open(work / f"{node.name}.log", "w")
+        share = shares[i]
+        return node, subprocess.Popen(
+            cmd + a.daemon_args,
+            cwd=ROOT,
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            preexec_fn=(lambda s=share: os.sched_setaffinity(0, s)) if not a.gpus_per_node else None,
+        )
+
     try:
-        nodes, shares = [], cpu_shares(a.nodes)
+        nodes: list[Node] = []
         for i in range(a.nodes):
-            node = Node(f"node{i + 1}", a.host, free_port(), free_port())
-            cmd = [sys.executable, "-m", "streamdiff.cli", "--node-id", node.name, "--host", a.host]
-            cmd += ["--port", str(node.port), "--agent-port", str(node.agent_port)]
-            cmd += ["--instance", f"cl{os.getpid()}{node.name}"]
-            if a.store_dir:
-                cmd += ["--store-dir", a.store_dir]
-            env = dict(os.environ)
-            if a.gpus_per_node:
-                devs = ",".join(str(i * a.gpus_per_node + k) for k in range(a.gpus_per_node))
-                env["CUDA_VISIBLE_DEVICES"] = env["ZE_AFFINITY_MASK"] = devs
-            log = open(work / f"{node.name}.log", "w")
-            share = shares[i]
-            procs.append(
-                subprocess.Popen(
-                    cmd + a.daemon_args,
-                    cwd=ROOT,
-                    env=env,
-                    stdout=log,
-                    stderr=subprocess.STDOUT,
-                    start_new_session=True,
-                    preexec_fn=(lambda s=share: os.sched_setaffinity(0, s)) if not a.gpus_per_node else None,
-                )
-            )
+            node, proc = launch(i)
             nodes.append(node)
+            procs.append(proc)
         deadline = time.monotonic() + a.timeout_s
         pending = set(range(a.nodes))
+        # A node whose free port another process took before it could listen (an outgoing
+        # connection's ephemeral port, say) starts again on others, up to twice.
+        restarts = dict.fromkeys(range(a.nodes), 2)
         while pending and not stopping:
             for i in list(pending):
                 if procs[i].poll() is not None:
                     tail = (work / f"{nodes[i].name}.log").read_text()[-3000:]
+                    if "cannot listen" in tail and "address already in use" in tail and restarts[i]:
+                        restarts[i] -= 1
+                        nodes[i], procs[i] = launch(i)
+                        continue
                     print(f"cluster: {nodes[i].name} exited with {procs[i].returncode}:\n{tail}", file=sys.stderr)
                     return 1
                 if healthy(f"http://{a.host}:{nodes[i].port}"):
