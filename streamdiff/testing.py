@@ -15,7 +15,6 @@ import os
 import secrets
 import shutil
 import signal
-import socket
 import struct
 import subprocess
 import sys
@@ -26,6 +25,8 @@ from pathlib import Path
 
 import httpx
 
+from .supervisor.topology import free_port, lost_its_port
+
 ROOT = Path(__file__).resolve().parents[1]
 
 # The client every test and tool request goes through: `http.get(...)` as `http.get(...)`,
@@ -35,12 +36,6 @@ ROOT = Path(__file__).resolve().parents[1]
 # counts the daemon's connections or descriptors sees only the request in flight. httpx's
 # clients are safe to share between threads.
 http = httpx.Client(timeout=5.0, limits=httpx.Limits(max_keepalive_connections=0))
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # Flags that choose a layout: a Daemon given none of them runs one DiT and one VAE worker.
@@ -95,7 +90,7 @@ class Daemon:
                 self.wait_healthy(timeout_s)
                 return
             except RuntimeError:
-                if not tries_left or f"cannot listen on 127.0.0.1:{self.port}:" not in self.logs():
+                if not tries_left or not lost_its_port(self.logs()):
                     raise
 
     def wait_healthy(self, timeout_s: float = 120) -> dict:

@@ -138,62 +138,58 @@ def test_a_bad_given_file_is_refused_at_start_naming_it(tmp_path, text, names):
         load_config(None, {"pipeline": {"calibration_given": str(tmp_path / "absent.json")}})
 
 
-@pytest.mark.parametrize("decoder", ["wan", "taehv"])
-def test_given_timings_on_the_cpu_leave_the_cache_a_timed_start_measures(tmp_path, decoder):
-    """Timings given, a whole decoder on the CPU decodes its start-up blocks at a quarter of the
-    preset's latent rows and columns (they run only for the cache they leave): the cache's bytes
-    per latent pixel are what a timed start measures at the preset's size."""
+@pytest.fixture
+def timed_start(tmp_path):
+    """A worker spec of real rings, timed at start (no store): a stage built from it in this
+    process. The stage sets the process's torch threads; they are set back after."""
     import os
 
     import torch
 
     from streamdiff.ipc.shm import Ring
-    from streamdiff.workers.faults import Faults
-    from streamdiff.workers.vae_stage import VAEStage
 
     threads = torch.get_num_threads()
-    rings = [Ring.create(f"t{os.getpid()}c{decoder}", name, 1, 1024) for name in ("latent", "frames")]
+    rings = [Ring.create(f"t{os.getpid()}cal", name, 1, 1024) for name in ("latent", "frames")]
     try:
-        base = spec(tmp_path, model=ModelSpec(decoder=decoder), latent_ring=rings[0].spec, frame_ring=rings[1].spec)
-        stage = VAEStage(replace(base, calibration_dir=""), Faults((), base.name, 0))  # timed at start
-        timed = stage.calibration["memory"]
-        shapes = []
-        decode = stage.engine.decode_blocks
-        stage.engine.decode_blocks = lambda states, z, *a: shapes.append(tuple(z.shape[-2:])) or decode(states, z, *a)
-        given = stage.calibrate(m.GivenTimes(260.0))
-        (w, h), sf = stage.engine.preset.default_size, stage.engine.preset.vae.spatial_factor
-        assert shapes == [(h // sf // 4 // 2 * 2, w // sf // 4 // 2 * 2)] * 2 and shapes[0] != (h // sf, w // sf)
-        assert given["memory"] == timed and given["cost"] == m.StageCost(260.0, [w, h])
+        base = spec(tmp_path, latent_ring=rings[0].spec, frame_ring=rings[1].spec)
+        yield replace(base, calibration_dir="")
     finally:
         torch.set_num_threads(threads)
         for r in rings:
             r.close(unlink=True)
 
 
-def test_given_timings_on_the_cpu_run_no_dit_block_and_hold_what_a_timed_start_measures(tmp_path):
+@pytest.mark.parametrize("decoder", ["wan", "taehv"])
+def test_given_timings_on_the_cpu_leave_the_cache_a_timed_start_measures(timed_start, decoder):
+    """Timings given, a whole decoder on the CPU decodes its start-up blocks at a quarter of the
+    preset's latent rows and columns (they run only for the cache they leave): the cache's bytes
+    per latent pixel are what a timed start measures at the preset's size."""
+    from streamdiff.workers.faults import Faults
+    from streamdiff.workers.vae_stage import VAEStage
+
+    stage = VAEStage(replace(timed_start, model=ModelSpec(decoder=decoder)), Faults((), "vae0.0", 0))
+    timed = stage.calibration["memory"]
+    shapes = []
+    decode = stage.engine.decode_blocks
+    stage.engine.decode_blocks = lambda states, z, *a: shapes.append(tuple(z.shape[-2:])) or decode(states, z, *a)
+    given = stage.calibrate(m.GivenTimes(260.0))
+    (w, h), sf = stage.engine.preset.default_size, stage.engine.preset.vae.spatial_factor
+    assert shapes == [(h // sf // 4 // 2 * 2, w // sf // 4 // 2 * 2)] * 2 and shapes[0] != (h // sf, w // sf)
+    assert given["memory"] == timed and given["cost"] == m.StageCost(260.0, [w, h])
+
+
+def test_given_timings_on_the_cpu_run_no_dit_block_and_hold_what_a_timed_start_measures(timed_start):
     """Timings given, a DiT worker on the CPU runs no block at start (it counts no transients, and
     a session's caches are allocated when it opens and its scene is set): what a session holds is
     what a timed start measures."""
-    import os
-
-    import torch
-
-    from streamdiff.ipc.shm import Ring
     from streamdiff.workers.dit_stage import DiTStage
     from streamdiff.workers.faults import Faults
 
-    threads = torch.get_num_threads()
-    ring = Ring.create(f"t{os.getpid()}cd", "latent", 1, 1024)
-    try:
-        base = spec(tmp_path, model=ModelSpec(), latent_ring=ring.spec, frame_ring=ring.spec)
-        stage = DiTStage(replace(base, name="dit0", roles=("dit",), calibration_dir=""), Faults((), "dit0", 0))
-        timed = stage.calibration["memory"]
-        blocks = []
-        generate = stage.engine.generate_block
-        stage.engine.generate_block = lambda *a: blocks.append(a) or generate(*a)
-        given = stage.calibrate(m.GivenTimes(130.0, {"2": 130.0}))
-        assert blocks == [] and given["memory"] == timed
-        assert given["cost"] == m.StageCost(130.0, list(stage.engine.preset.default_size), busy_ms=130.0)
-    finally:
-        torch.set_num_threads(threads)
-        ring.close(unlink=True)
+    stage = DiTStage(replace(timed_start, name="dit0", roles=("dit",)), Faults((), "dit0", 0))
+    timed = stage.calibration["memory"]
+    blocks = []
+    generate = stage.engine.generate_block
+    stage.engine.generate_block = lambda *a: blocks.append(a) or generate(*a)
+    given = stage.calibrate(m.GivenTimes(130.0, {"2": 130.0}))
+    assert blocks == [] and given["memory"] == timed
+    assert given["cost"] == m.StageCost(130.0, list(stage.engine.preset.default_size), busy_ms=130.0)

@@ -36,6 +36,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def lost_its_port(log: str) -> bool:
+    """Whether a daemon's log says it exited because a port it was given is in use (cli/daemon.py
+    logs "cannot listen ..." with the OS's reason): picked by `free_port`, then taken by another
+    process before the daemon listened (an outgoing connection's ephemeral port, say). Its
+    starter may start it again on other ports (streamdiff/testing.py, tools/dev/cluster.py)."""
+    return "cannot listen" in log and "address already in use" in log
+
+
 def model_spec(cfg: Config) -> ModelSpec:
     m = cfg.model
     return ModelSpec(

@@ -17,7 +17,6 @@ import argparse
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -30,12 +29,7 @@ sys.path.insert(0, str(ROOT))
 
 from streamdiff.cluster import Node, render_haproxy  # noqa: E402
 from streamdiff.ipc.shm import sweep_stale  # noqa: E402
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from streamdiff.supervisor.topology import free_port, lost_its_port  # noqa: E402
 
 
 def healthy(url: str) -> bool:
@@ -111,14 +105,14 @@ def main() -> int:
             procs.append(proc)
         deadline = time.monotonic() + a.timeout_s
         pending = set(range(a.nodes))
-        # A node whose free port another process took before it could listen (an outgoing
-        # connection's ephemeral port, say) starts again on others, up to twice.
+        # A node whose free port another process took before it listened starts again on others,
+        # up to twice.
         restarts = dict.fromkeys(range(a.nodes), 2)
         while pending and not stopping:
             for i in list(pending):
                 if procs[i].poll() is not None:
                     tail = (work / f"{nodes[i].name}.log").read_text()[-3000:]
-                    if "cannot listen" in tail and "address already in use" in tail and restarts[i]:
+                    if lost_its_port(tail) and restarts[i]:
                         restarts[i] -= 1
                         nodes[i], procs[i] = launch(i)
                         continue
