@@ -250,13 +250,18 @@ def test_the_engine_block_builds_nothing_from_host_data():
 def test_an_eager_worker_never_imports_dynamo():
     """Without --compile, a DiT and a VAE stage start, calibrate and report what compiled (nothing)
     without importing torch._dynamo (1.5 s of a worker's start on this CPU): in a fresh process,
-    as a worker is."""
+    as a worker is. A checkpoint's DiT is first built on meta tensors (presets.build_dit), where
+    an out-of-place op runs torch's Python reference, which imports dynamo: built so here too."""
     code = (
-        "import sys\n"
+        "import sys, torch\n"
+        "from streamdiff.models.presets import get_preset\n"
+        "from streamdiff.models.wan.dit import WanDiT\n"
         "from streamdiff.models.compiled import compile_stats\n"
         "from streamdiff.models.engines import DiTEngine, VAEEngine\n"
         "from streamdiff.models.spec import ModelSpec\n"
         "spec = ModelSpec(preset='tiny-random', compile='auto')\n"
+        "with torch.device('meta'):\n"
+        "    WanDiT(get_preset(spec).dit)\n"
         "dit, vae = DiTEngine(spec), VAEEngine(spec)\n"
         "s = dit.open_session(128, 64, seed=1)\n"
         "dit.set_scene(s, 'a red ball', cut=True)\n"
