@@ -45,6 +45,7 @@ _WORLD = "[model]\npreset = '{}'\npath = '/models'\ndit_checkpoint = '/models/m.
         ("[topology]\ndit_devices = 'two'", "topology.dit_devices"),
         ("[model]\npreset = 'wan2.1-t2v-1.3b'", "model.path"),
         ("[encoder]\nkind = 'h265'", "encoder.kind"),
+        ("[encoder]\ncrf = 0", "encoder.crf"),  # lossless: libx264 refuses it in baseline
         ("[limits]\nmax_width = 833", "limits.max_width"),
         ("[model]\nsize = '832x48'", "model.size"),  # not a multiple of 16
         ("[model]\nsize = 'big'", "model.size"),

@@ -197,7 +197,9 @@ def validate(cfg: Config) -> None:
         "must be libx264, auto, h264_nvenc, h264_vaapi, h264_qsv or ffmpeg-libx264",
         e.kind,
     )
-    _check(0 <= e.crf <= 51, "encoder.crf", "must be 0-51", e.crf)
+    # 0 is lossless, which libx264 refuses under the baseline profile every stream is encoded in
+    # (media/encoder.py): each video then failed to start.
+    _check(1 <= e.crf <= 51, "encoder.crf", "must be 1-51 (0 is lossless: not in H.264 baseline)", e.crf)
     _check(e.keyframe_every_blocks >= 1, "encoder.keyframe_every_blocks", "must be >= 1", e.keyframe_every_blocks)
     _check(e.encode_timeout_s > 0, "encoder.encode_timeout_s", "must be > 0", e.encode_timeout_s)
     _check(lim.max_sessions >= 1, "limits.max_sessions", "must be >= 1", lim.max_sessions)

@@ -44,10 +44,13 @@ def test_admission_queue_and_429(tmp_path):
 @pytest.mark.timeout(300)
 def test_slow_request_body_gets_408_and_a_stalled_reader_is_dropped(tmp_path):
     # The seeded weights' noise: the trained default's frames compress so well that a 60 s video
-    # fits in the socket's buffers and completes before the reader's stall shows.
+    # fits in the socket's buffers and completes before the reader's stall shows. At crf 1 each
+    # frame is as big as H.264 baseline makes it: the buffers fill in about 120 frames (300 at
+    # the default crf 23), and every frame costs the DiT, the VAE and the encoder CPU time.
     d = daemon_with(
         tmp_path,
-        '[model]\npreset = "tiny-random"\n[server]\nrequest_read_timeout_s = 1.0\nclient_write_timeout_s = 2.0\n',
+        '[model]\npreset = "tiny-random"\n[server]\nrequest_read_timeout_s = 1.0\nclient_write_timeout_s = 2.0\n'
+        "[encoder]\ncrf = 1\n",
     )
     try:
         host, port = "127.0.0.1", d.port
