@@ -4,6 +4,8 @@ inspection) lives in streamdiff/testing.py and is re-exported here."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import subprocess
 import sys
@@ -52,6 +54,19 @@ def refused(*flags: str) -> str:
     )
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
     return r.stderr
+
+
+def generate_here(*flags: str) -> tuple[int, str, str]:
+    """`streamdiffd generate FLAGS` run in this process, its `main`: (exit status, stdout,
+    stderr). For a video that a daemon's stream is held to. A subprocess would import torch and
+    the model's libraries again, 2-4 s of CPU each time; tests/test_generate.py runs the
+    command as a user does."""
+    from streamdiff.cli.generate import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        status = main(list(flags))
+    return status, out.getvalue(), err.getvalue()
 
 
 def leave_mid_stream(url: str, body: dict, after_bytes: int = 5_000) -> None:

@@ -71,10 +71,8 @@ def test_longlive2_from_a_picture_streams_what_generate_writes(longlive2, tmp_pa
     held clean through its steps (no block of its own): exact frames, the video generate writes
     for the same request, and not the text-to-video of the same seed."""
     import base64
-    import subprocess
-    import sys
 
-    from .helpers import http
+    from .helpers import generate_here, http
     from .test_daemon_i2v import picture
 
     d, pub = longlive2
@@ -87,12 +85,11 @@ def test_longlive2_from_a_picture_streams_what_generate_writes(longlive2, tmp_pa
     check_video(video, 61, 128, 64, 24, blocks_expected=2)  # 1 + 15 latent frames: two blocks of 8
     assert video != text
     out = tmp_path / "out.mp4"
-    r = subprocess.run(
-        [sys.executable, "-m", "streamdiff.cli", "generate", *pub.flags, "--prompt", "a red fox", "--num-frames", "61",
-         "--size", "128x64", "--seed", "4", "--image", str(tmp_path / "start.png"), "-o", str(out)],
-        capture_output=True, text=True, timeout=300,
+    status, _, err = generate_here(
+        *pub.flags, "--prompt", "a red fox", "--num-frames", "61", "--size", "128x64", "--seed", "4",
+        "--image", str(tmp_path / "start.png"), "-o", str(out),
     )  # fmt: skip
-    assert r.returncode == 0, r.stderr
+    assert status == 0, err
     assert out.read_bytes() == video
 
 
@@ -103,12 +100,10 @@ def test_longlive2_storyboard_cuts_over_the_kept_history(longlive2, tmp_path):
     one fragment per block, each scene marked with its transition; the bytes `generate` writes
     for the same storyboard; and not the video of the same storyboard with the cut a continue."""
     import json
-    import subprocess
-    import sys
 
     import numpy as np
 
-    from .helpers import decode
+    from .helpers import decode, generate_here
 
     d, pub = longlive2
     scenes = [
@@ -130,10 +125,8 @@ def test_longlive2_storyboard_cuts_over_the_kept_history(longlive2, tmp_path):
     assert np.array_equal(a[:29], b[:29]) and np.abs(a[29:] - b[29:]).mean() > 1.0
     (tmp_path / "story.json").write_text(json.dumps(body))
     out = tmp_path / "out.mp4"
-    r = subprocess.run(
-        [sys.executable, "-m", "streamdiff.cli", "generate", *pub.flags, "--scenes", str(tmp_path / "story.json"),
-         "--size", "128x64", "--seed", "4", "-o", str(out)],
-        capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
-    assert r.returncode == 0, r.stderr
+    status, _, err = generate_here(
+        *pub.flags, "--scenes", str(tmp_path / "story.json"), "--size", "128x64", "--seed", "4", "-o", str(out)
+    )
+    assert status == 0, err
     assert out.read_bytes() == video

@@ -12,8 +12,6 @@ import asyncio
 import base64
 import json
 import shutil
-import subprocess
-import sys
 
 import aiohttp
 import numpy as np
@@ -21,7 +19,7 @@ import pytest
 
 from streamdiff.controls import CONTROL_SCHEME, MAX_SCRIPT_ENTRIES
 
-from .helpers import Daemon, check_video, decode, fragments, http, wait_until
+from .helpers import Daemon, check_video, decode, fragments, generate_here, http, wait_until
 from .published import Bases, write_published
 from .server.test_player_browser import CHROMIUM, open_player
 from .test_daemon_i2v import picture
@@ -129,13 +127,11 @@ def test_matrix_game_from_a_picture_and_a_script_is_what_generate_writes(matrix_
     check_video(video, 33, W, H, 12, blocks_expected=3)
     (tmp_path / "controls.json").write_text(json.dumps(script))
     out = tmp_path / "out.mp4"
-    r = subprocess.run(
-        [sys.executable, "-m", "streamdiff.cli", "generate", *pub.flags, "--prompt", "a road", "--num-frames", "33",
-         "--size", SIZE, "--seed", "9", "--image", str(tmp_path / "start.png"),
-         "--controls", str(tmp_path / "controls.json"), "-o", str(out)],
-        capture_output=True, text=True, timeout=300,
+    status, _, err = generate_here(
+        *pub.flags, "--prompt", "a road", "--num-frames", "33", "--size", SIZE, "--seed", "9",
+        "--image", str(tmp_path / "start.png"), "--controls", str(tmp_path / "controls.json"), "-o", str(out),
     )  # fmt: skip
-    assert r.returncode == 0, r.stderr
+    assert status == 0, err
     assert out.read_bytes() == video
 
 
@@ -190,13 +186,11 @@ def test_a_control_script_streams_exact_frames_and_generate_writes_the_same(worl
     script = tmp_path / "controls.json"
     script.write_text(json.dumps({"controls": body["controls"]}))
     out = tmp_path / "out.mp4"
-    r = subprocess.run(
-        [sys.executable, "-m", "streamdiff.cli", "generate", *pub.flags, "--prompt", body["prompt"],
-         "--num-frames", str(body["num_frames"]), "--size", SIZE, "--seed", "11", "--controls", str(script),
-         "-o", str(out)],
-        capture_output=True, text=True, timeout=300,
+    status, _, err = generate_here(
+        *pub.flags, "--prompt", body["prompt"], "--num-frames", str(body["num_frames"]), "--size", SIZE,
+        "--seed", "11", "--controls", str(script), "-o", str(out),
     )  # fmt: skip
-    assert r.returncode == 0, r.stderr
+    assert status == 0, err
     assert out.read_bytes() == video
 
 

@@ -1,5 +1,7 @@
-"""`streamdiffd generate` as a user runs it (a subprocess): the MP4's frames, the saved latents, the
-same video as the daemon streams for the same request, the engines' own latents, and its refusals."""
+"""`streamdiffd generate`: as a user runs it (a subprocess) for a video's frames and latents and for
+its refusals; then, run in this process (`generate_here`: the same `main`, without importing
+torch again), the same video as the daemon streams for the same request and the engines' own
+latents for a published preset."""
 
 from __future__ import annotations
 
@@ -16,7 +18,7 @@ from streamdiff.models.engines import DiTEngine
 from streamdiff.plan import Scene, plan_blocks, shot_left
 from streamdiff.supervisor.topology import model_spec
 
-from .helpers import ROOT, SHORT_STORY, assert_same_as_one_dit_and_vae, decode, ffprobe
+from .helpers import ROOT, SHORT_STORY, assert_same_as_one_dit_and_vae, decode, ffprobe, generate_here
 
 
 def generate(*flags: str, timeout_s: float = 300) -> subprocess.CompletedProcess:
@@ -80,8 +82,8 @@ def test_a_storyboard_is_the_video_the_daemon_streams(tmp_path):
     file: the same frames as the daemon streams for the same body."""
     story, video, latents = tmp_path / "story.json", tmp_path / "story.mp4", tmp_path / "story.pt"
     story.write_text(json.dumps(SHORT_STORY))
-    r = generate("--scenes", str(story), "-o", str(video), "--latents", str(latents))
-    assert r.returncode == 0, r.stderr
+    status, _, err = generate_here("--scenes", str(story), "-o", str(video), "--latents", str(latents))
+    assert status == 0, err
     got = video.read_bytes()
     assert_frames(got, 48, 256, 144)  # three 1 s scenes at 16 fps
     scenes = [Scene(s["prompt"], 16, s.get("transition", "cut"), s.get("seed")) for s in SHORT_STORY["scenes"]]
@@ -107,10 +109,10 @@ def test_a_published_preset_on_a_release_layout(tmp_path, release):
     scenes = [{"prompt": "a harbour at dawn", "num_frames": 9}, {"prompt": "a road", "num_frames": 6, "seed": 5}]
     story, video, latents = tmp_path / "story.json", tmp_path / "story.mp4", tmp_path / "story.pt"
     story.write_text(json.dumps(scenes))  # the bare 'scenes' array
-    r = generate(
+    status, _, err = generate_here(
         *flags, "--scenes", str(story), "--size", "64x64", "--seed", "2", "-o", str(video), "--latents", str(latents)
     )
-    assert r.returncode == 0, r.stderr
+    assert status == 0, err
     assert_frames(video.read_bytes(), 15, 64, 64)
     planned = [Scene("a harbour at dawn", 9), Scene("a road", 6, "cut", 5)]
     z = torch.load(latents)
