@@ -27,14 +27,14 @@ def test_device_check_runs_on_the_cpu(tmp_path):
     ll2 = res["longlive2"]  # LongLive 2.0's block on the 5B's loop, and the Wan 2.2 VAE's decode of it
     assert ll2["block_ms"] > 0 and ll2["vae_block_ms"] > 0 and ll2["vae_frames"] == 32
     assert r.returncode == 0, (r.stdout[-2000:], {k: v for k, v in res.items() if isinstance(v, dict)})
-    st = res["stages"]
-    assert st["chunkwise"]["frames_per_block"] == 3 and st["framewise"]["frames_per_block"] == 1
+    st = res["stages"]  # --quick: chunk-wise only, and no `daemon` check (QUICK_SKIPS says why)
+    assert st["chunkwise"]["frames_per_block"] == 3 and "framewise" not in st
     assert st["chunkwise"]["dit_block_s"] > 0 and st["chunkwise"]["vae_block_s"] > 0
+    assert set(res["skipped"]) == {"daemon", "stages.framewise"} and "daemon" not in res
     assert res["taehv"]["ok"] and res["taehv"]["taehv-published"]["frames"] == 12  # TAEHV timed (832x480 on a GPU)
     num = res["numerics"]
     assert num["dit"]["ok"] and num["vae"]["ok"] and num["dit"]["diffusers_bf16"] > 0
     assert res["vae_group"]["gloo"]["max_abs_diff"] <= 2e-2
-    assert res["daemon"]["frames"] == 49 and res["daemon"]["fragments"] >= 4
     # pytest -m device tests/device with the CPU standing in for the device (the event timer skips)
     assert res["pytest"]["ok"] and " passed" in res["pytest"]["summary"], res["pytest"]
     # the daemon serving a release written in the diffusers layout (the real configs, trimmed here)
