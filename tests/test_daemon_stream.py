@@ -12,6 +12,7 @@ import time
 import pytest
 
 from .helpers import (
+    DEFAULT_LAYOUT,
     PICTURE,
     Daemon,
     assert_draws_the_picture,
@@ -20,6 +21,7 @@ from .helpers import (
     fragments,
     http,
     needs_trained,
+    shared_daemon,
     stream_video,
 )
 from .server.test_validation import BAD_REQUESTS
@@ -46,6 +48,9 @@ LAYOUTS = {
 
 @pytest.fixture(scope="module", params=list(LAYOUTS))
 def layout_daemon(request):
+    if LAYOUTS[request.param] == list(DEFAULT_LAYOUT):  # the run's shared plain daemon is this one
+        yield shared_daemon()
+        return
     d = Daemon(*LAYOUTS[request.param])
     yield d
     assert d.stop() == 0, d.logs()
