@@ -722,12 +722,12 @@ def test_streamdiffd_plan_ranks_layouts_for_hardware_we_do_not_have():
 
 
 def test_streamdiffd_profile_measures_this_machine(tmp_path):
-    """A real profile at a small size, one round of two level cycles (the first runs the cuts,
-    the second not): every figure the simulator reads, positive."""
+    """A real profile at a small size, one round of one level cycle (which runs the cuts; the
+    cycles' order is the test above's): every figure the simulator reads, positive."""
     out = tmp_path / "p.json"
     bad = run_cli("profile", "--cycles", "0")
     assert bad.returncode == 2 and "--cycles: 0 must be at least 1" in bad.stderr, bad.stderr
-    r = run_cli("profile", "--sizes", "64x32", "--rounds", "1", "--cycles", "2", "--out", str(out))
+    r = run_cli("profile", "--sizes", "64x32", "--rounds", "1", "--cycles", "1", "--out", str(out))
     assert r.returncode == 0, r.stderr
     from streamdiff.placement.profile.schema import Profile
 
@@ -826,6 +826,28 @@ def test_a_profiles_thread_rounds_take_their_level_from_the_interleaved_cycles()
     assert fig["vae"]["1"]["stages_ms"] == pytest.approx([25.5, 229.5]) and fig["vae"]["1"]["rows"] == 18
     assert fig["vae"]["2"]["block_ms"] == pytest.approx(170.0) and fig["vae"]["2"]["rows"] == 18
     assert fig["levels"]["factors"] == {"dit1": 0.75, "dit2": 1.1, "vae1": 0.75, "vae2": 1.181}
+
+
+def test_the_level_cycles_alternate_the_cuts_and_time_each_thread_count_in_every_cycle():
+    """The interleaved cycles' windows (`levels` runs them in this order): in each cycle the
+    one-thread DiT and VAE side by side, on a core each, then each stage alone on two; the cuts
+    side by side in every other cycle, from the first."""
+    from streamdiff.placement.profile.cpu_probes import level_windows
+    from streamdiff.platform.cpu import worker_cores
+
+    one_d, one_v, two = worker_cores(0, 1), worker_cores(1, 1), worker_cores(0, 2)
+    windows = level_windows(3, cuts=(2, 5))
+    assert [{r: c[3] for r, c in w.items()} for w in windows] == [
+        *({"dit": f"1/{c}", "vae": f"1/{c}"} for c in (0, 2, 5)), {"dit": "2/0"}, {"vae": "2/0"},
+        {"dit": "1/0", "vae": "1/0"}, {"dit": "2/0"}, {"vae": "2/0"},
+        *({"dit": f"1/{c}", "vae": f"1/{c}"} for c in (0, 2, 5)), {"dit": "2/0"}, {"vae": "2/0"},
+    ]  # fmt: skip
+    for w in windows:
+        if len(w) == 2:  # side by side: one thread each, on its own core, the same cut
+            assert w["dit"][:2] == (1, one_d) and w["vae"][:2] == (1, one_v) and w["dit"][2] == w["vae"][2]
+        else:
+            assert [c[:3] for c in w.values()] == [(2, two, 0)]
+    assert level_windows(1) == [{"dit": (1, one_d, 0, "1/0"), "vae": (1, one_v, 0, "1/0")}, *windows[3:5]]
 
 
 def test_a_daemon_with_no_layout_flags_plans_from_its_cached_profile_and_streams(tmp_path):

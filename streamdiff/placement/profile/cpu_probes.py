@@ -185,6 +185,19 @@ def level_child(role, spec, sizes, working_set, cmds, out) -> None:
         out.put(("error", traceback.format_exc()))
 
 
+def level_windows(cycles: int, cuts=()) -> list[dict[str, tuple]]:
+    """The interleaved cycles' windows in order, each {role: (threads, cores, cut, tag)} for the
+    stages timed side by side in it: per cycle the one-thread DiT and VAE together (as
+    disagg-1+1's workers are pinned; every other cycle once more per cut in `cuts`), then each
+    stage alone on two threads (as agg-1x2t's worker is)."""
+    out: list[dict[str, tuple]] = []
+    for cycle in range(cycles):
+        for cut in (0, *cuts) if cycle % 2 == 0 else (0,):
+            out.append({"dit": (1, cpus_of(0, 1), cut, f"1/{cut}"), "vae": (1, cpus_of(1, 1), cut, f"1/{cut}")})
+        out += [{role: (2, cpus_of(0, 2), 0, "2/0")} for role in ("dit", "vae")]
+    return out
+
+
 def levels(
     spec, sizes: list[tuple[int, int]], working_set: int, timeout_s: float, cuts=(), cycles: int = LEVEL_CYCLES
 ) -> dict:
@@ -192,10 +205,9 @@ def levels(
 
     The thread rounds of `_measure_once` run one after the other, a minute or so apart, and this
     VM's speed drifts over such spans, which once chose the layout measured slowest
-    (docs/design.md#placement-placement). Here the
-    one-thread DiT and VAE
-    (side by side, as disagg-1+1 runs them) and each stage on two threads take turns for
-    `cycles` cycles, so a drift slows all four alike; the medians set each figure's level
+    (docs/design.md#placement-placement). Here the one-thread DiT and VAE (side by side, as
+    disagg-1+1 runs them) and each stage on two threads take turns for `cycles` cycles
+    (`level_windows`), so a drift slows all four alike; the medians set each figure's level
     (`rescale`).
 
     Every other cycle also runs each of `cuts` side by side as a stage-cut layout runs it: the
@@ -224,14 +236,10 @@ def levels(
 
     try:
         answers(2)  # both ready
-        for cycle in range(cycles):
-            for cut in (0, *cuts) if cycle % 2 == 0 else (0,):
-                cmds["dit"].put((1, cpus_of(0, 1), cut, f"1/{cut}"))  # as disagg-1+1's workers are pinned
-                cmds["vae"].put((1, cpus_of(1, 1), cut, f"1/{cut}"))
-                answers(2)
-            for role in ("dit", "vae"):  # as agg-1x2t's worker is
-                cmds[role].put((2, cpus_of(0, 2), 0, "2/0"))
-                answers(1)
+        for window in level_windows(cycles, cuts):
+            for role, cmd in window.items():
+                cmds[role].put(cmd)
+            answers(len(window))
     finally:
         for q in cmds.values():
             q.put(None)
