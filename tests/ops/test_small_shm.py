@@ -41,9 +41,10 @@ def test_rings_too_big_for_a_64_mib_dev_shm_are_refused_at_start_by_name(small_s
 def test_told_to_reserve_less_it_serves_832x480_exactly_in_64_mib(small_shm, tmp_path):
     cfg = tmp_path / "c.toml"
     # 3 x 14.4 MB + 8 x 1.2 MB: 53 MB. The rings are sized by the frame size and the slots, not by
-    # the model's work: a one-step sampler and TAEHV make 832x480 a few seconds a block here
-    # (the four steps and the Wan VAE took 4.4 and 3.2 s).
-    cfg.write_text("[pipeline]\nframe_slots = 3\n[sampler]\nsteps = [1000]\n")
+    # the model's work: a one-step sampler attending to 4 latent frames, and TAEHV, make 832x480
+    # about 2 CPU-s a block here (the four steps and the Wan VAE took 4.4 and 3.2 s; the
+    # default 13-frame window doubled the DiT's share by the fourth block).
+    cfg.write_text("[pipeline]\nframe_slots = 3\n[sampler]\nsteps = [1000]\nwindow_frames = 4\n")
     d = Daemon("--config", str(cfg), "--decoder", "taehv", prefix=small_shm)
     try:
         before = {n: (w["pid"], w["restarts"]) for n, w in d.health()["workers"].items()}
