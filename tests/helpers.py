@@ -9,6 +9,8 @@ import io
 import json
 import subprocess
 import sys
+import tempfile
+from pathlib import Path
 
 import pytest
 
@@ -102,24 +104,35 @@ def assert_same_video(got: bytes, ref: bytes, min_psnr_db: float = 30.0) -> None
         assert psnr >= min_psnr_db, f"frame {i}: PSNR {psnr:.1f} dB"
 
 
-# The reference videos this test process has streamed, by flags and body: several layouts are
-# held to the same reference (SHORT_STORY), which one plain daemon streams once per run.
+# The reference videos this test process has made, by flags and body: several layouts are held
+# to the same reference (SHORT_STORY), which one plain daemon streams once per run.
 _REFERENCES: dict[str, bytes] = {}
 
 
 def assert_same_as_one_dit_and_vae(got: bytes, body: dict, *flags: str, min_psnr_db: float = 30.0) -> None:
-    """`got` is the video a plain daemon (one DiT worker, one VAE worker; `flags` added) streams
-    for `body`."""
+    """`got` is the video one DiT and one whole VAE make of `body`: what the run's plain daemon
+    streams, or with `flags`, what `streamdiffd generate` writes with them, in this process
+    (`generate_here`; it writes a plain daemon's bytes: tests/test_generate.py)."""
     key = json.dumps([flags, body], sort_keys=True)
     if key not in _REFERENCES and not flags:  # the shared plain daemon (tests/conftest.py)
         _REFERENCES[key], _, _ = stream_video(shared_daemon().url, body)
     elif key not in _REFERENCES:
-        ref = Daemon(*DEFAULT_LAYOUT, *flags)
-        try:
-            _REFERENCES[key], _, _ = stream_video(ref.url, body)
-        finally:
-            assert ref.stop() == 0, ref.logs()
+        _REFERENCES[key] = generated(body, *flags)
     assert_same_video(got, _REFERENCES[key], min_psnr_db)
+
+
+def generated(body: dict, *flags: str) -> bytes:
+    """The video `streamdiffd generate *flags` writes for the request `body` (a prompt's or a
+    storyboard's), run in this process."""
+    shot = ("prompt", "num_frames", "seconds")  # a prompt's request is a storyboard of one scene
+    if "scenes" not in body:
+        body = {"scenes": [{k: body[k] for k in shot if k in body}], **{k: v for k, v in body.items() if k not in shot}}
+    with tempfile.TemporaryDirectory(prefix="generated-") as tmp:
+        request, out = Path(tmp) / "request.json", Path(tmp) / "out.mp4"
+        request.write_text(json.dumps(body))
+        status, _, err = generate_here(*flags, "--scenes", str(request), "-o", str(out))
+        assert status == 0, err
+        return out.read_bytes()
 
 
 # A prompt of the trained default's grammar, short (three blocks): what a layout must decode as

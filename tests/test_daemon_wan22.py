@@ -47,7 +47,7 @@ def test_the_5b_streams_24_fps_sharded_equal_to_unsharded(release):
     finally:
         assert sharded.stop() == 0, sharded.logs()
     check_video(got, 33, 128, 64, 24, blocks_expected=3)
-    # the same latents decoded in bands and whole, through the same H.264 encoder
+    # the same latents decoded in bands and whole (by `generate`), through the same H.264 encoder
     assert_same_as_one_dit_and_vae(got, body, *flags, min_psnr_db=40.0)
 
 
