@@ -105,12 +105,15 @@ class WorkerPool:
     def _spawn(self, w: WorkerState) -> None:
         from ..workers.main import worker_main
 
+        loop = asyncio.get_running_loop()
+        if w.process is not None:  # a restart: stop watching the dead incarnation while its
+            loop.remove_reader(w.process.sentinel)  # descriptor is open (a new one may reuse its number)
         w.ready, w.info, w.failure, w.ready_since = False, m.ReadyInfo(), None, None
         w.last_heartbeat = w.spawned_at = time.monotonic()
         spec = dataclasses.replace(w.spec, supervisor_pid=os.getpid())
         w.process = self.ctx.Process(target=worker_main, args=(spec,), name=w.spec.name, daemon=True)
         w.process.start()
-        asyncio.get_running_loop().add_reader(w.process.sentinel, self._on_exit, w.spec.name)
+        loop.add_reader(w.process.sentinel, self._on_exit, w.spec.name, w.process)
         log.info(
             "started worker %s (pid %d, %s, roles %s)",
             w.spec.name,
@@ -191,11 +194,16 @@ class WorkerPool:
             self._wake()
 
     # -- liveness -------------------------------------------------------------------------
-    def _on_exit(self, name: str) -> None:
+    def _on_exit(self, name: str, process) -> None:
         w = self.workers[name]
         loop = asyncio.get_running_loop()
-        loop.remove_reader(w.process.sentinel)
-        w.process.join(timeout=0)
+        loop.remove_reader(process.sentinel)
+        process.join(timeout=0)
+        if process is not w.process:
+            # An earlier incarnation whose exit is read only now: its group's loss already
+            # waited it out and started the next one (`_lose`, `_respawn`). Taken for the
+            # new one's, it killed the group just restarted, and counted a second restart.
+            return
         code = w.process.exitcode
         was_ready, w.ready = w.ready, False
         if w.failure is None:
