@@ -85,17 +85,17 @@ def main() -> int:
         if a.gpus_per_node:
             devs = ",".join(str(i * a.gpus_per_node + k) for k in range(a.gpus_per_node))
             env["CUDA_VISIBLE_DEVICES"] = env["ZE_AFFINITY_MASK"] = devs
-        log = open(work / f"{node.name}.log", "w")
         share = shares[i]
-        return node, subprocess.Popen(
-            cmd + a.daemon_args,
-            cwd=ROOT,
-            env=env,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-            preexec_fn=(lambda s=share: os.sched_setaffinity(0, s)) if not a.gpus_per_node else None,
-        )
+        with open(work / f"{node.name}.log", "w") as log:  # the child keeps its own descriptor
+            return node, subprocess.Popen(
+                cmd + a.daemon_args,
+                cwd=ROOT,
+                env=env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                preexec_fn=(lambda s=share: os.sched_setaffinity(0, s)) if not a.gpus_per_node else None,
+            )
 
     try:
         nodes: list[Node] = []
