@@ -269,7 +269,7 @@ class Supervisor:
             log.error("worker %s: %s", msg.worker, msg.message)
             self.pool.handle_startup_failure(msg)
         else:
-            self.driver.post(msg)
+            self.driver.post(self.pool.blame(msg))
 
     async def _monitor_loop(self) -> None:
         interval = self.cfg.pipeline.heartbeat_interval_s

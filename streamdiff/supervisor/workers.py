@@ -24,6 +24,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
+import msgspec
+
 from ..ipc import messages as m
 from ..spawn import torch_context
 from ..workers.spec import WorkerSpec
@@ -270,8 +272,28 @@ class WorkerPool:
                 out |= set(g)
         return out
 
+    def dead_peers(self, names: set[str]) -> list[str]:
+        """The other members of `names`' groups whose process has exited (reaped here if it
+        had not been), as "dit1 died (exit code -9)"."""
+        out = []
+        for n in sorted(self._partners(names) - names):
+            p = self.workers[n].process
+            if p is not None and not p.is_alive():
+                out.append(f"{n} died (exit code {p.exitcode})")
+        return out
+
+    def blame(self, msg: m.Failed) -> m.Failed:
+        """A group member's failure, naming the peers already dead. A killed rank shows first
+        as its peers' broken collectives ("dit0 failed (or a peer died)"), and which report or
+        exit the supervisor reads first is a race: the session's error names the cause either
+        way. (The killed peer has exited before its peers' sockets saw it go.)"""
+        dead = self.dead_peers({msg.worker}) if msg.kind == "worker" and msg.worker in self.workers else []
+        return msgspec.structs.replace(msg, message="; ".join([*dead, msg.message])) if dead else msg
+
     async def _lose(self, names: set[str], why: str) -> None:
         lost = self._partners(names)
+        # Whoever else in the group had already died is named too (see `blame`).
+        why = "; ".join([why, *self.dead_peers(names)])
         for n in lost:
             self.workers[n].ready = False
             self._kill(self.workers[n])

@@ -1,5 +1,6 @@
 """The worker pool reads each exit as its own incarnation's: a group member's exit that the event
-loop reads only after the group was restarted is not taken for the new process's.
+loop reads only after the group was restarted is not taken for the new process's. And a group's
+failure names the member that died, whichever report the pool reads first.
 
 A CI run saw it: a killed VAE shard's partner exited of itself, the loss waited it out and
 restarted the group, and the old exit, read then, was logged as the new vae0.0 "exited with code
@@ -12,10 +13,12 @@ import multiprocessing
 import os
 import signal
 import time
+from multiprocessing.connection import wait
 
 import pytest
 
 from streamdiff.config.loader import load
+from streamdiff.ipc import messages as m
 from streamdiff.ipc.shm import RingSpec
 from streamdiff.supervisor.topology import build_topology
 from streamdiff.supervisor.workers import WorkerPool
@@ -26,21 +29,25 @@ def idle_worker(spec) -> None:
     time.sleep(60)
 
 
-@pytest.mark.timeout(60)
-def test_an_old_incarnations_exit_read_after_the_restart_leaves_the_new_group_up(monkeypatch):
+def pool_of(overrides: dict, monkeypatch, restart: bool) -> WorkerPool:
+    """A pool of stand-in workers, forked."""
     import streamdiff.workers.main as worker_main
 
     monkeypatch.setattr(worker_main, "worker_main", idle_worker)
     ring = RingSpec("x", 2, 64)
-    topo = build_topology(
-        load(None, {"topology": {"dit_devices": 1, "vae_devices": 2}}), "tcp://127.0.0.1:1", ring, ring
-    )
+    topo = build_topology(load(None, {"topology": overrides}), "tcp://127.0.0.1:1", ring, ring)
+    pool = WorkerPool(topo, send=lambda name, msg: None, heartbeat_timeout_s=60, block_timeout_s=60, restart=restart)
+    pool.ctx = multiprocessing.get_context("fork")  # the stand-in needs no fork server
+    return pool
+
+
+@pytest.mark.timeout(60)
+def test_an_old_incarnations_exit_read_after_the_restart_leaves_the_new_group_up(monkeypatch):
     group = ["vae0.0", "vae0.1"]
-    assert topo.vae_groups == [group]
 
     async def scenario() -> dict[str, tuple[int, bool]]:
-        pool = WorkerPool(topo, send=lambda name, msg: None, heartbeat_timeout_s=60, block_timeout_s=60, restart=True)
-        pool.ctx = multiprocessing.get_context("fork")  # the stand-in needs no fork server
+        pool = pool_of({"dit_devices": 1, "vae_devices": 2}, monkeypatch, restart=True)
+        assert pool.topology.vae_groups == [group]
         pool.spawn_all()
         try:
             for w in pool.workers.values():
@@ -60,3 +67,35 @@ def test_an_old_incarnations_exit_read_after_the_restart_leaves_the_new_group_up
             await pool.shutdown(timeout_s=1.0)
 
     assert asyncio.run(scenario()) == {n: (1, True) for n in group}
+
+
+@pytest.mark.timeout(60)
+def test_a_killed_ranks_peers_failure_and_the_groups_loss_both_name_it(monkeypatch):
+    """A CI run saw it: rank 1 of a DiT group was killed, rank 0's broken collective reported
+    first, and the stream's error named only dit0."""
+    seen: list[str] = []
+
+    async def scenario() -> tuple[m.Failed, m.Failed, m.Failed]:
+        pool = pool_of({"dit_devices": 2, "dit_group_size": 2, "vae_devices": 1}, monkeypatch, restart=False)
+        assert list(pool.topology.dit_groups.values()) == [["dit0", "dit1"]]
+        pool.on_lost = lambda names, why: seen.append(why)
+        pool.spawn_all()
+        try:
+            echo = m.Failed("dit0", "group dit0: dit0 failed (or a peer died): RuntimeError: gloo", "s1", 3)
+            before = pool.blame(echo)  # nobody has died: the report stands as it is
+            rank1 = pool.workers["dit1"].process
+            os.kill(rank1.pid, signal.SIGKILL)
+            wait([rank1.sentinel], timeout=10)  # gone, but not reaped: the pool reaps it
+            after = pool.blame(echo)
+            own = pool.blame(m.Failed("dit0", "out of memory", "s1", 3, "memory"))  # dit0 carries on
+            await pool._lose({"dit0"}, "worker dit0 died (exit code 3)")
+            return before, after, own
+        finally:
+            await pool.shutdown(timeout_s=1.0)
+
+    before, after, own = asyncio.run(scenario())
+    assert before.message.startswith("group dit0")
+    assert after.message == f"dit1 died (exit code -9); {before.message}"
+    assert after.session == "s1" and after.block == 3 and after.kind == "worker"
+    assert own.message == "out of memory"
+    assert seen == ["worker dit0 died (exit code 3); dit1 died (exit code -9)"]
