@@ -34,6 +34,23 @@ from .topology import Topology, free_port, with_new_group_addr
 log = logging.getLogger("streamdiff.supervisor")
 
 
+def exited(process: mp.process.BaseProcess) -> bool:
+    """Whether the process has exited, as the kernel sees it. A worker is the fork server's child:
+    multiprocessing hears of its exit once the server has reaped it and written the code, and on
+    a loaded machine that came after the peers of a killed worker had reported their broken
+    collectives. A zombie has exited; so has a process /proc no longer lists (reaped since)."""
+    if not process.is_alive():
+        return True
+    if not os.path.isdir("/proc/self"):  # no procfs: what the fork server has said
+        return False
+    try:
+        with open(f"/proc/{process.pid}/stat", "rb") as f:
+            state = f.read().rpartition(b")")[2].split()[0]  # after the name, which may hold spaces
+    except FileNotFoundError:
+        return True
+    return state in (b"Z", b"X")
+
+
 @dataclass
 class WorkerState:
     spec: WorkerSpec
@@ -273,13 +290,13 @@ class WorkerPool:
         return out
 
     def dead_peers(self, names: set[str]) -> list[str]:
-        """The other members of `names`' groups whose process has exited (reaped here if it
-        had not been), as "dit1 died (exit code -9)"."""
+        """The other members of `names`' groups that have exited, as "dit1 died (exit code -9)"."""
         out = []
         for n in sorted(self._partners(names) - names):
             p = self.workers[n].process
-            if p is not None and not p.is_alive():
-                out.append(f"{n} died (exit code {p.exitcode})")
+            if p is not None and exited(p):
+                code = p.exitcode  # None until the fork server has reaped it
+                out.append(f"{n} died" + (f" (exit code {code})" if code is not None else ""))
         return out
 
     def blame(self, msg: m.Failed) -> m.Failed:
