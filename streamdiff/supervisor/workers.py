@@ -303,7 +303,8 @@ class WorkerPool:
         """A group member's failure, naming the peers already dead. A killed rank shows first
         as its peers' broken collectives ("dit0 failed (or a peer died)"), and which report or
         exit the supervisor reads first is a race: the session's error names the cause either
-        way. (The killed peer has exited before its peers' sockets saw it go.)"""
+        way. (The kernel closes a dying process's sockets as it exits: by the time its peers'
+        reports are read, it is a zombie at least, which `exited` counts.)"""
         dead = self.dead_peers({msg.worker}) if msg.kind == "worker" and msg.worker in self.workers else []
         return msgspec.structs.replace(msg, message="; ".join([*dead, msg.message])) if dead else msg
 
