@@ -24,10 +24,6 @@
    streams 49 frames of the tiny preset at 832x480. In both daemon checks the bytes are checked
    as the CPU tests check them: PyAV and ffprobe (where installed) decode every frame at the
    size, keyframes exactly at fragment starts, continuous fragment times.
-
---quick (the CPU, in the suite) runs every check trimmed but two, which it skips (QUICK_SKIPS):
-the frame-wise stages child (the chunk-wise one's script with one flag changed) and the daemon
-check (daemon_real streams through the same code; planning needs a device to profile).
 6. pytest -m device tests/device (with --device cpu the CPU stands in for the device, so that
    the tests do not rot between the sessions that have one).
 7. compile (run second): the real 1.3B DiT at 832x480, 3-frame blocks behind a full window,
@@ -42,6 +38,11 @@ check (daemon_real streams through the same code; planning needs a device to pro
 9. world: the 1.3B in minWM's 4-frame blocks, plain and with its PRoPE camera path, and
    Matrix-Game's action DiT at 640x352: ms per steady block, the session's bytes held against the
    planner's price, peak memory.
+
+--quick (the CPU, in the suite) runs every check trimmed but two, which it skips unless --only
+names them (QUICK_SKIPS): the frame-wise stages child (the chunk-wise one's script with one flag
+changed) and the daemon check (daemon_real streams through the same code; planning needs a
+device to profile).
 
 Writes every figure to $OUT/device_check.json (or --json) after each check, so a run cut short
 keeps what it measured, and prints one summary line per check.
@@ -105,7 +106,7 @@ def random_dit(cfg, dtype: torch.dtype, dev: str):
 
 def check_stages(dev: str, a) -> dict:
     out = {}
-    for fpb in (3,) if a.quick else (3, 1):  # QUICK_SKIPS
+    for fpb in (3,) if "stages.framewise" in a.skips else (3, 1):
         path = Path(a.workdir) / f"stages_{fpb}.json"
         path.unlink(missing_ok=True)
         cmd = [
@@ -802,9 +803,10 @@ def main() -> int:
         "quick": a.quick,
     }
     path = Path(a.json) if a.json else out_dir / ("device_check_quick.json" if a.quick else "device_check.json")
-    names = a.only.split(",") if a.only else [n for n in CHECKS if not (a.quick and n in QUICK_SKIPS)]
-    if a.quick and not a.only:
-        results["skipped"] = QUICK_SKIPS
+    a.skips = QUICK_SKIPS if a.quick and not a.only else {}
+    names = a.only.split(",") if a.only else [n for n in CHECKS if n not in a.skips]
+    if a.skips:
+        results["skipped"] = a.skips
     for name in names:
         t0 = time.monotonic()
         try:
