@@ -44,11 +44,15 @@ def exited(process: mp.process.BaseProcess) -> bool:
     if not os.path.isdir("/proc/self"):  # no procfs: what the fork server has said
         return False
     try:
-        with open(f"/proc/{process.pid}/stat", "rb") as f:
-            state = f.read().rpartition(b")")[2].split()[0]  # after the name, which may hold spaces
+        return proc_stat(process.pid)[0] in (b"Z", b"X")
     except FileNotFoundError:
         return True
-    return state in (b"Z", b"X")
+
+
+def proc_stat(pid: int) -> list[bytes]:
+    """/proc/PID/stat's fields after the name (which may hold spaces): state, parent pid, ..."""
+    with open(f"/proc/{pid}/stat", "rb") as f:
+        return f.read().rpartition(b")")[2].split()
 
 
 @dataclass

@@ -21,7 +21,7 @@ from streamdiff.config.loader import load
 from streamdiff.ipc import messages as m
 from streamdiff.ipc.shm import RingSpec
 from streamdiff.supervisor.topology import build_topology
-from streamdiff.supervisor.workers import WorkerPool
+from streamdiff.supervisor.workers import WorkerPool, proc_stat
 
 
 def idle_worker(spec) -> None:
@@ -69,16 +69,6 @@ def test_an_old_incarnations_exit_read_after_the_restart_leaves_the_new_group_up
     assert asyncio.run(scenario()) == {n: (1, True) for n in group}
 
 
-def parent_of(pid: int) -> int:
-    with open(f"/proc/{pid}/stat", "rb") as f:
-        return int(f.read().rpartition(b")")[2].split()[1])
-
-
-def state_of(pid: int) -> bytes:
-    with open(f"/proc/{pid}/stat", "rb") as f:
-        return f.read().rpartition(b")")[2].split()[0]
-
-
 @pytest.mark.timeout(120)
 @pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="reads /proc")
 def test_a_killed_ranks_peers_failure_and_the_groups_loss_both_name_it(monkeypatch):
@@ -94,14 +84,14 @@ def test_a_killed_ranks_peers_failure_and_the_groups_loss_both_name_it(monkeypat
         pool.on_lost = lambda names, why: seen.append(why)
         pool.spawn_all()
         rank1 = pool.workers["dit1"].process
-        server = parent_of(rank1.pid)
+        server = int(proc_stat(rank1.pid)[1])  # the fork server
         assert server != os.getpid()
         try:
             echo = m.Failed("dit0", "group dit0: dit0 failed (or a peer died): RuntimeError: gloo", "s1", 3)
             before = pool.blame(echo)  # nobody has died: the report stands as it is
             os.kill(server, signal.SIGSTOP)
             os.kill(rank1.pid, signal.SIGKILL)
-            while state_of(rank1.pid) != b"Z":
+            while proc_stat(rank1.pid)[0] != b"Z":
                 await asyncio.sleep(0.01)
             assert rank1.is_alive()  # what multiprocessing says until its fork server reaps it
             unreaped = pool.blame(echo)
