@@ -12,6 +12,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import GaugeMetricFamily
 
 LATENCY_BUCKETS_S = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+LOOP_LAG_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 
@@ -71,6 +72,17 @@ class Metrics:
         )
         self.sessions = Counter("streamdiff_sessions", "Sessions that ended, by outcome", ["outcome"], registry=r)
         self.requests = Counter("streamdiff_http_requests", "HTTP requests by status class", ["status"], registry=r)
+        self.loop_lag_seconds = Histogram(
+            "streamdiff_event_loop_lag_seconds",
+            "How late the supervisor's event loop ran a timer (every LAG_PROBE_S): what one handler held it",
+            buckets=LOOP_LAG_BUCKETS_S,
+            registry=r,
+        )
+        self.loop_lag_max_s = 0.0  # the longest since the start (a gauge at scrape time)
+
+    def observe_loop_lag(self, lag_s: float) -> None:
+        self.loop_lag_seconds.observe(lag_s)
+        self.loop_lag_max_s = max(self.loop_lag_max_s, lag_s)
 
     def watch(self, supervisor, jobs) -> None:
         """Add the gauges read from the running daemon at each scrape."""
@@ -134,3 +146,9 @@ class _Live:
                 series=[(n, w.restarts) for n, w in workers.items()],
             )
         yield gauge("streamdiff_jobs", "Jobs known to the API", len(self.jobs.jobs))
+        if sched is not None:
+            yield gauge(
+                "streamdiff_event_loop_lag_max_seconds",
+                "The longest the supervisor's event loop ran a timer late since the start",
+                sched.metrics.loop_lag_max_s,
+            )

@@ -43,6 +43,17 @@ class ServerConfig:
     # STUN/TURN servers a WHEP viewer's connection may use (stun:host:port, turn:host:port); empty:
     # host candidates only, nothing reaches out
     webrtc_ice_servers: tuple[str, ...] = ()
+    # The addresses a WHEP peer gathers host candidates on; empty: the listening address's (every
+    # interface only when `host` is a wildcard, 0.0.0.0 or ::)
+    webrtc_host_addresses: tuple[str, ...] = ()
+    webrtc_max_candidates: int = 64  # ICE candidates in one WHEP offer; more gets 400
+    webrtc_connect_timeout_s: float = 15.0  # a WHEP peer that has not finished ICE and DTLS by then is closed
+    webrtc_max_peers_per_video: int = 16  # WHEP viewers of one video; one more gets 429
+    webrtc_max_peers: int = 64  # WHEP viewers of the whole daemon; one more gets 503
+    # Every JSON a client sends (bodies, form fields, WebSocket and data-channel messages):
+    json_max_depth: int = 32  # arrays and objects nested inside each other
+    json_max_entries: int = 131072  # array elements and object members (a 4096-frame camera script is ~100k)
+    json_max_number_digits: int = 64  # the digits of one number
 
 
 @dataclass(frozen=True)

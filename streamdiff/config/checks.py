@@ -20,6 +20,16 @@ def _check(ok: bool, key: str, msg: str, value) -> None:
         raise ConfigError(f"{key}: {msg}, got {value!r}")
 
 
+def _is_address(a) -> bool:
+    import ipaddress
+
+    try:
+        ipaddress.ip_address(a)
+        return True
+    except ValueError:
+        return False
+
+
 def validate(cfg: Config) -> None:
     s, t, p, e, lim, m = cfg.server, cfg.topology, cfg.pipeline, cfg.encoder, cfg.limits, cfg.model
     _check(0 < s.port < 65536, "server.port", "must be 1-65535", s.port)
@@ -37,7 +47,15 @@ def validate(cfg: Config) -> None:
         "must be lowercase letters, digits and '-' (at most 63)",
         s.node_id,
     )
-    for k in ("client_write_timeout_s", "request_read_timeout_s", "drain_timeout_s"):
+    for k in ("json_max_depth", "json_max_entries", "json_max_number_digits", "webrtc_max_candidates"):
+        _check(getattr(s, k) >= 1, f"server.{k}", "must be >= 1", getattr(s, k))
+    for k in ("webrtc_max_peers_per_video", "webrtc_max_peers"):
+        _check(getattr(s, k) >= 0, f"server.{k}", "must be >= 0 (0: no WHEP viewers)", getattr(s, k))
+    _check(s.json_max_number_digits >= 20, "server.json_max_number_digits", "must be >= 20 (a seed)",
+           s.json_max_number_digits)  # fmt: skip
+    for a in s.webrtc_host_addresses:
+        _check(_is_address(a), "server.webrtc_host_addresses", "must be IP addresses", a)
+    for k in ("client_write_timeout_s", "request_read_timeout_s", "drain_timeout_s", "webrtc_connect_timeout_s"):
         _check(getattr(s, k) > 0, f"server.{k}", "must be > 0", getattr(s, k))
     _check(m.preset in known_presets(), "model.preset", f"must be one of {', '.join(known_presets())}", m.preset)
     _check(m.preset in EMBEDDED_PRESETS or bool(m.path), "model.path", "is required for real presets", m.path)

@@ -11,7 +11,6 @@ from __future__ import annotations
 import base64
 import binascii
 import io
-import json
 import random
 import re
 from dataclasses import dataclass, replace
@@ -21,6 +20,7 @@ from ..controls import MAX_PENDING, SPACES, Control, ControlError
 from ..controls import parse_control as _parse_control
 from ..models.catalog import checkpoint_preset
 from ..plan import Scene
+from .jsonin import JSONLimits, JSONRefused, read_json
 
 KNOWN_FIELDS = {
     "prompt",
@@ -67,6 +67,14 @@ class APIError(Exception):
 
 def bad(message: str, param: str | None = None, code: str = "invalid_value") -> APIError:
     return APIError(400, message, param, code)
+
+
+def client_json(data: bytes | str, lim: JSONLimits, what: str = "the request body", param: str | None = None):
+    """A client's JSON (jsonin.read_json), its refusal as a 400 naming the limit."""
+    try:
+        return read_json(data, lim, what)
+    except JSONRefused as err:
+        raise bad(err.message, param, err.code) from None
 
 
 @dataclass(frozen=True)
@@ -121,7 +129,7 @@ def _integer(value, param: str, lo: int, hi: int) -> int:
         if value != value or not value.is_integer() or abs(value) > 2**53:
             raise bad(f"'{param}' must be an integer, got {value!r}", param)
         v = int(value)
-    elif isinstance(value, str) and re.fullmatch(r"\s*[+-]?\d{1,20}\s*", value):
+    elif isinstance(value, str) and re.fullmatch(r"\s*[+-]?[0-9]{1,20}\s*", value, re.ASCII):
         v = int(value)
     else:
         raise bad(f"'{param}' must be an integer, got {value!r}", param)
@@ -234,10 +242,7 @@ def parse_video_request(data, cfg: Config, facts: dict) -> VideoRequest:
         total = round(lim.live_default_s * fps)  # a live video's length is its cap
     scenes_raw = data.get("scenes")
     if isinstance(scenes_raw, str):  # multipart forms carry it as JSON text
-        try:
-            scenes_raw = json.loads(scenes_raw)
-        except json.JSONDecodeError:
-            raise bad("'scenes' must be a JSON array", "scenes") from None
+        scenes_raw = client_json(scenes_raw, JSONLimits.of(cfg.server), "'scenes'", "scenes")
     if scenes_raw is None:
         prompt = _prompt(data.get("prompt"), "prompt", lim.max_prompt_chars) if "prompt" in data else None
         if prompt is None:
@@ -272,7 +277,7 @@ def parse_video_request(data, cfg: Config, facts: dict) -> VideoRequest:
             "missing_required_parameter",
         )
     outputs = _outputs(data.get("outputs"), cfg)
-    controls = _start_controls(data.get("controls"), facts)
+    controls = _start_controls(data.get("controls"), facts, cfg)
     return VideoRequest(
         model or cfg.model_name, scenes, width, height, fps, seed, stream, live, reference, outputs, controls
     )
@@ -288,16 +293,13 @@ def parse_control(body, facts: dict, param: str = "") -> Control:
         raise APIError(err.status, err.message, where, err.code) from None
 
 
-def _start_controls(raw, facts: dict) -> tuple[Control, ...]:
+def _start_controls(raw, facts: dict, cfg: Config) -> tuple[Control, ...]:
     """`controls`: the controls a video starts with, in order, each landing at block 0 or at the
     one it names (a control script replayed from the start, as `streamdiffd generate --controls`)."""
     if raw is None:
         return ()
     if isinstance(raw, str):  # multipart forms carry it as JSON text
-        try:
-            raw = json.loads(raw)
-        except json.JSONDecodeError:
-            raise bad("'controls' must be a JSON array", "controls") from None
+        raw = client_json(raw, JSONLimits.of(cfg.server), "'controls'", "controls")
     if not isinstance(raw, list):
         raise bad("'controls' must be a list of controls", "controls")
     if len(raw) > MAX_PENDING:

@@ -109,7 +109,7 @@ async def control_video(request: web.Request) -> web.Response:
     not yet started; the answer names that block and its first frame (each fragment's emsg carries
     the newest control that shaped it)."""
     job = _steerable(request)
-    landed = control_job(job, await read_request_data(request), request.app[SUPERVISOR].facts)
+    landed = await control_job(job, await read_request_data(request), request.app[SUPERVISOR].facts)
     return web.json_response(landed)
 
 
@@ -129,10 +129,10 @@ async def list_videos(request: web.Request) -> web.Response:
     order = q.get("order", "desc")
     if order not in ("asc", "desc"):
         raise bad("'order' must be 'asc' or 'desc'", "order")
-    try:
-        limit = int(q.get("limit", "20"))
-    except ValueError:
-        raise bad("'limit' must be an integer", "limit") from None
+    raw = q.get("limit", "20")
+    if not (raw.isascii() and raw.isdigit()) or len(raw) > 3:
+        raise bad(f"'limit' must be an integer between 1 and 100, got {raw!r}", "limit")
+    limit = int(raw)
     if not 1 <= limit <= 100:
         raise bad("'limit' must be between 1 and 100", "limit")
     after = q.get("after")
@@ -329,9 +329,9 @@ def make_app(sup: Supervisor, cfg: Config, api_keys: list[bytes]) -> web.Applica
     hls = HLS(get_job, lambda: sup.facts["frames_per_block"] * sup.facts["temporal_factor"])
 
     async def steer(job: Job, event: dict) -> dict:
-        return steer_event(job, event["type"], event, cfg, sup.facts)
+        return await steer_event(job, event["type"], event, cfg, sup.facts)
 
-    whep = WHEP(get_job, steer, cfg.server.webrtc_ice_servers)
+    whep = WHEP(get_job, steer, cfg.server)
 
     async def close_whep(app: web.Application):
         yield

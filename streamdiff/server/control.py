@@ -4,7 +4,6 @@ envelope, the WebSocket as an `error` event."""
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import math
 
@@ -13,11 +12,13 @@ from aiohttp import web
 from ..supervisor.core import RUNNING
 from ..supervisor.engine import QueueFull
 from .api import APIError, parse_control, parse_video_request
+from .bodies import off_loop
 from .jobs import Job
 from .keys import CONFIG, JOBS, SUPERVISOR
 from .push import start_pushes
 
 log = logging.getLogger("streamdiff.http")
+SCRIPT_ON_LOOP = 64  # a control script of more entries is checked on a thread (64: about 0.6 ms)
 
 
 def supervisor_ready(app: web.Application) -> None:
@@ -37,17 +38,15 @@ async def start_job(app: web.Application, data: dict) -> Job:
     """Validate a request body, hand it to the engine, keep its job: the job, or APIError (400,
     404 unknown model, 429 with Retry-After, 503).
 
-    A body with an image is validated on a thread: decoding, cropping and re-encoding a large
-    image takes hundreds of milliseconds, which on the event loop would stall every stream's
-    writes. Validation is pure (the config and the model's facts), so it may run there."""
+    A body with an image or controls is validated on a thread: decoding, cropping and
+    re-encoding a large image takes hundreds of milliseconds, and checking a control script
+    tens, which on the event loop would stall every stream's writes and the workers' replies.
+    Validation is pure (the config and the model's facts), so it may run there."""
     sup, cfg, jobs = app[SUPERVISOR], app[CONFIG], app[JOBS]
     supervisor_ready(app)
-    if data.get("input_reference") not in (None, ""):
-        loop = asyncio.get_running_loop()
-        req = await loop.run_in_executor(None, parse_video_request, data, cfg, sup.facts)
-        supervisor_ready(app)  # it may have begun draining meanwhile
-    else:
-        req = parse_video_request(data, cfg, sup.facts)
+    heavy = data.get("input_reference") not in (None, "") or bool(data.get("controls"))
+    req = await off_loop(heavy, parse_video_request, data, cfg, sup.facts)
+    supervisor_ready(app)  # it may have begun draining meanwhile
     job = Job(req, live_consumer=req.stream, node=cfg.node)
     try:
         job.follow_session(sup.submit(req, job.id))
@@ -86,10 +85,12 @@ def apply_landing(job: Job, landed) -> None:
     job.set_scenes(landed.scenes)
 
 
-def control_job(job: Job, body, facts: dict) -> dict:
+async def control_job(job: Job, body, facts: dict) -> dict:
     """A world model's control applied to the job: where it lands ({seq, block, start_frame,
-    start_seconds}), or APIError (400 bad, 409 finished or out of order, 429 too many waiting)."""
-    c = parse_control(body, facts)
+    start_seconds}), or APIError (400 bad, 409 finished or out of order, 429 too many waiting).
+    A script is checked on a thread (tens of milliseconds at its longest)."""
+    script = body.get("script") if isinstance(body, dict) else None
+    c = await off_loop(isinstance(script, list) and len(script) > SCRIPT_ON_LOOP, parse_control, body, facts)
     if job.finished or job.handle is None:
         raise APIError(409, f"video '{job.id}' has {job.state}: it takes no controls", None, "video_finished")
     landed = job.handle.control(c)

@@ -195,7 +195,9 @@ async def _wait(job: Job, ready, seconds: float) -> bool:
 
 
 def _index(raw: str, param: str) -> int:
-    if not raw.isdigit() or len(raw) > 9:
+    """A part's, segment's or playlist's number: ASCII digits only (str.isdigit takes '²' and
+    '①', which int() then refuses), at most nine."""
+    if not (raw.isascii() and raw.isdigit()) or len(raw) > 9:
         raise bad(f"'{param}' must be a non-negative integer, got {raw!r}", param)
     return int(raw)
 

@@ -34,9 +34,10 @@ import logging
 
 from aiohttp import WSMsgType, web
 
-from .api import APIError, bad, parse_steer
+from .api import APIError, bad, client_json, parse_steer
 from .control import apply_landing, control_job, start_job
 from .jobs import Job, JobExpired
+from .jsonin import JSONLimits
 from .keys import CONFIG, SUPERVISOR
 
 log = logging.getLogger("streamdiff.realtime")
@@ -66,7 +67,9 @@ class _Socket:
 
 
 async def realtime_video(request: web.Request) -> web.WebSocketResponse:
-    ws = web.WebSocketResponse(heartbeat=30.0)
+    # A message past the JSON limit (server.max_body_bytes) gets an `error` event and the session
+    # goes on; one past four times it is not read at all: aiohttp closes the socket (1009).
+    ws = web.WebSocketResponse(heartbeat=30.0, max_msg_size=4 * request.app[CONFIG].server.max_body_bytes)
     await ws.prepare(request)
     sock = _Socket(ws)
     job: Job | None = None
@@ -98,9 +101,11 @@ async def _start(request: web.Request, ws: web.WebSocketResponse, sock: _Socket)
         await sock.error(bad(f"no session.start within {START_TIMEOUT_S:g}s", "type", "start_timeout"))
         return None
     if msg.type != WSMsgType.TEXT:
+        if msg.type == WSMsgType.BINARY:
+            await sock.error(bad("the first message must be session.start, a JSON object", "type", "invalid_body"))
         return None
     try:
-        event = _event(msg.data)
+        event = client_event(msg.data, request.app[CONFIG].server)
         if event.get("type") != "session.start":
             raise bad(f"the first message must be session.start, not {event.get('type')!r}", "type")
         if event.get("format", "m4s") != "m4s":
@@ -117,13 +122,12 @@ async def _start(request: web.Request, ws: web.WebSocketResponse, sock: _Socket)
     return job
 
 
-def _event(text: str) -> dict:
-    try:
-        event = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise bad(f"a control message must be a JSON object: {exc}", None, "invalid_json") from None
+def client_event(text: str, server) -> dict:
+    """A client's message on a socket (the WebSocket, a WHEP data channel): a JSON object within
+    `[server]`'s JSON limits, or APIError."""
+    event = client_json(text, JSONLimits.of(server), "a message")
     if not isinstance(event, dict):
-        raise bad("a control message must be a JSON object", None, "invalid_body")
+        raise bad("a message must be a JSON object", None, "invalid_body")
     return event
 
 
@@ -158,7 +162,7 @@ async def _controls(request: web.Request, ws: web.WebSocketResponse, sock: _Sock
                 await sock.error(bad("binary messages are not accepted here", None, "invalid_body"))
             continue
         try:
-            event = _event(msg.data)
+            event = client_event(msg.data, cfg.server)
             kind = event.get("type")
             if kind == "session.ping":
                 await sock.json({"type": "session.pong"})
@@ -167,7 +171,7 @@ async def _controls(request: web.Request, ws: web.WebSocketResponse, sock: _Sock
                     apply_landing(job, job.handle.stop())
                     job.stopped = True
             elif kind in STEERING:
-                await sock.json(steer_event(job, kind, event, cfg, request.app[SUPERVISOR].facts))
+                await sock.json(await steer_event(job, kind, event, cfg, request.app[SUPERVISOR].facts))
             else:
                 raise bad(f"unknown event type {kind!r}", "type", "unknown_event")
         except APIError as err:
@@ -177,11 +181,11 @@ async def _controls(request: web.Request, ws: web.WebSocketResponse, sock: _Sock
 STEERING = ("session.prompt_update", "session.interaction", "session.control")
 
 
-def steer_event(job: Job, kind: str, event: dict, cfg, facts: dict) -> dict:
+async def steer_event(job: Job, kind: str, event: dict, cfg, facts: dict) -> dict:
     """A steering event (a WebSocket's, a WHEP data channel's: one of STEERING) applied to the
     job: the reply that names where it lands, or APIError."""
     if kind == "session.control":
-        landed = control_job(job, {k: v for k, v in event.items() if k != "type"}, facts)
+        landed = await control_job(job, {k: v for k, v in event.items() if k != "type"}, facts)
         return {"type": "session.control.ack", "request_id": job.id, **landed}
     if kind == "session.interaction":
         inter = event.get("interaction")

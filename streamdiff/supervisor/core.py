@@ -37,6 +37,7 @@ from .topology import Topology, build_topology, model_facts
 from .workers import WorkerPool
 
 log = logging.getLogger("streamdiff.supervisor")
+LAG_PROBE_S = 0.05  # the event-loop lag probe's period (/metrics: streamdiff_event_loop_lag_seconds)
 
 STARTING, RUNNING, DRAINING, STOPPING, STOPPED = "starting", "running", "draining", "stopping", "stopped"
 
@@ -163,6 +164,7 @@ class Supervisor:
         self.pool.on_worker_ready = lambda name: driver.post(sch.WorkerReady(name, self.pool.workers[name].info))
         self.pool.on_idle = lambda name, since: driver.post(sch.WorkerIdle(name, since))
         self._tasks.append(asyncio.create_task(self._recv_loop(), name="control-recv"))
+        self._tasks.append(asyncio.create_task(self._lag_loop(), name="loop-lag"))
         self.pool.spawn_all()
         self._pin_self()
         try:
@@ -248,21 +250,36 @@ class Supervisor:
             return False
 
     async def _recv_loop(self) -> None:
+        while True:
+            self._handle(*await self._router.recv_multipart())
+
+    def _handle(self, ident: bytes, raw: bytes) -> None:
+        """One message from a worker, to its handler."""
+        self.loop_alive["control-recv"] = time.monotonic()
         handlers = {
-            m.Ready: lambda msg: self.pool.handle_ready(msg),
-            m.Heartbeat: lambda msg: self.pool.handle_heartbeat(msg),
+            m.Ready: self.pool.handle_ready,
+            m.Heartbeat: self.pool.handle_heartbeat,
             m.LatentDone: self.driver.post,
             m.FramesDone: self.driver.post,
             m.Failed: self._on_failed,
         }
+        try:
+            msg = m.decode(raw)
+            handlers[type(msg)](msg)
+        except Exception:
+            log.exception("control message from %s failed", ident.decode(errors="replace"))
+
+    def _drain_control(self) -> None:
+        """Every message the workers have sent that is waiting here, handled now (through the
+        synchronous shadow: the asynchronous reader's pending receive finds nothing and waits
+        on). Before a heartbeat is judged: a stall of this process's own loop must never be
+        taken for a worker's silence, and ZeroMQ's I/O thread kept receiving through it."""
         while True:
-            ident, raw = await self._router.recv_multipart()
-            self.loop_alive["control-recv"] = time.monotonic()
             try:
-                msg = m.decode(raw)
-                handlers[type(msg)](msg)
-            except Exception:
-                log.exception("control message from %s failed", ident.decode(errors="replace"))
+                ident, raw = self._send_sock.recv_multipart(flags=zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            self._handle(ident, raw)
 
     def _on_failed(self, msg: m.Failed) -> None:
         if msg.session is None:
@@ -271,13 +288,33 @@ class Supervisor:
         else:
             self.driver.post(self.pool.blame(msg))
 
+    async def _lag_loop(self) -> None:
+        """The event loop's lag, sampled every LAG_PROBE_S: how late a timer ran, which is how
+        long one handler held the loop every stream and worker shares (/metrics)."""
+        loop = asyncio.get_running_loop()
+        while True:
+            t0 = loop.time()
+            await asyncio.sleep(LAG_PROBE_S)
+            self.scheduler.metrics.observe_loop_lag(max(0.0, loop.time() - t0 - LAG_PROBE_S))
+
     async def _monitor_loop(self) -> None:
+        """Every heartbeat interval: the workers' liveness, then the scheduler's clock. A tick
+        that comes late (this process's own loop was held, or the process stopped) judges no
+        worker silent: the heartbeats sent meanwhile may still be on their way in through
+        ZeroMQ's I/O thread. The next tick, one interval on, has read them."""
         interval = self.cfg.pipeline.heartbeat_interval_s
+        last = time.monotonic()
         while True:
             await asyncio.sleep(interval)
-            self.loop_alive["monitor"] = time.monotonic()
-            self.loop_alive.setdefault("control-recv", time.monotonic())
-            self.pool.check()
+            now = time.monotonic()
+            held, last = now - last, now
+            own_stall = held > 2 * interval
+            self.loop_alive["monitor"] = now
+            self.loop_alive.setdefault("control-recv", now)
+            self._drain_control()
+            if own_stall:
+                log.warning("the supervisor's loop was held %.1fs: heartbeats are judged at the next tick", held)
+            self.pool.check(judge_silence=not own_stall)
             self.driver.step()  # time passes: blocks past their deadline fail their sessions
 
     # -- the API's entry points -------------------------------------------------------------------

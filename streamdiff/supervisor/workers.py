@@ -250,9 +250,10 @@ class WorkerPool:
 
         task.add_done_callback(done)
 
-    def check(self) -> None:
+    def check(self, judge_silence: bool = True) -> None:
         """Called every heartbeat interval: kill silent or stuck workers, and restarted ones
-        that do not report READY in time."""
+        that do not report READY in time. `judge_silence` False: the caller's own stall may
+        have kept heartbeats unread, so a stale one says nothing of its worker yet."""
         now = time.monotonic()
         for w in self.workers.values():
             if w.process is None or not w.process.is_alive():
@@ -265,7 +266,7 @@ class WorkerPool:
                     self._kill(w)
                 continue
             silent = now - w.last_heartbeat
-            if silent > self.heartbeat_timeout_s:
+            if judge_silence and silent > self.heartbeat_timeout_s:
                 log.error("worker %s silent for %.1fs: killing it", w.spec.name, silent)
                 w.failure = f"no heartbeat for {silent:.0f}s"
                 self._kill(w)
