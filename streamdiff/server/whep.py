@@ -112,9 +112,8 @@ class Peer:
 class WHEP:
     """The handlers of /v1/videos/{id}/whep, given how to find a job and steer it."""
 
-    def __init__(self, get_job, steer, server: ServerConfig, read_timeout_s: float | None = None) -> None:
+    def __init__(self, get_job, steer, server: ServerConfig) -> None:
         self.get_job, self.steer, self.server = get_job, steer, server
-        self.read_timeout_s = server.request_read_timeout_s if read_timeout_s is None else read_timeout_s
         self.peers: dict[str, Peer] = {}  # resource id -> its viewer
         self.addresses = host_addresses(server)
         _filter_host_addresses()
@@ -180,14 +179,14 @@ class WHEP:
             raise web.HTTPRequestEntityTooLarge(max_size=limit, actual_size=request.content_length)
         raw = bytearray()
         try:
-            async with asyncio.timeout(self.read_timeout_s):
+            async with asyncio.timeout(self.server.request_read_timeout_s):
                 async for chunk in request.content.iter_chunked(1 << 16):
                     raw += chunk
                     if len(raw) > limit:
                         raise web.HTTPRequestEntityTooLarge(max_size=limit, actual_size=len(raw))
         except TimeoutError:
             raise APIError(
-                408, f"the offer did not arrive within {self.read_timeout_s:g}s", None, "request_timeout"
+                408, f"the offer did not arrive within {self.server.request_read_timeout_s:g}s", None, "request_timeout"
             ) from None
         try:
             sdp = raw.decode("utf-8")
