@@ -311,6 +311,31 @@ def test_an_image_to_video_requests_encoding_is_charged_once_to_its_first_block(
     assert end_img - end == pytest.approx(0.35, abs=0.05)
 
 
+def test_through_a_vae_cut_an_image_block_also_costs_the_cuts_stages_on_its_latent_frame():
+    """With a cut the DiT runs the cut's first stages on the image's latent too (one latent frame
+    of a block of three): the image block costs `image_ms` and a third of the stages' time."""
+    from streamdiff.config import Config
+    from streamdiff.models.spec import PRESET_FACTS
+    from streamdiff.placement.layout import Layout
+    from streamdiff.placement.sim import simulate
+
+    prof = synthetic(100.0, 200.0, stages=[30.0, 30.0, 60.0, 80.0])
+    prof.sizes["256x144"]["dit"]["1"].update(image_ms=450.0, cut_stages_ms=[30.0, 30.0, 60.0, 80.0])
+    facts = PRESET_FACTS["tiny"]
+    assert facts["frames_per_block"] == 3
+
+    def ttff(cut: int, image: bool) -> float:
+        lay = Layout("disaggregated", 1, 1, 1, cut=cut)
+        return simulate(Config(), prof, lay, facts, (256, 144), image=image).w1_ttff_s
+
+    # the first fragment waits for the image block's DiT time, then its VAE's
+    plain, cut = ttff(0, True) - ttff(0, False), ttff(2, True) - ttff(2, False)
+    assert plain == pytest.approx(0.35, abs=0.001)  # 450 ms against a first block's 100
+    # a text block's cut moves 60 ms from the VAE to the DiT; the image block's moves 60 ms off
+    # the VAE's block (charged whole) and adds a third of it, 20 ms, to the DiT's
+    assert cut - plain == pytest.approx(-0.04, abs=0.001)
+
+
 def plan_storyboard():
     from streamdiff.placement.sim import storyboard
     from streamdiff.plan import plan_blocks

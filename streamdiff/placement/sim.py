@@ -237,14 +237,17 @@ class Sim:
             blocks = job.msg.blocks
             sess = self.sessions[blocks[0].session]
             c = self.cost(sess.width, sess.height)
-            # an image-to-video shot's first block is the image, encoded and committed: once a request
-            # (no VAE cut runs with an image: the worker refuses one)
+            # an image-to-video shot's first block is the image, encoded and committed: once a request;
+            # with a VAE cut the DiT runs the cut's stages on its latent frame too
             text = [b for b in blocks if b.image is None]
             cuts = [b.vae_cut or self.layout.cut for b in text]
             # the encoder takes from the DiT's cores once it has a block to encode
             host = bool(self.result.fragments)
             dur = c.dit_s(len(text), sum(1 for b in text if b.cut), cuts, host) if text else 0.0
-            dur += (len(blocks) - len(text)) * c.image_ms / 1000
+            fpb = self.facts["frames_per_block"]
+            for b in blocks:
+                if b.image is not None:
+                    dur += (c.image_ms + c.dit_cut_ms(b.vae_cut or self.layout.cut) * b.frames / fpb) / 1000
             p = self.procs[job.procs[0]]
             p.left_s, p.since, p.rate = dur, self.now, self._free_rate(p)
             self._schedule(p)

@@ -242,10 +242,8 @@ class DiTStage:
             if self.engine.image_mode != "block":  # in the shot's first block (LongLive 2.0), or beside every block
                 if not msg.cut:
                     raise RequestError("an image starts a shot: it comes with the shot's first block")
-            elif not msg.cut or msg.frames != 1 or self.engine.rolling_schedule is not None or self.cut:
-                raise RequestError(
-                    "an image is a shot's first block of one latent frame (no rolling sampler, no VAE cut)"
-                )
+            elif not msg.cut or msg.frames != 1 or self.engine.rolling_schedule is not None:
+                raise RequestError("an image is a shot's first block of one latent frame (no rolling sampler)")
             img, f = decode_png(msg.image), self.engine.preset.vae.spatial_factor
             if tuple(img.shape) != (sess.latent_hw[0] * f, sess.latent_hw[1] * f, 3):
                 raise RequestError(f"the image is {img.shape[1]}x{img.shape[0]}, not the video's size")
