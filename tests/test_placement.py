@@ -408,6 +408,48 @@ def test_a_vae_cut_moves_the_decoders_first_stages_to_the_dit_and_the_planner_of
     assert Costs(prof, (256, 144), 2).factors == (1.0, 1.0)  # probes are of one-thread workers
 
 
+def test_a_lead_under_the_simulators_measured_error_ranks_the_simpler_layout_first():
+    """DiT 100 ms, VAE 105 ms, the first stage 3 ms of it: the cut at 1 is predicted about 3%
+    faster than plain disagg-1+1, under the default error (5%), so disagg-1+1 is planned; a
+    profile whose check measured a 1% error plans the cut. A lead past the error always holds:
+    the cut of a 200 ms VAE (20% ahead) is planned whatever the error."""
+    import json
+
+    from streamdiff.config import Config
+    from streamdiff.models.spec import PRESET_FACTS
+    from streamdiff.placement.planner import DEFAULT_PLAN_ERROR, mechanisms, plan
+    from streamdiff.placement.profile.schema import Profile
+
+    facts = dict(PRESET_FACTS["tiny"])
+
+    def ranked(prof):
+        p = plan(Config(), prof, 2, "throughput", facts, (256, 144), threads=(1,))
+        return p, [lay.name for lay, _ in p.ranked]
+
+    close = synthetic(100.0, 105.0, stages=[3.0, 2.0, 20.0, 20.0, 30.0, 30.0])
+    p, names = ranked(close)
+    preds = {lay.name: pr for lay, pr in p.ranked}
+    lead = preds["disagg-1+1/cut1"].w1_fps / preds["disagg-1+1"].w1_fps - 1
+    assert 0.01 < lead < DEFAULT_PLAN_ERROR and p.error == DEFAULT_PLAN_ERROR
+    assert names[0] == "disagg-1+1" and mechanisms(p.best[0]) == 0
+    # within the band every plain layout comes before every layout with a mechanism
+    assert names.index("disagg-1+1/cut1") > names.index("disagg-1+1")
+    close.plan_error = 0.01
+    p, names = ranked(close)
+    assert p.best[0].cut > 0 and p.error == 0.01
+    assert "under 1%" in p.table() and p.as_dict()["error"] == 0.01
+    far = synthetic(100.0, 200.0, stages=[10.0, 10.0, 20.0, 40.0, 60.0, 60.0])
+    far.plan_error = 0.1
+    assert ranked(far)[0].best[0].cut == 3
+    # the error is the profile's: kept through its file, and a bad one refuses the file by name
+    assert Profile.from_json(close.to_json()).plan_error == 0.01
+    for bad in (-0.1, 1.5, "5%", True):
+        data = json.loads(close.to_json())
+        data["plan_error"] = bad
+        with pytest.raises(ValueError, match="plan_error"):
+            Profile.from_json(json.dumps(data))
+
+
 def test_an_adapting_cut_moves_to_where_the_measured_sides_balance():
     """Stage shares 5/5/10/20/30/30% of a decode. The VAE measured 200 ms a whole decode and
     the DiT 110 ms a block with the first stage's 10 ms: its own 100. Cut 3 balances (140
@@ -634,7 +676,14 @@ def test_a_dit_group_is_chosen_only_where_its_measured_link_makes_it_pay(group_m
     names = [lay.name for lay, _ in p.ranked]
     assert "disagg-2+2/sp2" in names
     if chosen:
-        assert best.name == "disagg-2+2/sp2" and best.flags()[-2:] == ["--dit-group-size", "2"]
+        # the VAE (150 ms) keeps up with the group's DiT (160 ms) unsharded: the VAE group's
+        # lead is under the planner's error, and two whole VAEs are the simpler layout
+        assert best.name == "disagg-2+2/k1/sp2" and best.flags()[-4:] == [
+            "--vae-group-size",
+            "1",
+            "--dit-group-size",
+            "2",
+        ]
         assert pred.w1_steady_fps == pytest.approx(w1_steady_fps(0.160), rel=0.05)
     else:
         assert best.dit_group == 1

@@ -58,6 +58,7 @@ LAYOUTS = {
     "agg-sp2": ["--mode", "aggregated", "--dit-gpus", "2", "--vae-gpus", "2", "--dit-group-size", "2"],
     # both workers on both cores: the stage with work takes the core the other leaves idle
     "shared-1+1": ["--dit-gpus", "1", "--vae-gpus", "1", "--share-cores"],
+    "cut4-1+1": ["--dit-gpus", "1", "--vae-gpus", "1", "--vae-cut", "4"],  # fixed: no adapting
     "auto": [],  # no layout flags: the daemon plans from its cached profile (placement/auto.py)
 }
 DEFAULT_LAYOUTS = ["disagg-1+1", "agg-1x2t", "agg-seq-k2", "agg-2rep"]

@@ -8,6 +8,10 @@ profile) included. Rounds interleave, so a machine whose speed drifts is sampled
 drift; the prediction of a round is compared with the measurement of the same round.
 
     tools/bench/placement.py --rounds 3 --json docs/results/bench_placement.json
+
+The planner's error is the median of every layout's speed-corrected frames/s error, every round;
+`--record` writes it into this machine's cached profile (the daemon's state directory), where
+the planner ranks a simpler layout first wherever the best leads it by less (planner.py).
 """
 
 from __future__ import annotations
@@ -40,11 +44,11 @@ def bench_module():
 
 
 def layout_for(name: str, flags: list[str]):
-    from streamdiff.config import load
+    from streamdiff.config.loader import load
     from streamdiff.flags import overrides_from_args, parse_args
-    from streamdiff.placement.auto import layout_of
+    from streamdiff.placement.layout import Layout
 
-    return layout_of(load(None, overrides_from_args(parse_args(flags))))
+    return Layout.of(load(None, overrides_from_args(parse_args(flags))).topology)
 
 
 def table(summary: dict) -> str:
@@ -71,11 +75,13 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--size", default="256x144")
     ap.add_argument("--json", default=str(ROOT / "docs" / "results" / "bench_placement.json"))
+    ap.add_argument("--record", action="store_true", help="write the measured error into the cached profile")
     a = ap.parse_args()
-    from streamdiff.config import load
+    from streamdiff.config.loader import load
+    from streamdiff.placement.auto import state_dir
     from streamdiff.placement.planner import plan
     from streamdiff.placement.profile.measure import measure
-    from streamdiff.placement.profile.schema import cache_path
+    from streamdiff.placement.profile.schema import Profile, cache_path
     from streamdiff.placement.sim import simulate
     from streamdiff.platform.devices import cpu_model
     from streamdiff.supervisor.topology import model_facts
@@ -163,9 +169,23 @@ def main() -> None:
         for k in ("fps_error", "ttff_error", "corrected_fps_error", "corrected_ttff_error"):
             summary[name][k + "_median"] = statistics.median(summary[name][k])
     print(table(summary))
+    # "auto" is one of the others again: counted once
+    errors = [abs(e) for name in names if name != "auto" for e in summary[name]["corrected_fps_error"]]
+    plan_error = statistics.median(errors)
+    print(f"the planner's error: {100 * plan_error:.1f}% (the median of {len(errors)} speed-corrected errors)")
     meta = {"cpu": cpu_model(), "nproc": os.cpu_count(), "size": a.size, "time": time.strftime("%Y-%m-%d %H:%M:%S")}
-    Path(a.json).write_text(json.dumps({"meta": meta, "summary": summary, "rounds": rounds}, indent=1))
+    out = {"meta": meta, "plan_error": plan_error, "summary": summary, "rounds": rounds}
+    Path(a.json).write_text(json.dumps(out, indent=1))
     print(f"wrote {a.json}")
+    if a.record:
+        cached = cache_path(str(state_dir(cfg)), cfg, (w, h))
+        try:
+            prof = Profile.from_json(cached.read_text())
+        except (OSError, ValueError) as exc:
+            sys.exit(f"--record: no profile of this machine at {cached} ({exc}): run streamdiffd profile")
+        prof.plan_error = min(plan_error, 0.5)
+        cached.write_text(prof.to_json())
+        print(f"recorded it in {cached}")
 
 
 if __name__ == "__main__":
