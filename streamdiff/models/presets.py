@@ -479,8 +479,7 @@ def build_vae_encoder(spec: ModelSpec, device: str = "cpu") -> WanVAEEncoder:
     dtype = resolve_dtype(spec, device)
     if preset.embedded:
         torch.manual_seed(spec.seed + 3)
-        # the tiny decoder has no residual blocks per stage; an encoder needs one to widen its channels
-        model = WanVAEEncoder(replace(preset.vae, num_res_blocks=max(1, preset.vae.num_res_blocks)))
+        model = WanVAEEncoder(preset.vae)
     else:
         raw = _vae_weights(spec)
         cfg = preset.vae

@@ -1,10 +1,11 @@
 """Training the embedded default's VAE on the synthetic grammar (tools/train/default.py vae).
 
 The decoder is the shipped `WanVAEDecoder` at the tiny preset's widths, trained through the same
-modules and kernels it decodes with (`decode_clip`); the encoder (`encoder.py`) is thrown away
-after. Clips come from `synthetic.clip`: 1 + 4k frames of a captioned object, cropped around the
-object. Long clips train chunk by chunk (`chunk`): encoder and decoder carry their causal caches
-from one chunk to the next, detached (truncated backpropagation through time), one optimiser step
+modules and kernels it decodes with (`decode_clip`); the encoder is the daemon's image encoder
+(`WanVAEEncoder`, the same modules under autograd), thrown away after. Clips come from
+`synthetic.clip`: 1 + 4k frames of a captioned object, cropped around the object. Long clips
+train chunk by chunk (`chunk`): encoder and decoder carry their causal caches from one chunk to
+the next, detached (truncated backpropagation through time), one optimiser step
 per chunk (or, with `one_chunk`, one step per clip on a random chunk after the earlier ones ran
 forward only), so the decoder learns the steady state a streamed video reaches after the first few
 blocks, which clips shorter than its temporal receptive field (about 21 latent frames) never
@@ -35,6 +36,7 @@ from __future__ import annotations
 import json
 import math
 import random
+import re
 import shutil
 import time
 from dataclasses import asdict, dataclass
@@ -44,9 +46,9 @@ import numpy as np
 import torch
 
 from ..models.wan.vae import VAEConfig, WanVAEDecoder, decode_clip
+from ..models.wan.vae_encoder import WanVAEEncoder
 from ..synthetic import COLOURS, Caption, clip
 from . import resume, save
-from .encoder import WanVAEEncoder
 
 
 @dataclass
@@ -129,11 +131,39 @@ def edge_mask(mask: torch.Tensor, px: int = 1) -> torch.Tensor:
     return dilated - eroded
 
 
+# The keys a run's checkpoint gave its encoder before it was the daemon's (train/encoder.py,
+# until 2026-12-07): the same modules in the same order, under other names: `quant` is the
+# release's `conv1`, the rest sits under `encoder.`.
+_RUN_KEYS = (
+    (re.compile(r"\.residual\.5\."), ".residual.6."),  # the release's Dropout at 5
+    (re.compile(r"^(encoder\.downsamples\.\d+)\.resample\."), r"\1.resample.1."),  # after its ZeroPad2d
+)
+
+
+def _run_keys(module, state_dict, prefix, *_):
+    """load_state_dict's pre-hook: an older run's encoder keys renamed (resume and load_vae)."""
+    if not any(k.startswith(prefix + "quant.") for k in state_dict):
+        return
+    for k in [k for k in state_dict if k.startswith(prefix)]:
+        new = k[len(prefix) :]
+        new = "conv1." + new[len("quant.") :] if new.startswith("quant.") else "encoder." + new
+        for pattern, repl in _RUN_KEYS:
+            new = pattern.sub(repl, new)
+        state_dict[prefix + new] = state_dict.pop(k)
+
+
+def encoder(cfg: VAEConfig) -> WanVAEEncoder:
+    """The encoder a run trains beside the decoder; it loads older runs' checkpoints too."""
+    enc = WanVAEEncoder(cfg)
+    enc.register_load_state_dict_pre_hook(_run_keys)
+    return enc
+
+
 def load_vae(out: Path, cfg: VAEConfig) -> tuple[WanVAEEncoder, WanVAEDecoder, int]:
     """A run's trained encoder and decoder (eval mode, no grad) and the step they reached. The
     decoder de-normalises with mean 0 and std 1 (raw latents) until the DiT's data sets them."""
     state = torch.load(out / "vae.pt", weights_only=True)
-    enc, dec = WanVAEEncoder(cfg), WanVAEDecoder(cfg)
+    enc, dec = encoder(cfg), WanVAEDecoder(cfg)
     enc.load_state_dict(state["encoder"])
     dec.load_state_dict(state["decoder"])
     dec.mean.zero_()
@@ -146,7 +176,7 @@ def load_vae(out: Path, cfg: VAEConfig) -> tuple[WanVAEEncoder, WanVAEDecoder, i
 def train_vae(out: Path, cfg: VAEConfig, run: VAERun, log=print) -> None:
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(run.seed)
-    enc, dec = WanVAEEncoder(cfg), WanVAEDecoder(cfg)
+    enc, dec = encoder(cfg), WanVAEDecoder(cfg)
     # The decoder de-normalises with these; training runs in raw latents (set after, from data).
     dec.mean.zero_()
     dec.std.fill_(1.0)
@@ -168,7 +198,7 @@ def train_vae(out: Path, cfg: VAEConfig, run: VAERun, log=print) -> None:
         raise ValueError(f"{latents} latent frames do not split into chunks of {chunk}")
     # Its optimiser state stays in the checkpoint; AdamW skips parameters without a gradient.
     enc.requires_grad_(not run.freeze_encoder)
-    x = mask = state = None
+    x = mask = state = enc_state = None
     i = latents
     while step < run.steps:
         phase = (step - start) / max(1, run.steps - start)
@@ -177,16 +207,15 @@ def train_vae(out: Path, cfg: VAEConfig, run: VAERun, log=print) -> None:
             g["lr"] = lr
         if i >= latents:  # a new clip: both caches start at a shot's start
             x, mask = batch_of(run, rng)
-            i, state = 0, dec.new_state()
-            enc.stream(chunk < latents)
+            i, state, enc_state = 0, dec.new_state(), enc.new_state()
             if run.one_chunk:  # the chunks before a random one only fill the caches
                 with torch.no_grad():
                     for _ in range(rng.randrange(latents // chunk)):
-                        decode_clip(dec, enc(x[:, :, frame_range(i, chunk)])[0], state)
+                        decode_clip(dec, enc(x[:, :, frame_range(i, chunk)], enc_state)[0], state)
                         i += chunk
         xc, mc = x[:, :, frame_range(i, chunk)], mask[:, :, frame_range(i, chunk)]
         i = latents if run.one_chunk else i + chunk
-        mu, _ = enc(xc)
+        mu, _ = enc(xc, enc_state)
         y = decode_clip(dec, mu, state)
         edge = edge_mask(mc, run.edge_px)
         weight = 1.0 + (run.object_weight - 1.0) * mc + run.edge_weight * edge
@@ -198,8 +227,8 @@ def train_vae(out: Path, cfg: VAEConfig, run: VAERun, log=print) -> None:
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
-        enc.detach_stream()
-        state.cache = [None if c is None else c.detach() for c in state.cache]
+        for st in (state, enc_state):  # truncated backpropagation through time
+            st.cache = [None if c is None else c.detach() for c in st.cache]
         step += 1
         with torch.no_grad():
             mse = (y.clamp(-1, 1) - xc).square().mean().item()

@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 
 from streamdiff.models.wan.dit import DiTConfig, WanDiT
 from streamdiff.models.wan.vae import VAEConfig, WanVAEDecoder, decode_clip
-from streamdiff.train.encoder import WanVAEEncoder
+from streamdiff.models.wan.vae_encoder import WanVAEEncoder
 
 VAE = VAEConfig(base_dim=4, num_res_blocks=0)
 
@@ -50,14 +51,46 @@ def test_a_long_clip_chunk_by_chunk_is_the_whole_clip():
     with torch.no_grad():
         mu = enc(x)[0]
         ref = decode_clip(dec, mu)
-        enc.stream()
-        state, mus, ys = dec.new_state(), [], []
+        state, enc_state, mus, ys = dec.new_state(), enc.new_state(), [], []
         for f0, f1 in ((0, 9), (9, 17), (17, 29)):  # 3 + 2 + 3 latent frames
-            mus.append(enc(x[:, :, f0:f1])[0])
+            mus.append(enc(x[:, :, f0:f1], enc_state)[0])
             ys.append(decode_clip(dec, mus[-1], state))
-            enc.detach_stream()
     assert (torch.cat(mus, 2) - mu).abs().max().item() < 1e-5
     assert (torch.cat(ys, 2) - ref).abs().max().item() < 1e-5 and ref.shape[2] == 29
+    # the daemon's image-to-video and video encodes are the same encoder: its first latent
+    # frame is the image's, and a video chunk by chunk (1, then 4 frames) is the whole clip's
+    norm = (mu - enc.mean) / enc.std
+    image = enc.encode_image(x[:, :, :1])
+    assert (image - norm[:, :, :1]).abs().max().item() < 1e-5
+    live = enc.new_state()
+    chunks = [enc.encode_chunk(x[:, :, :1], live)] + [enc.encode_chunk(x[:, :, f : f + 4], live) for f in (1, 5)]
+    assert (torch.cat(chunks, 2) - norm[:, :, :3]).abs().max().item() < 1e-5
+    with pytest.raises(ValueError, match="1 \\+ 4k"):
+        enc(x[:, :, :4])
+    with pytest.raises(ValueError, match="4k"):
+        enc(x[:, :, 1:4], enc_state)
+
+
+def test_a_run_from_before_the_encoder_was_the_daemons_resumes(tmp_path):
+    """Runs saved their encoder under the training module's own names (`quant` for the
+    release's `conv1`, no `encoder.` prefix, the conv after the ResBlock's norm at index 5, the
+    downsampler's conv bare): such a checkpoint loads into the daemon's encoder, same numbers."""
+    import re
+
+    from streamdiff.train.vae import encoder
+
+    torch.manual_seed(1)
+    enc = encoder(VAE)
+    old = {}
+    for k, v in enc.state_dict().items():
+        k = re.sub(r"\.resample\.1\.", ".resample.", k.replace(".residual.6.", ".residual.5."))
+        old[k.replace("encoder.", "", 1) if k.startswith("encoder.") else k.replace("conv1.", "quant.", 1)] = v
+    assert "quant.weight" in old and "conv1.weight" in old and not any(k.startswith("encoder.") for k in old)
+    fresh = encoder(VAE)
+    fresh.load_state_dict(old)
+    x = torch.randn(1, 3, 5, 32, 48)
+    with torch.no_grad():
+        assert torch.equal(fresh(x)[0], enc(x)[0])
 
 
 def test_the_dit_under_autograd_streams_the_same_blocks_as_inference():

@@ -54,9 +54,13 @@ class Downsample(nn.Module):
             return y
         prev = ctx.state.cache[conv.slot]
         ctx.state.cache[conv.slot] = y[:, :, -1:].clone()
-        if prev is None:  # a shot's first chunk
+        if prev is not None:
+            return F.conv3d(torch.cat([prev, y], 2), conv.weight, conv.bias, stride=(2, 1, 1))
+        if t == 1:  # a shot's first chunk: its first frame, alone
             return y
-        return F.conv3d(torch.cat([prev, y], 2), conv.weight, conv.bias, stride=(2, 1, 1))
+        # a shot's first chunk of 1 + 2k frames at once (training's whole clips): the first
+        # frame alone, then each later pair with the frame before it, as chunk by chunk
+        return torch.cat([y[:, :, :1], F.conv3d(y, conv.weight, conv.bias, stride=(2, 1, 1))], 2)
 
 
 class ResidualDownStage(nn.Module):
@@ -84,8 +88,9 @@ class ResidualDownStage(nn.Module):
 class Encoder3d(nn.Module):
     def __init__(self, cfg: VAEConfig) -> None:
         super().__init__()
-        if cfg.num_res_blocks < 1:  # the blocks widen the channels before each downsampler
-            raise ValueError(f"a Wan VAE encoder needs num_res_blocks >= 1, got {cfg.num_res_blocks}")
+        # The blocks widen the channels before each downsampler: at least one a stage (the
+        # embedded default's decoder has none of its own beyond the one every stage adds).
+        blocks = max(1, cfg.num_res_blocks)
         dims = [cfg.base_dim * u for u in (1, *cfg.dim_mult)]
         self.conv1 = CausalConv3d(cfg.rgb_channels, dims[0], 3, padding=1)
         downs: list[nn.Module] = []
@@ -93,11 +98,9 @@ class Encoder3d(nn.Module):
         for i, (cin, cout) in enumerate(zip(dims[:-1], dims[1:], strict=True)):
             if cfg.residual:
                 down = i != last
-                downs.append(
-                    ResidualDownStage(cin, cout, cfg.num_res_blocks, down and cfg.temporal_downsample[i], down)
-                )
+                downs.append(ResidualDownStage(cin, cout, blocks, down and cfg.temporal_downsample[i], down))
                 continue
-            for _ in range(cfg.num_res_blocks):
+            for _ in range(blocks):
                 downs.append(ResBlock(cin, cout))
                 cin = cout
             if i != len(cfg.dim_mult) - 1:
@@ -135,6 +138,24 @@ class WanVAEEncoder(nn.Module):
         """A video's causal cache for `encode_chunk`."""
         return VAEState(cache=[None] * self.num_slots)
 
+    def forward(self, x: torch.Tensor, state: VAEState | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The raw mean and log-variance, autograd on (training the embedded default,
+        streamdiff/train/vae.py): (B, 3, T, H, W) in [-1, 1] -> (B, z_dim, T', H/8, W/8). A
+        shot's first chunk is 1 + 4k frames (with a fresh `state`, or none: a whole clip), each
+        later one 4k frames with the state the chunk before left. Wan 2.1's VAE."""
+        state = self.new_state() if state is None else state
+        first, tf = state.latent_frames == 0, self.cfg.temporal_factor
+        if x.dim() != 5 or x.shape[1] != 3 or x.shape[2] < 1 or (x.shape[2] - first) % tf:
+            shape = "1 + 4k" if first else "4k"
+            raise ValueError(f"a chunk of {shape} RGB frames (B, 3, T, H, W), got {tuple(x.shape)}")
+        if self.cfg.residual and not (first and x.shape[2] == 1):
+            raise ValueError("the Wan 2.2 encoder is built for single images here")
+        w = self.conv1.weight
+        h = self.encoder(x.to(device=w.device, dtype=w.dtype), Ctx(state))
+        state.latent_frames += h.shape[2]
+        mu, logvar = F.conv3d(h, w, self.conv1.bias).chunk(2, dim=1)
+        return mu, logvar.clamp(-30.0, 20.0)
+
     @torch.no_grad()
     def encode_chunk(self, x: torch.Tensor, state: VAEState) -> torch.Tensor:
         """A video encoded as it comes, as the release's `encode` runs it: the first frame alone,
@@ -145,12 +166,7 @@ class WanVAEEncoder(nn.Module):
         want = 1 if first else self.cfg.temporal_factor
         if x.dim() != 5 or x.shape[1] != 3 or x.shape[2] != want:
             raise ValueError(f"a chunk of {want} RGB frames (B, 3, {want}, H, W), got {tuple(x.shape)}")
-        if self.cfg.residual and not first:
-            raise ValueError("the Wan 2.2 encoder is built for single images here")
-        w = self.conv1.weight
-        h = self.encoder(x.to(device=w.device, dtype=w.dtype), Ctx(state))
-        state.latent_frames += 1
-        mu = F.conv3d(h, w, self.conv1.bias)[:, : self.cfg.z_dim].float()
+        mu = self(x, state)[0].float()
         return (mu - self.mean.float()) / self.std.float()
 
     @torch.no_grad()
