@@ -27,9 +27,10 @@ class Profile:
     created: float = 0.0
     version: int = VERSION
     memory_bytes: int = 0  # one device's memory (accelerators; 0: not known), what a model must fit (cost.py)
-    # the simulator's W1 error on this machine, relative, as tools/bench/placement.py measured it
-    # against the pipeline (0: not measured; the planner allows for its default, planner.py)
-    plan_error: float = 0.0
+    # the simulator's W1 error on this machine per layout name, relative, as
+    # tools/bench/placement.py measured it against the pipeline (the planner allows its default
+    # for the others, planner.py)
+    plan_errors: dict = field(default_factory=dict)
 
     def to_json(self) -> str:
         return json.dumps(self.__dict__, indent=1, sort_keys=True)
@@ -43,9 +44,12 @@ class Profile:
         missing = {"device", "devices", "preset", "sizes"} - set(fields)
         if missing:
             raise ValueError(f"a profile without {', '.join(sorted(missing))}")
-        err = fields.get("plan_error", 0.0)
-        if isinstance(err, bool) or not isinstance(err, (int, float)) or not 0 <= err < 1:
-            raise ValueError(f"plan_error {err!r}: the simulator's relative error, a number from 0 to below 1")
+        errs = fields.get("plan_errors", {})
+        if not isinstance(errs, dict):
+            raise ValueError("plan_errors: not an object of layout names")
+        for k, v in errs.items():
+            if not isinstance(k, str) or isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < 1:
+                raise ValueError(f"plan_errors[{str(k)[:40]!r}]: {str(v)[:40]}, not a relative error from 0 to below 1")
         fields.setdefault("device_name", "")
         fields.setdefault("model", {})
         return cls(**fields)
