@@ -27,8 +27,7 @@ until another's prediction leads it by more than either's measured error (the pr
 `plan_errors`, per layout, which tools/bench/placement.py --record measures against the
 pipeline; 2% where none was). Of those left, the one with the fewest mechanisms ranks first,
 then the smallest error: a 2% predicted lead of a cut over plain disagg-1+1 measured 3% behind
-it on a 2-core EPYC, and a planned (adapting) cut 4 was predicted level with lent cores and
-measured 13-21% behind.
+it on a 2-core EPYC.
 """
 
 from __future__ import annotations
@@ -170,9 +169,9 @@ class Plan:
         for i, (lay, p) in enumerate(self.ranked[:top], 1):
             good = "-" if p.goodput is None else str(p.goodput)
             e = self.errors.get(lay.name)
-            err = f"{100 * e:5.0f}%" if e is not None else f"{'(' + str(round(100 * DEFAULT_PLAN_ERROR)) + '%)':>6}"
+            err = f"{100 * e:.0f}%" if e is not None else f"({100 * DEFAULT_PLAN_ERROR:.0f}%)"
             rows.append(
-                f"{i:>4}  {lay.name:<20} {p.w1_fps:7.2f} {p.w1_steady_fps:7.2f} {p.w1_ttff_s:7.2f} {good:>7} {err}  "
+                f"{i:>4}  {lay.name:<20} {p.w1_fps:7.2f} {p.w1_steady_fps:7.2f} {p.w1_ttff_s:7.2f} {good:>7} {err:>6}  "
                 + " ".join(lay.flags())
             )
         return "\n".join(rows)
