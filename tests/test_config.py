@@ -82,13 +82,13 @@ def test_model_size_sets_the_default_frame_size_everywhere_it_is_read():
     their preset at (their start-up timing and READY)."""
     from streamdiff.models.presets import get_preset
     from streamdiff.server.api import parse_video_request
-    from streamdiff.supervisor.topology import model_facts, model_spec
+    from streamdiff.supervisor.topology import model_card, model_spec
 
     cfg = load(None, overrides_from_args(parse_args(["--size", "128x64"])))
-    facts = model_facts(cfg)
-    assert facts["default_size"] == (128, 64) and model_facts(Config())["default_size"] == (256, 144)
+    card = model_card(cfg)
+    assert card.default_size == (128, 64) and model_card(Config()).default_size == (256, 144)
     assert get_preset(model_spec(cfg)).default_size == (128, 64)
-    req = parse_video_request({"prompt": "a fox"}, cfg, facts)
+    req = parse_video_request({"prompt": "a fox"}, cfg, card)
     assert (req.width, req.height) == (128, 64)
 
 

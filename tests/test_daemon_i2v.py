@@ -24,6 +24,7 @@ pytest.importorskip("transformers")
 from PIL import Image  # noqa: E402
 
 from streamdiff.config import Config, LimitsConfig  # noqa: E402
+from streamdiff.models.spec import preset_card  # noqa: E402
 from streamdiff.server.api import APIError, parse_video_request, prepare_image  # noqa: E402
 
 from .published import write_base, write_published  # noqa: E402
@@ -193,7 +194,7 @@ def test_bad_images_get_400_and_the_next_request_streams(daemon, name, body, cty
 
 
 def test_a_model_without_image_conditioning_refuses_it():
-    facts = {"fps": 16, "default_size": (64, 64), "model": "self-forcing", "i2v": False}
+    card = preset_card("self-forcing")
     with pytest.raises(APIError) as exc:
-        parse_video_request({"prompt": "x", "input_reference": "data:image/png;base64,AAAA"}, Config(), facts)
+        parse_video_request({"prompt": "x", "input_reference": "data:image/png;base64,AAAA"}, Config(), card)
     assert exc.value.status == 400 and "does not condition on an image" in exc.value.message

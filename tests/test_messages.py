@@ -5,9 +5,12 @@ filled object), so a worker and the supervisor can trust each field's type."""
 from __future__ import annotations
 
 import msgpack
+import msgspec
 import pytest
 
 from streamdiff.ipc import messages as m
+from streamdiff.models.spec import preset_card
+from streamdiff.supervisor.core import loaded_model
 
 EXAMPLES = [
     m.OpenSession("video_1", 256, 144, 2**63 - 1),
@@ -25,7 +28,8 @@ EXAMPLES = [
                 m.StageCost(80.0, [256, 144], busy_ms=70.0),
                 {"2": 60.0},
                 m.DiTMemory(1024.0, 12, 4096.0, 2.0**33),
-                facts=m.ModelFacts("tiny", 3, 16, 8, 4, 16, 16, [256, 144]),
+                card=preset_card("longlive2-5b"),  # a card with every kind of field set
+                loaded={"checkpoint": "model_bf16.pt"},
             ),
         ),
     ),
@@ -61,11 +65,33 @@ def test_malformed_messages_are_refused(raw):
         m.decode(b"\xc1 not msgpack")
 
 
-def test_a_compiled_vae_says_so_in_its_facts():
-    """The VAE stage's compile figures travel in READY and reach the supervisor's facts (so
+def test_a_compiled_vae_says_so_beside_the_dits_load():
+    """The VAE stage's compile figures travel in READY and join what the DiT loaded (so
     `/health` `model` and `/v1/models` `loaded`, beside the DiT's)."""
     cost = m.StageCost(10.0, [256, 144])
     compiled = {"mode": "on", "on": True, "graphs": 3, "compile_s": 9.4}
-    info = m.decode(m.Ready("vae0.0", 1, m.ReadyInfo("cpu", ["vae"], vae=m.VAEReady(cost, compile=compiled))).encode())
-    assert info.info.facts()["vae_compile"] == compiled
-    assert "vae_compile" not in m.ReadyInfo("cpu", ["vae"], vae=m.VAEReady(cost)).facts()
+    vae = m.decode(m.Ready("vae0.0", 1, m.ReadyInfo("cpu", ["vae"], vae=m.VAEReady(cost, compile=compiled))).encode())
+    dit = m.ReadyInfo("cpu", ["dit"], dit=m.DiTReady(cost, card=preset_card("tiny"), loaded={"compile": {}}))
+    card, loaded = loaded_model(preset_card("tiny"), {"dit0": dit, "vae0.0": vae.info})
+    assert card == preset_card("tiny") and loaded == {"compile": {}, "vae_compile": compiled}
+    _, loaded = loaded_model(
+        preset_card("tiny"), {"dit0": dit, "vae0.0": m.ReadyInfo("cpu", ["vae"], vae=m.VAEReady(cost))}
+    )
+    assert "vae_compile" not in loaded
+
+
+def test_a_worker_whose_model_does_not_fit_the_rings_is_refused_by_field():
+    """The supervisor sized its rings by the preset's card: a DiT reporting another block, or a
+    VAE another factor, is refused naming the field; a dimension of its own is the loaded model's."""
+    cost = m.StageCost(10.0, [256, 144])
+    tiny = preset_card("tiny")
+
+    def dit(card):
+        return {"dit0": m.ReadyInfo("cpu", ["dit"], dit=m.DiTReady(cost, card=card))}
+
+    with pytest.raises(RuntimeError, match="worker dit0 reports frames_per_block=1, expected 3"):
+        loaded_model(tiny, dit(tiny.configured(frames_per_block=1)))
+    with pytest.raises(RuntimeError, match="worker vae0.0 reports spatial_factor=16, expected 8"):
+        loaded_model(tiny, {"vae0.0": m.ReadyInfo("cpu", ["vae"], vae=m.VAEReady(cost, spatial_factor=16))})
+    wider = msgspec.structs.replace(tiny, window_frames=6)
+    assert loaded_model(tiny, dit(wider))[0] == wider

@@ -6,20 +6,18 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
+import msgspec
 import pytest
 import torch
 
 from streamdiff.cli import placement as commands
 from streamdiff.config import Config, ConfigError, ModelConfig, TopologyConfig
 from streamdiff.models.presets import WAN22_5B, WAN_14B
-from streamdiff.models.spec import DIT_DIMS, preset_facts
+from streamdiff.models.spec import ARCH_CARDS, preset_card
 from streamdiff.models.wan.dit import DiTConfig, WanDiT, count_params
 from streamdiff.models.wan.sampler import SamplerConfig
 from streamdiff.placement.auto import check_memory
 from streamdiff.placement.cost import (
-    DEFAULT_FRAMES_PER_BLOCK,
-    DEFAULT_STEPS,
-    DEFAULT_WINDOW_FRAMES,
     GIB,
     DoesNotFit,
     dit_params,
@@ -37,20 +35,21 @@ CONFIGS = {"wan2.1-t2v-1.3b": DiTConfig(), "wan2.1-t2v-14b": WAN_14B, "wan2.2-ti
 
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_dims_and_params_are_the_models(name):
-    cfg = CONFIGS[name]
-    dims = {k: getattr(cfg, k) for k in DIT_DIMS[name]}
-    assert dims == DIT_DIMS[name]
+    cfg, dims = CONFIGS[name], preset_card(name).dims
+    assert {k: getattr(cfg, k) for k in dims.__struct_fields__} == msgspec.structs.asdict(dims)
     with torch.device("meta"):
         model = WanDiT(cfg)
-    assert dit_params(DIT_DIMS[name]) == count_params(model)
+    assert dit_params(dims) == count_params(model)
 
 
-def test_sampler_defaults_are_the_block_samplers():
-    s = SamplerConfig()
-    assert (len(s.steps) + 1, s.window_frames, s.frames_per_block) == (
-        DEFAULT_STEPS + 1,
-        DEFAULT_WINDOW_FRAMES,
-        DEFAULT_FRAMES_PER_BLOCK,
+@pytest.mark.parametrize("name", [n for n, c in ARCH_CARDS.items() if not c.embedded])
+def test_a_bare_dit_configurations_card_is_the_block_samplers(name):
+    """A DiT configuration's card prices the block sampler's defaults."""
+    s, card = SamplerConfig(), preset_card(name)
+    assert (card.steps, card.window_frames, card.frames_per_block) == (
+        len(s.steps),
+        s.window_frames,
+        s.frames_per_block,
     )
 
 
@@ -66,8 +65,8 @@ def test_block_flops_count_the_models_linear_layers():
     )
     tpf = (480 // 16) * (832 // 16)
     cost = model_cost("krea-realtime-14b", SIZE)
-    n, d = 3 * tpf, DIT_DIMS["wan2.1-t2v-14b"]
-    attention = 4 * n * d["dim"] * (6 * tpf + d["text_len"]) * d["num_layers"]
+    n, d = 3 * tpf, preset_card("wan2.1-t2v-14b").dims
+    attention = 4 * n * d.dim * (6 * tpf + d.text_len) * d.num_layers
     assert cost.block_flops == 6 * (2 * n * per_token + attention)  # 5 passes of the schedule + the recompute
 
 
@@ -92,10 +91,10 @@ def test_14b_placed_on_80gb():
     prof = dataclasses.replace(priced_profile(Profile.from_json(B70.read_text()), "krea-realtime-14b"), devices=1)
     cost = model_cost("krea-realtime-14b", SIZE, 2)
     cost.check(80 * 10**9)
-    p = plan(Config(), prof, 1, "throughput", preset_facts("krea-realtime-14b"), SIZE)
+    p = plan(Config(), prof, 1, "throughput", preset_card("krea-realtime-14b"), SIZE)
     lay, pred = p.best
     assert lay.mode == "aggregated" and pred.w1_fps > 0
-    p2 = plan(Config(), dataclasses.replace(prof, devices=2), 2, "throughput", preset_facts("krea-realtime-14b"), SIZE)
+    p2 = plan(Config(), dataclasses.replace(prof, devices=2), 2, "throughput", preset_card("krea-realtime-14b"), SIZE)
     assert any(x.mode == "disaggregated" and x.dit == 1 and x.vae == 1 for x, _ in p2.ranked)
 
 

@@ -222,10 +222,10 @@ def synthetic(
 
 def predict(prof, layout):
     from streamdiff.config import Config
-    from streamdiff.models.spec import PRESET_FACTS
+    from streamdiff.models.spec import preset_card
     from streamdiff.placement.sim import simulate
 
-    return simulate(Config(), prof, layout, dict(PRESET_FACTS["tiny"]), (256, 144))
+    return simulate(Config(), prof, layout, preset_card("tiny"), (256, 144))
 
 
 def w1_steady_fps(block_s: float) -> float:
@@ -294,16 +294,16 @@ def test_an_image_to_video_requests_encoding_is_charged_once_to_its_first_block(
     first block's DiT time of a request that starts from an image; later blocks are unchanged,
     so the whole video is later by the difference, once."""
     from streamdiff.config import Config
-    from streamdiff.models.spec import PRESET_FACTS
+    from streamdiff.models.spec import preset_card
     from streamdiff.placement.layout import Layout
     from streamdiff.placement.sim import simulate
 
     prof = synthetic(100.0, 200.0)
     prof.sizes["256x144"]["dit"]["1"]["image_ms"] = 450.0
-    facts = dict(PRESET_FACTS["tiny"], frames_per_block=1)  # frame-wise, as the i2v checkpoint
+    card = preset_card("tiny").configured(frames_per_block=1)  # frame-wise, as the i2v checkpoint
 
     def run(image: bool):
-        p = simulate(Config(), prof, Layout("disaggregated", 1, 1), facts, (256, 144), image=image)
+        p = simulate(Config(), prof, Layout("disaggregated", 1, 1), card, (256, 144), image=image)
         return p.w1_ttff_s, sum(b.emit for b in plan_storyboard()) / p.w1_fps
 
     (ttff, end), (ttff_img, end_img) = run(False), run(True)
@@ -315,18 +315,18 @@ def test_through_a_vae_cut_an_image_block_also_costs_the_cuts_stages_on_its_late
     """With a cut the DiT runs the cut's first stages on the image's latent too (one latent frame
     of a block of three): the image block costs `image_ms` and a third of the stages' time."""
     from streamdiff.config import Config
-    from streamdiff.models.spec import PRESET_FACTS
+    from streamdiff.models.spec import preset_card
     from streamdiff.placement.layout import Layout
     from streamdiff.placement.sim import simulate
 
     prof = synthetic(100.0, 200.0, stages=[30.0, 30.0, 60.0, 80.0])
     prof.sizes["256x144"]["dit"]["1"].update(image_ms=450.0, cut_stages_ms=[30.0, 30.0, 60.0, 80.0])
-    facts = PRESET_FACTS["tiny"]
-    assert facts["frames_per_block"] == 3
+    card = preset_card("tiny")
+    assert card.frames_per_block == 3
 
     def ttff(cut: int, image: bool) -> float:
         lay = Layout("disaggregated", 1, 1, 1, cut=cut)
-        return simulate(Config(), prof, lay, facts, (256, 144), image=image).w1_ttff_s
+        return simulate(Config(), prof, lay, card, (256, 144), image=image).w1_ttff_s
 
     # the first fragment waits for the image block's DiT time, then its VAE's
     plain, cut = ttff(0, True) - ttff(0, False), ttff(2, True) - ttff(2, False)
@@ -370,7 +370,7 @@ def test_a_vae_cut_moves_the_decoders_first_stages_to_the_dit_and_the_planner_of
     200 ms a block, the cut at 3 runs DiT 140 beside VAE 160. Cuts past half the VAE are not
     offered, nor cuts on accelerators (the activation would cross the host)."""
     from streamdiff.config import Config
-    from streamdiff.models.spec import PRESET_FACTS
+    from streamdiff.models.spec import preset_card
     from streamdiff.placement.layout import Layout
     from streamdiff.placement.planner import candidates, plan
 
@@ -379,9 +379,7 @@ def test_a_vae_cut_moves_the_decoders_first_stages_to_the_dit_and_the_planner_of
     cut = Layout("disaggregated", 1, 1, 1, cut=3)
     assert cut.name == "disagg-1+1/cut3" and cut.flags()[-2:] == ["--vae-cut", "3"]
     assert predict(prof, cut).w1_steady_fps == pytest.approx(w1_steady_fps(0.16), rel=0.03)
-    ranked = [
-        lay.name for lay, _ in plan(Config(), prof, 2, "throughput", dict(PRESET_FACTS["tiny"]), (256, 144)).ranked
-    ]
+    ranked = [lay.name for lay, _ in plan(Config(), prof, 2, "throughput", preset_card("tiny"), (256, 144)).ranked]
     assert {n for n in ranked if "/cut" in n} == {f"disagg-1+1/cut{c}" for c in (1, 2, 3, 4)}
     assert ranked.index("disagg-1+1/cut3") < ranked.index("disagg-1+1")
     assert not any(x.cut for x in candidates(2, "cuda", cuts=(1, 2)))
@@ -416,14 +414,14 @@ def test_a_lead_under_either_layouts_measured_error_ranks_the_simpler_layout_fir
     import json
 
     from streamdiff.config import Config
-    from streamdiff.models.spec import PRESET_FACTS
+    from streamdiff.models.spec import preset_card
     from streamdiff.placement.planner import DEFAULT_PLAN_ERROR, mechanisms, plan
     from streamdiff.placement.profile.schema import Profile
 
-    facts = dict(PRESET_FACTS["tiny"])
+    card = preset_card("tiny")
 
     def ranked(prof):
-        p = plan(Config(), prof, 2, "throughput", facts, (256, 144), threads=(1,))
+        p = plan(Config(), prof, 2, "throughput", card, (256, 144), threads=(1,))
         return p, [lay.name for lay, _ in p.ranked]
 
     close = synthetic(100.0, 105.0, stages=[3.0, 2.0, 20.0, 20.0, 30.0, 30.0])
@@ -530,20 +528,20 @@ def test_the_simulator_runs_an_adapting_cut_as_the_daemon_does():
     from dataclasses import replace
 
     from streamdiff.config import Config
-    from streamdiff.models.spec import PRESET_FACTS
+    from streamdiff.models.spec import preset_card
     from streamdiff.placement.layout import Layout
     from streamdiff.placement.sim import Sim, simulate, storyboard
 
     prof = synthetic(100.0, 200.0, stages=[10.0, 10.0, 20.0, 40.0, 60.0, 60.0])
-    facts = dict(PRESET_FACTS["tiny"])
+    card = preset_card("tiny")
     cfg = Config()
     adapt = replace(cfg, topology=replace(cfg.topology, vae_cut_adapt=True))
-    best = simulate(cfg, prof, Layout("disaggregated", 1, 1, cut=3), facts, (256, 144)).w1_fps
+    best = simulate(cfg, prof, Layout("disaggregated", 1, 1, cut=3), card, (256, 144)).w1_fps
     for start in (1, 5):
-        fixed = simulate(cfg, prof, Layout("disaggregated", 1, 1, cut=start), facts, (256, 144)).w1_fps
-        moved = simulate(adapt, prof, Layout("disaggregated", 1, 1, cut=start), facts, (256, 144)).w1_fps
+        fixed = simulate(cfg, prof, Layout("disaggregated", 1, 1, cut=start), card, (256, 144)).w1_fps
+        moved = simulate(adapt, prof, Layout("disaggregated", 1, 1, cut=start), card, (256, 144)).w1_fps
         assert moved == pytest.approx(best, rel=0.02) and best > 1.05 * fixed
-        sim = Sim(adapt, prof, Layout("disaggregated", 1, 1, cut=start), (256, 144), facts)
+        sim = Sim(adapt, prof, Layout("disaggregated", 1, 1, cut=start), (256, 144), card)
         sim.submit("w1", storyboard(), 256, 144)
         sim.run()
         assert sim.sched.snapshot()["vae_cuts"] == {"dit0": 3}
@@ -557,7 +555,7 @@ def test_shared_cores_run_a_stage_on_both_cores_while_the_other_waits():
     two-thread figures the layout is not offered."""
     from streamdiff.config import Config
     from streamdiff.config.loader import override
-    from streamdiff.models.spec import PRESET_FACTS
+    from streamdiff.models.spec import preset_card
     from streamdiff.placement.costs import Costs
     from streamdiff.placement.layout import Layout
     from streamdiff.placement.planner import plan
@@ -568,9 +566,7 @@ def test_shared_cores_run_a_stage_on_both_cores_while_the_other_waits():
     assert shared.name == "disagg-1+1/shared" and shared.flags()[-1] == "--share-cores" and shared.devices == 2
 
     def ranked(prof):
-        return [
-            lay.name for lay, _ in plan(Config(), prof, 2, "throughput", dict(PRESET_FACTS["tiny"]), (256, 144)).ranked
-        ]
+        return [lay.name for lay, _ in plan(Config(), prof, 2, "throughput", preset_card("tiny"), (256, 144)).ranked]
 
     assert shared.name not in ranked(synthetic(100.0, 200.0))
     prof = synthetic(100.0, 200.0, dit2=60.0, vae2=110.0)
@@ -578,7 +574,7 @@ def test_shared_cores_run_a_stage_on_both_cores_while_the_other_waits():
     assert Costs(prof, (256, 144), 1).lent_speedups(4) == (1.0, 1.0)  # not measured on four
     prof.sizes["256x144"]["dit"]["2"]["first_ms"] = 100.0  # two threads no faster on a first block after idle
     assert Costs(prof, (256, 144), 1).lent_speedups(2, first=True) == pytest.approx((1.0, 200 / 110))
-    sim = Sim(Config(), prof, shared, (256, 144), dict(PRESET_FACTS["tiny"]))
+    sim = Sim(Config(), prof, shared, (256, 144), preset_card("tiny"))
     sim.submit("one", [Scene("a fox", 9 + 12 * 40)], 256, 144)  # 41 blocks of 3 latent frames
     sim.run()
     # past the start and before the DiT's last block (the VAE then decodes what is left alone)
@@ -588,8 +584,8 @@ def test_shared_cores_run_a_stage_on_both_cores_while_the_other_waits():
     order = ranked(prof)
     assert order[0] == shared.name and order.index("disagg-1+1") > order.index("agg-1x2t") > 0
     unpinned = override(Config(), topology={"pin_cpus": False})  # lending pins each worker to its own cores
-    facts = dict(PRESET_FACTS["tiny"])
-    assert shared.name not in [x.name for x, _ in plan(unpinned, prof, 2, "throughput", facts, (256, 144)).ranked]
+    card = preset_card("tiny")
+    assert shared.name not in [x.name for x, _ in plan(unpinned, prof, 2, "throughput", card, (256, 144)).ranked]
 
 
 def test_an_adapting_cut_prices_moved_work_as_the_profile_measured_it():
@@ -601,7 +597,7 @@ def test_an_adapting_cut_prices_moved_work_as_the_profile_measured_it():
     from dataclasses import replace
 
     from streamdiff.config import Config
-    from streamdiff.models.spec import PRESET_FACTS
+    from streamdiff.models.spec import preset_card
     from streamdiff.placement.layout import Layout
     from streamdiff.placement.sim import Sim, simulate, storyboard
     from streamdiff.supervisor.cut import CutBalance
@@ -621,16 +617,16 @@ def test_an_adapting_cut_prices_moved_work_as_the_profile_measured_it():
         b.observe_dit("dit0", "vae-group-0", 380.0, 5, hw)
         assert b.cut("dit0", "vae-group-0", hw, 3) == first
     assert b.period_ms("dit0", "vae-group-0", 3, hw) == pytest.approx(180.0)
-    facts = dict(PRESET_FACTS["tiny"])
+    card = preset_card("tiny")
     cfg = Config()
     adapt = replace(cfg, topology=replace(cfg.topology, vae_cut_adapt=True))
-    sim = Sim(adapt, prof, Layout("disaggregated", 1, 1, cut=5), (256, 144), facts)
+    sim = Sim(adapt, prof, Layout("disaggregated", 1, 1, cut=5), (256, 144), card)
     assert sim.cfg.topology.vae_cut_exchange == pytest.approx((2.0, 0.5))
     sim.submit("w1", storyboard(), 256, 144)
     sim.run()
     assert sim.sched.snapshot()["vae_cuts"] == {"dit0": 3} and sim.sched.cuts.changes == 1
-    best = simulate(cfg, prof, Layout("disaggregated", 1, 1, cut=3), facts, (256, 144)).w1_fps
-    moved = simulate(adapt, prof, Layout("disaggregated", 1, 1, cut=5), facts, (256, 144)).w1_fps
+    best = simulate(cfg, prof, Layout("disaggregated", 1, 1, cut=3), card, (256, 144)).w1_fps
+    moved = simulate(adapt, prof, Layout("disaggregated", 1, 1, cut=5), card, (256, 144)).w1_fps
     assert moved == pytest.approx(best, rel=0.02)
 
 
@@ -641,7 +637,7 @@ def test_a_simulation_leaves_the_daemons_log_as_it_found_it(caplog):
     from dataclasses import replace
 
     from streamdiff.config import Config
-    from streamdiff.models.spec import PRESET_FACTS
+    from streamdiff.models.spec import preset_card
     from streamdiff.placement.layout import Layout
     from streamdiff.placement.sim import simulate
 
@@ -649,7 +645,7 @@ def test_a_simulation_leaves_the_daemons_log_as_it_found_it(caplog):
     cfg = Config()
     adapt = replace(cfg, topology=replace(cfg.topology, vae_cut_adapt=True))
     prof = synthetic(100.0, 200.0, stages=[10.0, 10.0, 20.0, 40.0, 60.0, 60.0])
-    simulate(adapt, prof, Layout("disaggregated", 1, 1, cut=1), dict(PRESET_FACTS["tiny"]), (256, 144))
+    simulate(adapt, prof, Layout("disaggregated", 1, 1, cut=1), preset_card("tiny"), (256, 144))
     assert "cut moves" not in caplog.text  # the simulated daemon's own line stays out
     logging.getLogger("streamdiff.placement").info("dit0: the VAE cut moves from 1 to 3 stages")
     assert "the VAE cut moves from 1 to 3" in caplog.text
@@ -657,20 +653,20 @@ def test_a_simulation_leaves_the_daemons_log_as_it_found_it(caplog):
 
 def test_the_planner_ranks_by_objective_and_follows_the_balance():
     from streamdiff.config import Config
-    from streamdiff.models.spec import PRESET_FACTS
+    from streamdiff.models.spec import preset_card
     from streamdiff.placement.planner import plan
 
-    facts = dict(PRESET_FACTS["tiny"])
+    card = preset_card("tiny")
     vae_bound = synthetic(100.0, 200.0, group=105.0, dit2=95.0, vae2=190.0)  # 2 threads barely help
-    best, pred = plan(Config(), vae_bound, 2, "throughput", facts, (256, 144)).best
+    best, pred = plan(Config(), vae_bound, 2, "throughput", card, (256, 144)).best
     assert best.name == "hybrid-1+2"
     threaded = synthetic(100.0, 200.0, group=105.0, dit2=50.0, vae2=100.0)  # 2 threads scale perfectly
-    assert plan(Config(), threaded, 2, "throughput", facts, (256, 144)).best[0].name == "agg-1x2t"
-    latency = plan(Config(), vae_bound, 2, "latency", facts, (256, 144))
+    assert plan(Config(), threaded, 2, "throughput", card, (256, 144)).best[0].name == "agg-1x2t"
+    latency = plan(Config(), vae_bound, 2, "latency", card, (256, 144))
     ttffs = [p.w1_ttff_s for _, p in latency.ranked]
     assert ttffs == sorted(ttffs)
     with pytest.raises(ValueError, match="objective"):
-        plan(Config(), vae_bound, 2, "fastest", facts, (256, 144))
+        plan(Config(), vae_bound, 2, "fastest", card, (256, 144))
 
 
 @pytest.mark.parametrize("group_ms,chosen", [(160.0, True), (310.0, False)])
@@ -679,14 +675,14 @@ def test_a_dit_group_is_chosen_only_where_its_measured_link_makes_it_pay(group_m
     block (all-to-alls included) measured 160 ms makes the pipeline faster and is chosen, with
     the flags that run it; one whose link makes its block slower than one device is not."""
     from streamdiff.config import Config
-    from streamdiff.models.spec import PRESET_FACTS
+    from streamdiff.models.spec import preset_card
     from streamdiff.placement.planner import plan
 
     prof = synthetic(300.0, 150.0, group=80.0, devices=4)
     fig = prof.sizes["256x144"]
     fig["dit_group"] = {"2": {**fig["dit"]["1"], "block_ms": group_ms, "first_ms": group_ms, "own_ms": 120.0}}
     fig["dit_group"]["2"]["batch_ms"] = {"2": group_ms}
-    p = plan(Config(), prof, 4, "throughput", dict(PRESET_FACTS["tiny"]), (256, 144), threads=(1,))
+    p = plan(Config(), prof, 4, "throughput", preset_card("tiny"), (256, 144), threads=(1,))
     best, pred = p.best
     names = [lay.name for lay, _ in p.ranked]
     assert "disagg-2+2/sp2" in names
@@ -703,21 +699,37 @@ def test_two_devices_run_the_dit_and_the_vae_each_over_both_where_the_group_pays
     over both (105 ms): 160 ms a block, no device idle while the other stage runs, faster than
     any layout that leaves one device's time to a stage alone."""
     from streamdiff.config import Config
-    from streamdiff.models.spec import PRESET_FACTS
+    from streamdiff.models.spec import preset_card
     from streamdiff.placement.planner import plan
 
     prof = synthetic(100.0, 200.0, group=105.0)
     fig = prof.sizes["256x144"]
     fig["dit_group"] = {"2": {**fig["dit"]["1"], "block_ms": 55.0, "first_ms": 55.0, "own_ms": 45.0}}
     fig["dit_group"]["2"]["batch_ms"] = {"2": 55.0}
-    p = plan(Config(), prof, 2, "throughput", dict(PRESET_FACTS["tiny"]), (256, 144), threads=(1,))
+    p = plan(Config(), prof, 2, "throughput", preset_card("tiny"), (256, 144), threads=(1,))
     best, pred = p.best
     assert best.name == "agg-sp2"
     assert best.flags() == ["--mode", "aggregated", "--dit-gpus", "2", "--vae-gpus", "2", "--dit-group-size", "2"]
     assert pred.w1_steady_fps == pytest.approx(w1_steady_fps(0.160), rel=0.05)
     del fig["dit_group"]  # not measured: not offered
-    ranked = plan(Config(), prof, 2, "throughput", dict(PRESET_FACTS["tiny"]), (256, 144)).ranked
+    ranked = plan(Config(), prof, 2, "throughput", preset_card("tiny"), (256, 144)).ranked
     assert "agg-sp2" not in [lay.name for lay, _ in ranked]
+
+
+def test_a_model_whose_dit_runs_on_one_device_is_never_planned_a_dit_group():
+    """Matrix-Game's action modules run on one device (its card's `dit_group`): where a DiT
+    group would win for another model, no layout of its plan splits the DiT."""
+    from streamdiff.config import Config
+    from streamdiff.models.spec import preset_card
+    from streamdiff.placement.planner import plan
+
+    prof = synthetic(100.0, 200.0, group=105.0)
+    fig = prof.sizes["256x144"]
+    fig["dit_group"] = {"2": {**fig["dit"]["1"], "block_ms": 55.0, "first_ms": 55.0, "own_ms": 45.0}}
+    fig["dit_group"]["2"]["batch_ms"] = {"2": 55.0}
+    card = preset_card("matrix-game-2-universal").configured(default_size=(256, 144))
+    assert plan(Config(), prof, 2, "throughput", preset_card("tiny"), (256, 144)).best[0].dit_group == 2
+    assert all(lay.dit_group == 1 for lay, _ in plan(Config(), prof, 2, "throughput", card, (256, 144)).ranked)
 
 
 def test_the_planner_ranks_eight_b70s_from_the_published_figures():
@@ -725,20 +737,20 @@ def test_the_planner_ranks_eight_b70s_from_the_published_figures():
     stream is DiT-bound once the VAE is sharded 3 ways or more, so the best layout for it gives
     the DiT one card and the VAE a wide group; no hybrid on accelerators."""
     from streamdiff.config import Config
-    from streamdiff.models.spec import PRESET_FACTS
+    from streamdiff.models.spec import preset_card
     from streamdiff.placement.planner import plan
     from streamdiff.placement.profile.schema import Profile
 
     prof = Profile.from_json((ROOT / "docs" / "results" / "profile-b70.json").read_text())
-    facts = dict(PRESET_FACTS["wan2.1-t2v-1.3b"])
+    card = preset_card("wan2.1-t2v-1.3b")
     for n in (2, 4, 8):
-        p = plan(Config(), prof, n, "throughput", facts, (832, 480))
+        p = plan(Config(), prof, n, "throughput", card, (832, 480))
         best, pred = p.best
         assert best.mode == "disaggregated" and best.devices == n
         assert all(lay.mode != "hybrid" for lay, _ in p.ranked)
         if n > 2:  # DiT-bound
             assert pred.w1_steady_fps == pytest.approx(w1_steady_fps(2.871), rel=0.03)
-    two = plan(Config(), prof, 2, "throughput", facts, (832, 480)).best[1]
+    two = plan(Config(), prof, 2, "throughput", card, (832, 480)).best[1]
     assert two.w1_steady_fps == pytest.approx(w1_steady_fps(3.870), rel=0.03)  # disagg-1+1: VAE-bound
 
 

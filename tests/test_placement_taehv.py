@@ -19,24 +19,24 @@ def taehv_profile(dit_ms: float, vae_ms: float, **kw):
 def test_with_taehv_only_groups_of_one_are_planned_and_dits_may_share_a_decoder():
     from streamdiff.config import Config
     from streamdiff.config.loader import override
-    from streamdiff.models.spec import PRESET_FACTS
+    from streamdiff.models.spec import preset_card
     from streamdiff.placement.planner import plan
 
-    facts = dict(PRESET_FACTS["tiny"])
+    card = preset_card("tiny")
     # DiT-bound (TAEHV a seventh of the DiT), with figures a Wan profile would use to shard and cut
     prof = taehv_profile(300.0, 40.0, group=25.0, devices=4, stages=[10.0, 10.0, 10.0, 10.0])
     wan = synthetic(300.0, 40.0, group=25.0, devices=4, stages=[10.0, 10.0, 10.0, 10.0])
-    names = [lay.name for lay, _ in plan(Config(), wan, 4, "throughput", facts, (256, 144)).ranked]
+    names = [lay.name for lay, _ in plan(Config(), wan, 4, "throughput", card, (256, 144)).ranked]
     assert any("/cut" in n for n in names) and any(n.startswith("hybrid") for n in names)  # the Wan VAE's
     for obj in ("throughput", "streams"):
-        ranked = plan(Config(), prof, 4, obj, facts, (256, 144)).ranked
+        ranked = plan(Config(), prof, 4, obj, card, (256, 144)).ranked
         assert all(lay.group_size == 1 and lay.mode != "hybrid" and lay.cut == 0 for lay, _ in ranked)
         assert "disagg-3+1" in [lay.name for lay, _ in ranked]
-    streams = {lay.name: p.goodput for lay, p in plan(Config(), prof, 4, "streams", facts, (256, 144)).ranked}
+    streams = {lay.name: p.goodput for lay, p in plan(Config(), prof, 4, "streams", card, (256, 144)).ranked}
     assert streams["disagg-3+1"] > streams["disagg-1+3/k1"]  # three DiTs feeding one TAEHV serve more
     # the configured decoder counts too, where the profile does not say
     cfg = override(Config(), model={"decoder": "taehv"})
-    assert all(lay.group_size == 1 for lay, _ in plan(cfg, wan, 4, "throughput", facts, (256, 144)).ranked)
+    assert all(lay.group_size == 1 for lay, _ in plan(cfg, wan, 4, "throughput", card, (256, 144)).ranked)
 
 
 def test_taehv_makes_vae_gpus_replicas():

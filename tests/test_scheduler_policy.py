@@ -13,6 +13,7 @@ import pytest
 
 from streamdiff.config import Config
 from streamdiff.ipc import messages as m
+from streamdiff.models.spec import preset_card
 from streamdiff.plan import Scene, plan_blocks
 from streamdiff.supervisor import scheduler as s
 from streamdiff.supervisor.scheduler.capacity import TRIALS
@@ -20,7 +21,7 @@ from streamdiff.supervisor.scheduler.dispatch import STAGE_DEPTH
 from streamdiff.supervisor.scheduler.tickets import T_DIT, T_EMITTED, T_FRAMES, T_LATENT, T_QUEUED, T_VAE
 from streamdiff.supervisor.topology import Topology
 
-FACTS = {"spatial_factor": 8, "size_multiple": 16, "frames_per_block": 3, "temporal_factor": 4}
+CARD = preset_card("tiny")
 TWO_PIPELINES = (["dit0", "dit1"], [["vae0.0"], ["vae1.0"]])
 ONE_PIPELINE_K2 = (["dit0"], [["vae0.0", "vae0.1"]])
 
@@ -43,7 +44,7 @@ class World:
         topo = Topology(workers=[], dit_workers=dits, vae_groups=groups, devices=devices or {})
         self.ready = set(dits) | {w for g in groups for w in g}
         self.groups = groups
-        self.sched = s.Scheduler(cfg or Config(), topo, latent_slots, frame_slots, FACTS)
+        self.sched = s.Scheduler(cfg or Config(), topo, latent_slots, frame_slots, CARD)
         self.now = 0.0
         self.todo: deque = deque()  # (worker or "encoder", what)
         self.closed: set[tuple[str, str]] = set()  # (worker, session) closed at that worker

@@ -32,11 +32,12 @@ def test_the_api_reaches_the_engine_only_through_its_boundary():
 
 
 # The house's layers, low to high: a module imports only from its own package or a lower layer
-# (function-level imports included). placement sits above the supervisor: it drives the
-# supervisor's own scheduler in simulation and plans the topologies the supervisor runs; the CLI
-# calls `place()` before it builds the Supervisor. train (the embedded default's training) and
-# the CLI are the top.
+# (function-level imports included). card, the model's description, is below them all. placement
+# sits above the supervisor: it drives the supervisor's own scheduler in simulation and plans the
+# topologies the supervisor runs; the CLI calls `place()` before it builds the Supervisor. train
+# (the embedded default's training) and the CLI are the top.
 LAYERS = [
+    {"card"},
     {"spawn", "plan", "controls", "ipc", "metrics", "sdnotify", "synthetic", "cluster", "media"},
     {"platform"},
     {"models"},

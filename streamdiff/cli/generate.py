@@ -138,10 +138,10 @@ def read_request(args: argparse.Namespace) -> tuple[dict, dict[str, str]]:
 
 def validate(body: dict, given: dict[str, str], cfg: Config, args: argparse.Namespace) -> VideoRequest:
     """The API's validation of the body; its refusal names the flag (or the file) that gave the field."""
-    from ..supervisor.topology import model_facts
+    from ..supervisor.topology import model_card
 
     try:
-        return parse_video_request(body, cfg, model_facts(cfg))
+        return parse_video_request(body, cfg, model_card(cfg))
     except APIError as exc:
         field = (exc.param or "").split(".")[0].split("[")[0]  # scenes[1].seconds -> scenes
         where = given.get(field) or (f"--scenes {args.scenes}" if args.scenes is not None else None)
@@ -193,7 +193,7 @@ def generate(cfg: Config, req: VideoRequest, args: argparse.Namespace) -> tuple[
     out, part = Path(args.output), Path(args.output + ".part")  # a stopped run leaves no half video under the name
     latents: list[torch.Tensor] = []
     sess, state = dit.open_session(req.width, req.height, req.seed), None
-    space = SPACES.get(dit.preset.checkpoint.controls if dit.preset.checkpoint else None)
+    space = SPACES.get(dit.card.controls)
     timeline = Timeline(space) if space is not None else None  # as the scheduler keeps a world model's
     for c in req.controls:
         timeline.receive(c, 0)

@@ -58,10 +58,10 @@ def profile_main(argv: list[str]) -> int:
     from ..placement.auto import state_dir
     from ..placement.profile.measure import measure
     from ..placement.profile.schema import cache_path
-    from ..supervisor.topology import model_facts
+    from ..supervisor.topology import model_card
 
     cfg = _config(a)
-    default = tuple(model_facts(cfg)["default_size"])
+    default = model_card(cfg).default_size
     sizes = a.sizes or [default]
     prof = measure(cfg, sizes, rounds=a.rounds, cycles=a.cycles, log=lambda s: print(s, file=sys.stderr))
     out = Path(a.out) if a.out else cache_path(str(state_dir(cfg)), cfg, sizes[0])
@@ -119,18 +119,18 @@ def plan_main(argv: list[str]) -> int:
     )
     p.add_argument("--memory-gib", type=float, help="one device's memory (default: the profile's, where it says)")
     a = p.parse_args(argv)
-    from ..models.spec import DIT_DIMS, known_presets, preset_facts
+    from ..models.spec import known_presets, preset_card
     from ..placement.auto import dtype_bytes, state_dir
-    from ..placement.cost import GIB, DoesNotFit, dit_name, model_cost, priced_profile
+    from ..placement.cost import GIB, DoesNotFit, model_cost, priced_profile
     from ..placement.planner import plan
     from ..placement.profile.schema import Profile, cache_path
-    from ..supervisor.topology import model_facts
+    from ..supervisor.topology import model_card
 
     # --preset is the model to plan for, which needs no weights: not the daemon's --preset
     model_flags = ("config", "device", "model", "decoder", "decoder_weights")
     cfg = _config(a, model_flags)
-    facts = model_facts(cfg)
-    path = Path(a.profile) if a.profile else cache_path(str(state_dir(cfg)), cfg, tuple(facts["default_size"]))
+    card = model_card(cfg)
+    path = Path(a.profile) if a.profile else cache_path(str(state_dir(cfg)), cfg, card.default_size)
     try:
         prof = Profile.from_json(path.read_text())
     except (OSError, ValueError) as exc:
@@ -140,17 +140,18 @@ def plan_main(argv: list[str]) -> int:
     if a.preset and a.preset != prof.preset:  # another model, priced from the profile's
         if a.preset not in known_presets():
             p.error(f"--preset: unknown model {a.preset!r} (known: {', '.join(known_presets())})")
+        priceable = [n for n in known_presets() if preset_card(n).dims is not None]
         for name in (a.preset, prof.preset):
-            if dit_name(name) not in DIT_DIMS:
-                p.error(f"--preset: {name!r} has no DiT dimensions to price by (known: {', '.join(DIT_DIMS)})")
+            if preset_card(name).dims is None:
+                p.error(f"--preset: {name!r} has no DiT dimensions to price by (known: {', '.join(priceable)})")
         try:
             prof, priced = priced_profile(prof, a.preset), prof.preset
         except ValueError as exc:
             p.error(f"--preset: {exc}")
-        facts = preset_facts(a.preset)
-    elif prof.preset != cfg.model.preset:  # plan for the profile's model (its facts; no weights needed)
-        facts = {**preset_facts(prof.preset), "frames_per_block": facts["frames_per_block"]}
-    size = a.size or (tuple(facts["default_size"]) if "x".join(map(str, facts["default_size"])) in prof.sizes else None)
+        card = preset_card(a.preset)
+    elif prof.preset != cfg.model.preset:  # plan for the profile's model (its card; no weights needed)
+        card = preset_card(prof.preset).configured(card.frames_per_block)
+    size = a.size or (card.default_size if "x".join(map(str, card.default_size)) in prof.sizes else None)
     size = size or _size(next(iter(prof.sizes)))
     if f"{size[0]}x{size[1]}" not in prof.sizes:
         print(f"streamdiffd plan: the profile has no figures at {size[0]}x{size[1]}", file=sys.stderr)
@@ -159,7 +160,7 @@ def plan_main(argv: list[str]) -> int:
     if devices < 1:
         p.error(f"--devices: {devices} must be at least 1")
     memory = int(a.memory_gib * GIB) if a.memory_gib else prof.memory_bytes
-    if dit_name(prof.preset) in DIT_DIMS:
+    if preset_card(prof.preset).dims is not None:
         cost = model_cost(prof.preset, size, dtype_bytes(cfg, prof.device))
         if priced:
             base = model_cost(priced, size)
@@ -176,7 +177,7 @@ def plan_main(argv: list[str]) -> int:
                 return 2
     out = {}
     for obj in OBJECTIVES if a.objective == "all" else (a.objective,):
-        ranked = plan(cfg, prof, devices, obj, facts, size, a.w2_size)
+        ranked = plan(cfg, prof, devices, obj, card, size, a.w2_size)
         out[obj] = ranked
         if not a.json:
             print(f"\n{obj} ({devices} devices, {size[0]}x{size[1]}, {prof.device_name}):")

@@ -18,7 +18,7 @@ import re
 import socket
 from dataclasses import dataclass, field
 
-from ..models.catalog import checkpoint_preset
+from ..models.spec import DEFAULT_PRESET
 
 
 class ConfigError(ValueError):
@@ -58,9 +58,7 @@ class ServerConfig:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    preset: str = (
-        "tiny"  # tiny (embedded) | tiny-random (seeded) | wan2.1-t2v-1.3b | wan2.1-t2v-14b | a checkpoint preset
-    )
+    preset: str = DEFAULT_PRESET  # a DiT configuration or a checkpoint preset (`streamdiffd models`)
     path: str = ""  # weights directory for real presets
     dit_checkpoint: str = ""  # Causal Forcing / Self-Forcing generator .pt (a checkpoint preset's file)
     weights: str = ""  # ema | generator: the training checkpoint's weight set (empty: the preset's)
@@ -222,13 +220,6 @@ class Config:
     @property
     def model_name(self) -> str:
         return self.model.name or self.model.preset
-
-    @property
-    def recache_policy(self) -> str:
-        """When a prompt switch re-caches (sampler.recache, else the checkpoint preset's, else
-        on_request): what the API checks a scene's `recache` against."""
-        cp = checkpoint_preset(self.model.preset)
-        return self.sampler.recache or (cp.recache if cp else "on_request")
 
     @property
     def node(self) -> str:

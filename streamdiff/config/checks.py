@@ -8,8 +8,7 @@ import shutil
 from pathlib import Path
 
 from ..ipc.messages import read_given_calibration
-from ..models.catalog import checkpoint_preset
-from ..models.spec import EMBEDDED_PRESETS, known_presets
+from ..models.spec import known_presets, preset_card
 from ..platform.base import KINDS
 from . import OBJECTIVES, Config, ConfigError, parse_size
 from .layout import broken_rule
@@ -58,16 +57,16 @@ def validate(cfg: Config) -> None:
     for k in ("client_write_timeout_s", "request_read_timeout_s", "drain_timeout_s", "webrtc_connect_timeout_s"):
         _check(getattr(s, k) > 0, f"server.{k}", "must be > 0", getattr(s, k))
     _check(m.preset in known_presets(), "model.preset", f"must be one of {', '.join(known_presets())}", m.preset)
-    _check(m.preset in EMBEDDED_PRESETS or bool(m.path), "model.path", "is required for real presets", m.path)
-    cp = checkpoint_preset(m.preset)
+    card = preset_card(m.preset)
+    _check(card.embedded or bool(m.path), "model.path", "is required for real presets", m.path)
     _check(
-        cp is None or bool(m.dit_checkpoint),
+        card.checkpoint is None or bool(m.dit_checkpoint),
         "model.dit_checkpoint",
-        f"preset {m.preset} runs the authors' {cp.checkpoint if cp else ''}: give it with --dit-checkpoint FILE",
+        f"preset {m.preset} runs the authors' {card.checkpoint}: give it with --dit-checkpoint FILE",
         m.dit_checkpoint,
     )
     _check(
-        cp is None or cp.lora is None or bool(m.lora),
+        card.lora is None or bool(m.lora),
         "model.lora",
         f"preset {m.preset} is its base weights plus a LoRA: give the LoRA file with --lora FILE",
         m.lora,
@@ -75,7 +74,7 @@ def validate(cfg: Config) -> None:
     _check(m.weights in ("", "ema", "generator"), "model.weights", "must be ema or generator", m.weights)
     _check(m.lora_alpha >= 0, "model.lora_alpha", "must be > 0 (0: the preset's)", m.lora_alpha)
     _check(
-        not m.lora or m.lora_alpha > 0 or (cp is not None and cp.lora is not None),
+        not m.lora or m.lora_alpha > 0 or card.lora is not None,
         "model.lora_alpha",
         "is needed with a LoRA that no preset describes (PEFT files do not store it)",
         m.lora_alpha,
@@ -87,13 +86,13 @@ def validate(cfg: Config) -> None:
         cfg.sampler.recache,
     )
     _check(
-        cp is None or not cp.prope or cfg.sampler.recache in ("", "never"),
+        card.can_recache or cfg.sampler.recache in ("", "never"),
         "sampler.recache",
         f"preset {m.preset} cannot re-cache (its held frames' cameras are not kept): never",
         cfg.sampler.recache,
     )
     _check(
-        cp is None or cp.image != "condition" or t.dit_group_size == 1,
+        card.dit_group or t.dit_group_size == 1,
         "topology.dit_group_size",
         f"preset {m.preset}'s action modules run on one device: 1",
         t.dit_group_size,
@@ -124,7 +123,7 @@ def validate(cfg: Config) -> None:
         m.decoder_weights,
     )
     _check(
-        m.decoder != "taehv" or m.preset == "tiny" or bool(m.decoder_weights),
+        m.decoder != "taehv" or card.embedded or bool(m.decoder_weights),
         "model.decoder_weights",
         f"--decoder taehv with preset {m.preset} needs TAEHV's weights (--decoder-weights taew2_1.pth); "
         "only the embedded default draws them",

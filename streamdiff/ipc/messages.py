@@ -12,6 +12,8 @@ from typing import Literal, Union
 
 import msgspec
 
+from ..card import ModelCard
+
 
 class ProtocolError(ValueError):
     pass
@@ -176,22 +178,6 @@ class StageTimes(msgspec.Struct, frozen=True):
     size: list[int]
 
 
-class ModelFacts(msgspec.Struct, frozen=True):
-    """The model a DiT worker loaded, as the supervisor needs it without importing torch."""
-
-    model: str
-    frames_per_block: int
-    fps: int
-    spatial_factor: int
-    temporal_factor: int
-    size_multiple: int
-    latent_channels: int
-    default_size: list[int]
-    embedded_weights: bool = False
-    i2v: bool = False
-    loaded: dict = {}  # the checkpoint, weight set, LoRA and sampler settings it runs (engines.describe_load)
-
-
 class DiTReady(msgspec.Struct, frozen=True):
     """A DiT stage's start-up: its calibration block, a pair's per-block share, its memory."""
 
@@ -200,7 +186,8 @@ class DiTReady(msgspec.Struct, frozen=True):
     memory: DiTMemory | None = None
     rank: int = 0
     world: int = 1
-    facts: ModelFacts | None = None
+    card: ModelCard | None = None  # the model it loaded (the supervisor checks its ring fields)
+    loaded: dict = {}  # the checkpoint, weight set, LoRA and sampler settings it runs (engines.describe_load)
 
 
 class VAEReady(msgspec.Struct, frozen=True):
@@ -223,23 +210,10 @@ class ReadyInfo(msgspec.Struct, frozen=True):
     dit: DiTReady | None = None
     vae: VAEReady | None = None
 
-    def facts(self) -> dict:
-        """The model facts its stages report, flat (the supervisor checks them against the
-        preset's and takes the ones only a loaded model knows)."""
-        out: dict = {}
-        if self.vae is not None:
-            out.update(spatial_factor=self.vae.spatial_factor, temporal_factor=self.vae.temporal_factor)
-            if self.vae.compile is not None:
-                out["vae_compile"] = self.vae.compile
-        if self.dit is not None and self.dit.facts is not None:
-            out.update(msgspec.structs.asdict(self.dit.facts))
-        return out
-
 
 class Ready(Message, tag="ready"):
     """Handshake: the worker's stages are built. `info` carries what they measured at start and
-    the model facts the supervisor needs without importing torch (frames per block, factors,
-    fps, sizes)."""
+    the model's card, which the supervisor checks without importing torch."""
 
     worker: str
     pid: int

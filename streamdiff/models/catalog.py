@@ -13,21 +13,14 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+from ..card import IMAGE_MODES, Lora
+
 WEIGHT_SETS = ("ema", "generator")  # `generator_ema` or `generator` of a training checkpoint
-RECACHE = ("never", "on_request", "every_switch")
-SAMPLERS = ("block", "rolling", "unipc")
-IMAGE_MODES = ("block", "first_frame", "condition")  # how an image starts a shot (CheckpointPreset.image)
 
 # "Global" attention in the authors' code is a KV cache the size of their whole video: 21 latent
 # frames (81 frames at 16 fps). A stream here may run longer, so a global model's window slides
 # at that length.
 GLOBAL_WINDOW_FRAMES = 21
-
-
-@dataclass(frozen=True)
-class Lora:
-    rank: int
-    alpha: float
 
 
 @dataclass(frozen=True)
@@ -85,6 +78,7 @@ class CheckpointPreset:
         out = {k: d[k] for k in JSON_FIELDS}
         out["steps"] = list(self.steps)
         out["first_block_steps"] = list(self.first_block_steps) if self.first_block_steps else None
+        out["lora"] = {"rank": self.lora.rank, "alpha": self.lora.alpha} if self.lora else None
         return out
 
     @property

@@ -15,6 +15,7 @@ import torch
 
 from ..controls import camera_row
 from ..plan import cache_frames
+from .blocks import check_block
 from .compiled import Compiler
 from .image_condition import ImageCondition
 from .presets import (
@@ -25,7 +26,6 @@ from .presets import (
     build_vae,
     build_vae_encoder,
     describe_load,
-    image_to_video,
 )
 from .wan import rolling
 from .wan.canvas import commit_canvas
@@ -76,6 +76,10 @@ class DiTSession:
     # shot's first block (its next block) at t = 0 through every step
     first_latent: torch.Tensor | None = None
 
+    def caches(self) -> list:
+        """The keys/values it holds: the history, and the rolling sampler's window's context."""
+        return [self.state.kv] + ([self.rolling.scratch.kv] if self.rolling is not None else [])
+
 
 class DiTEngine:
     def __init__(
@@ -87,6 +91,7 @@ class DiTEngine:
         do not, and get each prompt's embedding from `share_prompt` (parallel/dit_group.py)."""
         self.device = device
         self.model, self.preset = build_dit(spec, device)
+        self.card = self.preset.card()  # what it takes: the worker's checks, the API's (through READY)
         self.loaded = describe_load(spec, self.preset)  # what it was built from (log, /health, /v1/models)
         self.compiler = Compiler(spec.compile, device)  # compiled lazily, at the first blocks (`warm`)
         self.model.compile_blocks(self.compiler)
@@ -95,15 +100,15 @@ class DiTEngine:
         # image-to-video: the VAE encoder beside the DiT (one image per shot; its latent then
         # travels to the VAE workers in the ring as the shot's first block). Loaded only where
         # the preset conditions on an image.
-        self.i2v = image_to_video(self.preset)
+        self.i2v = self.card.i2v
         self.encoder = build_vae_encoder(spec, device) if self.i2v else None
-        cp = self.preset.checkpoint
-        # How an image starts a shot (catalog.IMAGE_MODES): a block of its own; the first latent
+        # How an image starts a shot (card.IMAGE_MODES): a block of its own; the first latent
         # frame of the first block, held at t = 0 (LongLive 2.0); or, for Matrix-Game, beside every
         # block's noise with its CLIP tokens as the context
-        self.image_mode = cp.image if cp is not None and self.i2v else "block"
-        self.image_condition = self.i2v and self.image_mode == "condition"
+        self.image_mode = self.card.image or "block"
+        self.image_condition = self.card.image == "condition"
         self.clip = build_image_encoder(spec, device) if self.image_condition else None
+        cp = self.preset.checkpoint
         self.noise_layout = cp.noise_layout if cp is not None else "fchw"
         self.noise_dtype = self.model.patch_embedding.weight.dtype  # the authors draw in the model's dtype
         s = self.preset.sampler
@@ -119,6 +124,12 @@ class DiTEngine:
         self._prompts: OrderedDict[str, torch.Tensor] = OrderedDict()
         self._prompt_cache = prompt_cache
         self._sigmas: dict[tuple, list[float]] = {}
+
+    def check_block(
+        self, frames: int, shot_start: bool, image: bool, actions, camera, transition: bool, prompt
+    ) -> None:
+        """BlockRefused where this model cannot make the block (blocks.check_block)."""
+        check_block(self.card, frames, shot_start, image, actions, camera, transition, prompt)
 
     @property
     def frames_per_block(self) -> int:

@@ -20,16 +20,17 @@
 
 from __future__ import annotations
 
-import functools
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
+import msgspec
 import torch
 
+from ..card import ModelCard
 from ..controls import MATRIX_GAME
 from .catalog import CheckpointPreset, checkpoint_preset
-from .shipped import WEIGHTS_DIR, embedded_weights
-from .spec import DECODERS, ModelSpec, known_presets
+from .shipped import WEIGHTS_DIR, embedded_weights, trained_header
+from .spec import DECODERS, ModelSpec, known_presets, preset_card
 from .wan.action import ActionConfig
 from .wan.dit import DiTConfig, WanDiT
 from .wan.loading import (
@@ -85,6 +86,30 @@ class Preset:
     fps: int = 16  # the frame rate the model was trained at
     embedded: bool = False  # weights are generated, not loaded
     checkpoint: CheckpointPreset | None = None  # the published checkpoint this preset runs (catalog.py)
+
+    def card(self) -> ModelCard:
+        """The model as built: its preset's card, with the geometry, block, window and dimensions
+        this configuration and the weights' own config.json gave it."""
+        d, s, card = self.dit, self.sampler, preset_card(self.name)
+        dims = None
+        if not self.embedded:  # the context: the prompt's tokens, or an image model's CLIP tokens (the card's count)
+            context = {"text_dim": d.image_dim} if d.image_dim else {"text_dim": d.text_dim, "text_len": d.text_len}
+            same = ("dim", "ffn_dim", "num_heads", "num_layers", "freq_dim", "in_channels", "out_channels")
+            dims = msgspec.structs.replace(card.dims, **{k: getattr(d, k) for k in same}, **context)
+        return msgspec.structs.replace(
+            card,
+            latent_channels=d.out_channels,
+            spatial_factor=self.vae.spatial_factor,
+            temporal_factor=self.vae.temporal_factor,
+            size_multiple=self.vae.spatial_factor * d.patch_size[1],
+            frames_per_block=s.frames_per_block,
+            steps=len(s.steps),
+            fps=self.fps,
+            default_size=tuple(self.default_size),
+            window_frames=s.window_frames,
+            sink_frames=s.sink_frames,
+            dims=dims,
+        )
 
 
 def tiny_layers(ratio: float) -> int:
@@ -237,25 +262,18 @@ class TrainedDiT:
 
 
 def trained_dit(preset: str, root: Path = WEIGHTS_DIR) -> TrainedDiT | None:
-    f = embedded_weights(preset, "dit", root)
-    return None if f is None else _read_trained_dit(f, f.stat().st_mtime_ns)
-
-
-@functools.lru_cache(maxsize=4)
-def _read_trained_dit(path: Path, mtime_ns: int) -> TrainedDiT:
-    """The file's header only (the tensors load in the workers); read once per file version."""
-    import json
-
-    from safetensors import safe_open
-
     try:
-        with safe_open(str(path), framework="pt") as f:
-            meta = f.metadata() or {}
-        cfg = {k: tuple(v) if isinstance(v, list) else v for k, v in json.loads(meta["dit"]).items()}
-        text = json.loads(meta.get("text", "{}"))
-        return TrainedDiT(path, DiTConfig(**cfg), json.loads(meta.get("sampler", "{}")), int(text.get("layers", 1)))
-    except Exception as exc:
-        raise CheckpointError(f"{path}: not the embedded default's trained DiT ({exc!r})") from exc
+        found = trained_header(preset, root)
+    except ValueError as exc:
+        raise CheckpointError(str(exc)) from None
+    if found is None:
+        return None
+    path, head = found
+    try:
+        cfg = DiTConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in head["dit"].items()})
+    except TypeError as exc:
+        raise CheckpointError(f"{path}: not the embedded default's trained DiT ({exc!r})") from None
+    return TrainedDiT(path, cfg, head["sampler"], int(head["text"].get("layers", 1)))
 
 
 def load_trained_part(model: torch.nn.Module, path: Path, part: str) -> None:
@@ -463,13 +481,6 @@ def build_image_encoder(spec: ModelSpec, device: str = "cpu"):
     if not root.is_dir():
         raise CheckpointError(f"{spec.path}: no image_encoder/ (the CLIP ViT-H/14 vision model, transformers' layout)")
     return ClipImageEncoder(root, device, resolve_dtype(spec, device))
-
-
-def image_to_video(preset: Preset) -> bool:
-    """Whether the preset conditions on an image: a published checkpoint as its catalog entry
-    says (the authors' --i2v), and the embedded default (its seeded encoder makes no meaningful
-    picture either, but lets the whole image-to-video path run end to end on a laptop)."""
-    return preset.checkpoint.i2v if preset.checkpoint is not None else preset.embedded
 
 
 def build_vae_encoder(spec: ModelSpec, device: str = "cpu") -> WanVAEEncoder:

@@ -4,7 +4,9 @@ machine's cached profile measured other weights, another sampler) without import
 
 from __future__ import annotations
 
+import functools
 import hashlib
+import json
 from pathlib import Path
 
 # Trained weights of the embedded default, one file per stage (tools/train/default.py export).
@@ -17,6 +19,32 @@ def embedded_weights(preset: str, stage: str, root: Path = WEIGHTS_DIR) -> Path 
     none: the seeded weights then. Only `tiny` loads them; `tiny-random` is the seeded one always."""
     f = root / f"{preset}-{stage}.safetensors"
     return f if preset == "tiny" and f.is_file() else None
+
+
+def trained_header(preset: str, root: Path = WEIGHTS_DIR) -> tuple[Path, dict] | None:
+    """The shipped trained DiT's file and what its header says it was trained with: `dit` (its
+    DiTConfig's fields), `sampler` (the SamplerConfig fields it changed), `text` (the text
+    encoder's layers). None where the preset runs seeded weights; ValueError for a file that is not one."""
+    f = embedded_weights(preset, "dit", root)
+    return None if f is None else (f, _read_header(f, f.stat().st_mtime_ns))
+
+
+@functools.lru_cache(maxsize=4)
+def _read_header(path: Path, mtime_ns: int) -> dict:
+    """The file's header only (the tensors load in the workers), read once per file version and
+    without torch (safetensors' numpy reader: the header is the same)."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path), framework="numpy") as f:
+            meta = f.metadata() or {}
+        return {
+            "dit": json.loads(meta["dit"]),
+            "sampler": json.loads(meta.get("sampler", "{}")),
+            "text": json.loads(meta.get("text", "{}")),
+        }
+    except Exception as exc:
+        raise ValueError(f"{path}: not the embedded default's trained DiT ({exc!r})") from exc
 
 
 def fingerprint(preset: str, root: Path = WEIGHTS_DIR) -> str | None:

@@ -11,10 +11,10 @@ from pathlib import Path
 
 from ..config import Config, ConfigError
 from ..config.layout import explicit_layout, planned
-from ..models.spec import DIT_DIMS
+from ..models.spec import preset_card
 from ..platform.devices import device_count, device_memory
-from ..supervisor.topology import model_facts
-from .cost import DoesNotFit, ModelCost, dit_name, model_cost
+from ..supervisor.topology import model_card
+from .cost import DoesNotFit, ModelCost, model_cost
 from .costs import cut_exchange
 from .layout import Layout
 from .planner import plan
@@ -100,7 +100,7 @@ def check_memory(cfg: Config, size: tuple[int, int], memory_bytes: int) -> Model
     """Refuse, before any worker loads weights, a model whose DiT worker (weights, text encoder,
     one block's activations and one session's caches) cannot fit one device; None where the
     model has no priced configuration (tiny) or the device's memory is not known (the CPU)."""
-    if memory_bytes <= 0 or dit_name(cfg.model.preset) not in DIT_DIMS:
+    if memory_bytes <= 0 or preset_card(cfg.model.preset).dims is None:
         return None
     cost = model_cost(cfg.model.preset, size, dtype_bytes(cfg))
     try:
@@ -113,7 +113,7 @@ def check_memory(cfg: Config, size: tuple[int, int], memory_bytes: int) -> Model
 def place(cfg: Config, log=print) -> tuple[Config, Placement]:
     """cfg with its layout resolved, and what was placed and why."""
     t = cfg.topology
-    check_memory(cfg, tuple(model_facts(cfg)["default_size"]), device_memory(t.device))
+    check_memory(cfg, model_card(cfg).default_size, device_memory(t.device))
     if not planned(t):
         resolved = dataclasses.replace(cfg, topology=explicit_layout(t))
         lay = Layout.of(resolved.topology)
@@ -126,11 +126,11 @@ def place(cfg: Config, log=print) -> tuple[Config, Placement]:
                 "(one device runs both stages with --mode aggregated)"
             )
         return resolved, Placement(lay.name, lay.flags(), planned=False)
-    facts = model_facts(cfg)
-    size = tuple(facts["default_size"])
+    card = model_card(cfg)
+    size = card.default_size
     n = t.devices or device_count(t.device)
     prof, path = profile_for(cfg, size, n, log)
-    p = plan(cfg, prof, n, t.objective, facts, size)
+    p = plan(cfg, prof, n, t.objective, card, size)
     best, pred = p.best
     chosen = best.configure(
         t,

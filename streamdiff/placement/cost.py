@@ -4,8 +4,7 @@ What the planner needs of a model it has no profile of: the bytes a DiT worker h
 each session's KV and prompt caches, the peak of one block's activations) and the work of one
 block in FLOPs, so that a profile of one configuration prices another (the 1.3B's prices the
 14B: same blocks, wider and deeper). The dimensions are those of `presets.py`'s `DiTConfig`s
-(`spec.DIT_DIMS`, checked equal in the tests); the sampler's by the checkpoint preset, or the
-block sampler's defaults.
+(the model card's `dims`, checked equal in the tests), its steps, window and block the card's too.
 """
 
 from __future__ import annotations
@@ -13,14 +12,10 @@ from __future__ import annotations
 import copy
 from dataclasses import dataclass
 
-from ..models.catalog import checkpoint_preset
-from ..models.spec import DIT_DIMS, PRESET_FACTS
+from ..card import DiTDims, ModelCard
+from ..models.spec import preset_card
 
 GIB = 2**30
-# The block sampler's defaults (models/wan/sampler.py SamplerConfig) for a bare DiT configuration.
-DEFAULT_STEPS = 4
-DEFAULT_WINDOW_FRAMES = 21
-DEFAULT_FRAMES_PER_BLOCK = 3
 # umT5-XXL's encoder (the text encoder a real preset's DiT worker holds on its device): vocabulary
 # 256384 x 4096, 24 layers of attention (4 x 4096 x 4096) and gated FFN (3 x 4096 x 10240), their
 # norms, and each layer's relative-position table (32 buckets x 64 heads).
@@ -30,7 +25,8 @@ UMT5_XXL_ENCODER_PARAMS = 256384 * 4096 + 24 * (4 * 4096 * 4096 + 3 * 4096 * 102
 # CLIP ViT-H/14's vision tower (Matrix-Game's image encoder): 32 layers of width 1280 (attention
 # and an MLP of 5120), its patch embedding and positions.
 CLIP_VIT_H_PARAMS = 32 * (4 * 1280 * 1280 + 2 * 1280 * 5120 + 9 * 1280) + 3 * 14 * 14 * 1280 + 258 * 1280
-MATRIX_GAME_ACTION_BLOCKS = 15
+# The parameters of the encoder a DiT worker holds for its context (ModelCard.context_encoder).
+CONTEXT_ENCODER_PARAMS = {"umt5": UMT5_XXL_ENCODER_PARAMS, "clip": CLIP_VIT_H_PARAMS}
 
 
 def action_params(dim: int, keys: int = 4) -> int:
@@ -42,26 +38,6 @@ def action_params(dim: int, keys: int = 4) -> int:
 
 class DoesNotFit(ValueError):
     """The model cannot run on one device of this memory: the message names it and the numbers."""
-
-
-def dit_name(preset: str) -> str:
-    """The DiT configuration a preset runs on (a checkpoint preset's `dit`, else itself)."""
-    cp = checkpoint_preset(preset)
-    return cp.dit if cp else preset
-
-
-def sampler_of(preset: str) -> tuple[int, int, int]:
-    """(forward passes per steady block, window frames incl. the block, frames per block): the
-    steps plus the clean pass (or Krea's recompute, which takes its place)."""
-    cp = checkpoint_preset(preset)
-    if cp is None:
-        return DEFAULT_STEPS + 1, DEFAULT_WINDOW_FRAMES, DEFAULT_FRAMES_PER_BLOCK
-    return len(cp.steps) + 1, cp.window_frames, cp.frames_per_block
-
-
-def tokens_per_frame(size: tuple[int, int], spatial_factor: int = 8, patch: int = 2) -> int:
-    w, h = size
-    return (h // spatial_factor // patch) * (w // spatial_factor // patch)
 
 
 @dataclass(frozen=True)
@@ -88,55 +64,53 @@ class ModelCost:
             )
 
 
-def dit_params(d: dict) -> int:
+def dit_params(d: DiTDims) -> int:
     """Parameters of a Wan 2.1 DiT of dimensions `d` (the module tree of models/wan/dit.py)."""
-    dim, ffn, layers, text_dim, freq = d["dim"], d["ffn_dim"], d["num_layers"], d["text_dim"], d["freq_dim"]
-    out = d.get("out_channels", 16) * 4  # patch 1x2x2
+    dim, ffn, layers, text_dim, freq = d.dim, d.ffn_dim, d.num_layers, d.text_dim, d.freq_dim
+    out = d.out_channels * 4  # patch 1x2x2
     block = 8 * (dim * dim + dim) + 4 * dim + 2 * dim * ffn + ffn + dim + 2 * dim + 6 * dim
-    embed = (d.get("in_channels", 16) * 4 * dim + dim) + (text_dim * dim + dim + dim * dim + dim)
+    embed = (d.in_channels * 4 * dim + dim) + (text_dim * dim + dim + dim * dim + dim)
     embed += (freq * dim + dim + dim * dim + dim) + (6 * dim * dim + 6 * dim)
     head = dim * out + out + 2 * dim
     return layers * block + embed + head
 
 
-def block_flops(d: dict, tpf: int, frames: int, window: int, passes: int, paths: int = 1) -> float:
+def block_flops(d: DiTDims, tpf: int, frames: int, window: int, passes: int, paths: int = 1) -> float:
     """Multiply-adds x 2 of one block: per pass, every token of the block through each layer's
     projections (self q/k/v/o, cross q/o: the prompt's k/v are cached) and FFN, and attention
     over the window's tokens (self) and the prompt's (cross). `paths` 2: PRoPE's second
     self-attention and its output projection (its 4x4 transforms are a few per cent of one)."""
-    dim, ffn, layers, text_len = d["dim"], d["ffn_dim"], d["num_layers"], d["text_len"]
+    dim, ffn, layers, text_len = d.dim, d.ffn_dim, d.num_layers, d.text_len
     n = tpf * frames
     linear = 2 * n * ((5 + paths) * dim * dim + 2 * dim * ffn)
     attn = 4 * n * dim * (paths * window * tpf + text_len)
     return float(passes * layers * (linear + attn))
 
 
-def model_cost(preset: str, size: tuple[int, int], dtype_bytes: int = 2) -> ModelCost:
-    """The cost of `preset` at frame size `size` with weights and caches of `dtype_bytes`."""
-    dit = dit_name(preset)
-    if dit not in DIT_DIMS:
-        raise ValueError(f"no DiT dimensions for {preset!r} (known: {', '.join(DIT_DIMS)})")
-    d = DIT_DIMS[dit]
-    passes, window, frames = sampler_of(preset)
-    tpf = tokens_per_frame(size, PRESET_FACTS[dit]["spatial_factor"])
-    cp = checkpoint_preset(preset)
-    paths = 2 if cp is not None and cp.prope else 1  # minWM's PRoPE: a second attention and cache
-    params = dit_params(d) + (paths - 1) * d["num_layers"] * (d["dim"] ** 2 + d["dim"])
-    text = UMT5_XXL_ENCODER_PARAMS
-    kv = paths * d["num_layers"] * 2 * window * tpf * d["dim"] * dtype_bytes
-    if dit == "matrix-game-2":  # CLIP in place of umT5; 15 action modules, their mouse caches
-        text = CLIP_VIT_H_PARAMS
-        params += MATRIX_GAME_ACTION_BLOCKS * action_params(d["dim"])
-        kv += MATRIX_GAME_ACTION_BLOCKS * 2 * window * tpf * 1024 * dtype_bytes
-    cross = d["num_layers"] * 2 * d["text_len"] * d["dim"] * dtype_bytes
+def model_cost(preset: str | ModelCard, size: tuple[int, int], dtype_bytes: int = 2) -> ModelCost:
+    """The cost of `preset` (a name, or a card) at frame size `size` with weights and caches of `dtype_bytes`."""
+    card = preset_card(preset) if isinstance(preset, str) else preset
+    d = card.dims
+    if d is None:
+        raise ValueError(f"no DiT dimensions for {card.name!r}: its depth is configured, it is priced by its profile")
+    passes, window, frames = card.steps + 1, card.window_frames, card.frames_per_block  # the steps + the clean pass
+    tpf = card.tokens_per_frame(*size)
+    paths = card.kv_caches  # minWM's PRoPE: a second attention and cache
+    params = dit_params(d) + (paths - 1) * d.num_layers * (d.dim**2 + d.dim)
+    text = CONTEXT_ENCODER_PARAMS[card.context_encoder]
+    kv = paths * d.num_layers * 2 * window * tpf * d.dim * dtype_bytes
+    if card.action_blocks:  # Matrix-Game's action modules, their mouse caches
+        params += card.action_blocks * action_params(d.dim)
+        kv += card.action_blocks * 2 * window * tpf * 1024 * dtype_bytes
+    cross = d.num_layers * 2 * d.text_len * d.dim * dtype_bytes
     # One block's peak: the FFN's hidden, the block's q/k/v/o and residuals (float32 where the
     # modulation runs), and the attention's output over the window: a few dim-wide rows and one
     # ffn-wide per token, held twice over for the allocator's slack.
     n = tpf * frames
-    act = 2 * n * (d["ffn_dim"] * dtype_bytes + 8 * d["dim"] * 4)
+    act = 2 * n * (d.ffn_dim * dtype_bytes + 8 * d.dim * 4)
     return ModelCost(
-        preset,
-        dit,
+        card.name,
+        card.arch,
         params,
         text,
         (params + text) * dtype_bytes,
@@ -152,17 +126,17 @@ def priced_profile(profile, preset: str):
     stay (the same VAE: a model on another VAE, Wan 2.2's, is refused). A DiT group's
     all-to-alls move activations: scaled by width x depth."""
     out = copy.deepcopy(profile)
-    src = DIT_DIMS.get(dit_name(profile.preset))
+    src = preset_card(profile.preset).dims
     if src is None:
         raise ValueError(f"the profile's model {profile.preset!r} has no DiT dimensions to price from")
-    mine, theirs = (PRESET_FACTS[dit_name(n)]["latent_channels"] for n in (preset, profile.preset))
+    mine, theirs = (preset_card(n).latent_channels for n in (preset, profile.preset))
     if mine != theirs:  # another VAE: the profile's decode figures do not carry
         raise ValueError(
             f"{preset} decodes {mine}-channel latents with another VAE than the profile's {profile.preset} "
             f"({theirs} channels): profile {preset} itself"
         )
-    dst = DIT_DIMS[dit_name(preset)]
-    link = (dst["dim"] * dst["num_layers"]) / (src["dim"] * src["num_layers"])
+    dst = preset_card(preset).dims
+    link = (dst.dim * dst.num_layers) / (src.dim * src.num_layers)
     for key, fig in out.sizes.items():
         w, h = (int(x) for x in key.split("x"))
         ratio = model_cost(preset, (w, h)).block_flops / model_cost(profile.preset, (w, h)).block_flops

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ..card import ModelCard
 from ..config import OBJECTIVES, Config
 from .layout import Layout
 from .profile.schema import Profile, offered_cuts
@@ -190,7 +191,7 @@ def plan(
     profile: Profile,
     devices: int,
     objective: str,
-    facts: dict,
+    card: ModelCard,
     size: tuple[int, int],
     w2_size: tuple[int, int] | None = None,
     threads: tuple[int, ...] = (1, 2),
@@ -201,7 +202,7 @@ def plan(
         raise ValueError(f"objective {objective!r}: one of {', '.join(OBJECTIVES)}")
     if devices < 2:  # one device: both stages on it (a group of one: any decoder)
         only = Layout("aggregated", 1, 1)
-        return Plan(objective, devices, [(only, simulate(cfg, profile, only, facts, size))], profile.plan_errors)
+        return Plan(objective, devices, [(only, simulate(cfg, profile, only, card, size))], profile.plan_errors)
     fig = profile.size(*size)
     have = {int(t) for t in fig["dit"]}
     sp = tuple(sorted(int(g) for g in fig.get("dit_group", {})))
@@ -211,10 +212,12 @@ def plan(
     layouts = candidates(devices, profile.device, tuple(t for t in threads if t in have), sp, cuts, shared)
     if decoder_of(cfg, profile) == "taehv":
         layouts = whole_decoder(layouts)
+    if not card.dit_group:  # its DiT runs on one device (Matrix-Game's action modules)
+        layouts = [x for x in layouts if x.dit_group == 1]
     w2 = w2_size or size
-    preds = [(x, simulate(cfg, profile, x, facts, size, w2 if objective == "streams" else None)) for x in layouts]
+    preds = [(x, simulate(cfg, profile, x, card, size, w2 if objective == "streams" else None)) for x in layouts]
     preds.sort(key=lambda lp: _key(objective, lp[1]))
     if objective != "streams":
-        preds = [(x, simulate(cfg, profile, x, facts, size, w2)) if i < 5 else (x, p) for i, (x, p) in enumerate(preds)]
+        preds = [(x, simulate(cfg, profile, x, card, size, w2)) if i < 5 else (x, p) for i, (x, p) in enumerate(preds)]
     errors = dict(profile.plan_errors)
     return Plan(objective, devices, prefer_simpler(objective, preds, errors), errors)

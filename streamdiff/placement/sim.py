@@ -34,6 +34,7 @@ import logging
 from collections import deque
 from dataclasses import dataclass, field, replace
 
+from ..card import ModelCard
 from ..config import Config
 from ..ipc import messages as m
 from ..models.wan.rows import split_rows
@@ -84,10 +85,10 @@ class Result:
 
 
 class Sim:
-    def __init__(self, cfg: Config, profile: Profile, layout: Layout, size: tuple[int, int], facts: dict) -> None:
+    def __init__(self, cfg: Config, profile: Profile, layout: Layout, size: tuple[int, int], card: ModelCard) -> None:
         exchange = cut_exchange(profile, layout, size, cfg.topology.vae_cut_exchange)
         self.cfg = replace(cfg, topology=layout.configure(cfg.topology, vae_cut_exchange=exchange))
-        self.layout, self.facts = layout, facts
+        self.layout, self.card = layout, card
         self.topo = layout.topology()
         self.costs: dict[tuple[int, int], Costs] = {}
         self.profile = profile
@@ -96,7 +97,7 @@ class Sim:
             for name, dev in self.topo.devices.items()
         }
         p = self.cfg.pipeline
-        self.sched = s.Scheduler(self.cfg, self.topo, p.latent_slots, p.frame_slots, facts)
+        self.sched = s.Scheduler(self.cfg, self.topo, p.latent_slots, p.frame_slots, card)
         self.now = 0.0
         self.heap: list = []
         self.seq = itertools.count()
@@ -122,7 +123,7 @@ class Sim:
     def _seed(self, size: tuple[int, int]) -> None:
         """The workers' READY timings, as they would report them (at the preset's size when the
         profile has it)."""
-        default = tuple(self.facts.get("default_size", size))
+        default = self.card.default_size
         w, h = default if f"{default[0]}x{default[1]}" in self.profile.sizes else size
         c = self.cost(w, h)
         events = []
@@ -244,7 +245,7 @@ class Sim:
             # the encoder takes from the DiT's cores once it has a block to encode
             host = bool(self.result.fragments)
             dur = c.dit_s(len(text), sum(1 for b in text if b.cut), cuts, host) if text else 0.0
-            fpb = self.facts["frames_per_block"]
+            fpb = self.card.frames_per_block
             for b in blocks:
                 if b.image is not None:
                     dur += (c.image_ms + c.dit_cut_ms(b.vae_cut or self.layout.cut) * b.frames / fpb) / 1000
@@ -364,7 +365,7 @@ class Sim:
 
     # -- workloads ----------------------------------------------------------------------------
     def submit(self, name: str, scenes: list[Scene], width: int, height: int, fps: int = 16) -> None:
-        blocks = plan_blocks(scenes, self.facts["frames_per_block"], self.facts.get("temporal_factor", 4))
+        blocks = plan_blocks(scenes, self.card.frames_per_block, self.card.temporal_factor)
         sess = s.Session(name, scenes, blocks, width, height, fps, 0, created=self.now)
         self.sessions[name] = sess
         self.pending.append(s.Submit(sess))
@@ -408,7 +409,7 @@ def simulate(
     cfg: Config,
     profile: Profile,
     layout: Layout,
-    facts: dict,
+    card: ModelCard,
     size: tuple[int, int],
     w2_size: tuple[int, int] | None = None,
     max_streams: int = 8,
@@ -419,7 +420,7 @@ def simulate(
 ) -> Prediction:
     """W1 (one storyboard; `image`: its first scene starts from an image) and, with w2_size, W2's
     goodput, as tools/bench/layouts.py runs them."""
-    sim = Sim(cfg, profile, layout, size, facts)
+    sim = Sim(cfg, profile, layout, size, card)
     scenes = storyboard(scene_seconds, fps)
     if image:
         scenes[0] = replace(scenes[0], image=b"image")  # the simulator never reads the picture
@@ -436,7 +437,7 @@ def simulate(
     if w2_size is not None:
         good = 0
         for n in range(1, max_streams + 1):
-            sim = Sim(cfg, profile, layout, w2_size, facts)
+            sim = Sim(cfg, profile, layout, w2_size, card)
             for i in range(n):
                 sim.submit(f"s{i}", [Scene(f"stream {i}", int(w2_seconds * fps))], *w2_size, fps)
             sim.run()

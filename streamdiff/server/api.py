@@ -15,10 +15,10 @@ import random
 import re
 from dataclasses import dataclass, replace
 
+from ..card import ModelCard
 from ..config import Config, LimitsConfig, parse_size
 from ..controls import MAX_PENDING, SPACES, Control, ControlError
 from ..controls import parse_control as _parse_control
-from ..models.catalog import checkpoint_preset
 from ..plan import Scene
 from .jsonin import JSONLimits, JSONRefused, read_json
 
@@ -182,8 +182,8 @@ def _length(obj: dict, fps: int, param: str, max_frames: int) -> int | None:
     return frames
 
 
-def parse_video_request(data, cfg: Config, facts: dict) -> VideoRequest:
-    """Validate a POST /v1/videos body (already decoded to a dict)."""
+def parse_video_request(data, cfg: Config, card: ModelCard) -> VideoRequest:
+    """Validate a POST /v1/videos body (already decoded to a dict) against the model's card."""
     if not isinstance(data, dict):
         raise bad("the request body must be a JSON object", None, "invalid_body")
     unknown = sorted(set(data) - KNOWN_FIELDS)
@@ -200,7 +200,7 @@ def parse_video_request(data, cfg: Config, facts: dict) -> VideoRequest:
     model = data.get("model")
     if model is not None and not isinstance(model, str):
         raise bad("'model' must be a string", "model")
-    served = {cfg.model_name, cfg.model.preset, facts.get("model", "")}
+    served = {cfg.model_name, cfg.model.preset, card.name}
     if model is not None and model not in served:
         raise APIError(
             404,
@@ -209,8 +209,8 @@ def parse_video_request(data, cfg: Config, facts: dict) -> VideoRequest:
             "model_not_found",
         )
 
-    fps = _integer(data["fps"], "fps", lim.min_fps, lim.max_fps) if data.get("fps") is not None else facts["fps"]
-    width, height = facts["default_size"]
+    fps = _integer(data["fps"], "fps", lim.min_fps, lim.max_fps) if data.get("fps") is not None else card.fps
+    width, height = card.default_size
     if data.get("size") is not None:
         size = data["size"]
         parsed = parse_size(size)
@@ -222,7 +222,7 @@ def parse_video_request(data, cfg: Config, facts: dict) -> VideoRequest:
             raise bad("give either 'size' or 'width' and 'height', not both", "size")
         width = _integer(data.get("width", width), "width", 1, 1 << 16)
         height = _integer(data.get("height", height), "height", 1, 1 << 16)
-    mult = facts.get("size_multiple", 16)
+    mult = card.size_multiple
     if not (lim.min_size <= width <= lim.max_width and lim.min_size <= height <= lim.max_height):
         raise bad(
             f"size {width}x{height} is outside {lim.min_size}x{lim.min_size} .. {lim.max_width}x{lim.max_height}",
@@ -251,49 +251,48 @@ def parse_video_request(data, cfg: Config, facts: dict) -> VideoRequest:
     else:
         if data.get("prompt") not in (None, ""):
             raise bad("give either 'prompt' or 'scenes', not both", "prompt")
-        scenes = _parse_scenes(scenes_raw, total, fps, cfg)
-    if facts.get("text") is False and len(scenes) > 1:
+        scenes = _parse_scenes(scenes_raw, total, fps, cfg, card)
+    if not card.text and len(scenes) > 1:
         raise bad("this model takes no prompt (an image and controls drive it): one scene only", "scenes")
     frames = sum(s.frames for s in scenes)
     if frames > max_frames:
         raise bad(f"the request asks for {frames} frames; the limit is {max_frames}", "scenes", "too_long")
     reference = None
     if data.get("input_reference") not in (None, ""):
-        if not facts.get("i2v"):
+        if not card.i2v:
             raise bad(
-                f"'input_reference' is not supported: model '{facts.get('model') or cfg.model.preset}' does not "
+                f"'input_reference' is not supported: model '{card.name}' does not "
                 "condition on an image (image-to-video needs a preset that does, e.g. causal-forcing-framewise)",
                 "input_reference",
                 "unsupported_parameter",
             )
         png, reference = prepare_image(image_bytes(data["input_reference"], lim), width, height, lim)
         # the first scene's shot starts from it (Matrix-Game: every block of it is conditioned on it)
-        scenes[0] = replace(scenes[0], image=png, image_block=facts.get("image_block", True))
-    elif facts.get("text") is False:
+        scenes[0] = replace(scenes[0], image=png, image_block=card.image_block)
+    elif not card.text:
         raise bad(
-            f"model '{facts.get('model') or cfg.model.preset}' starts every video from an image: "
-            "'input_reference' is required",
+            f"model '{card.name}' starts every video from an image: 'input_reference' is required",
             "input_reference",
             "missing_required_parameter",
         )
     outputs = _outputs(data.get("outputs"), cfg)
-    controls = _start_controls(data.get("controls"), facts, cfg)
+    controls = _start_controls(data.get("controls"), card, cfg)
     return VideoRequest(
         model or cfg.model_name, scenes, width, height, fps, seed, stream, live, reference, outputs, controls
     )
 
 
-def parse_control(body, facts: dict, param: str = "") -> Control:
+def parse_control(body, card: ModelCard, param: str = "") -> Control:
     """A world model's control (POST /v1/videos/{id}/controls, `session.control`), checked against
     the model's control space (controls.py): a Control, or APIError naming the field."""
     try:
-        return _parse_control(body, SPACES.get(facts.get("controls")))
+        return _parse_control(body, SPACES.get(card.controls))
     except ControlError as err:
         where = f"{param}{err.param}" if err.param else param.rstrip(".") or None
         raise APIError(err.status, err.message, where, err.code) from None
 
 
-def _start_controls(raw, facts: dict, cfg: Config) -> tuple[Control, ...]:
+def _start_controls(raw, card: ModelCard, cfg: Config) -> tuple[Control, ...]:
     """`controls`: the controls a video starts with, in order, each landing at block 0 or at the
     one it names (a control script replayed from the start, as `streamdiffd generate --controls`)."""
     if raw is None:
@@ -304,7 +303,7 @@ def _start_controls(raw, facts: dict, cfg: Config) -> tuple[Control, ...]:
         raise bad("'controls' must be a list of controls", "controls")
     if len(raw) > MAX_PENDING:
         raise bad(f"'controls' has {len(raw)} controls; at most {MAX_PENDING} (a script holds many frames)", "controls")
-    out = [parse_control(c, facts, f"controls[{i}].") for i, c in enumerate(raw)]
+    out = [parse_control(c, card, f"controls[{i}].") for i, c in enumerate(raw)]
     if any(b.seq <= a.seq for a, b in zip(out, out[1:], strict=False)):
         raise bad("'controls': each 'seq' must be after the one before", "controls")
     if any((b.block or 0) < (a.block or 0) for a, b in zip(out, out[1:], strict=False)):
@@ -406,7 +405,7 @@ def prepare_image(raw: bytes, width: int, height: int, lim: LimitsConfig) -> tup
     return out.getvalue(), info
 
 
-def parse_steer(data, cfg: Config) -> Scene:
+def parse_steer(data, cfg: Config, card: ModelCard) -> Scene:
     """Validate a POST /v1/videos/{id}/scenes body: the scene that takes over (its length is
     whatever is left of the video)."""
     if not isinstance(data, dict):
@@ -416,26 +415,18 @@ def parse_steer(data, cfg: Config) -> Scene:
         raise bad(f"Unrecognized request argument supplied: {', '.join(unknown)}", unknown[0], "unknown_parameter")
     if "prompt" not in data:
         raise bad("Missing required parameter: 'prompt'", "prompt", "missing_required_parameter")
-    cp = checkpoint_preset(cfg.model.preset)
-    if cp is not None and cp.image == "condition":
-        raise bad(f"model '{cp.name}' takes no prompt: steer it with controls (POST .../controls)", "prompt")
+    if not card.text:
+        raise bad(f"model '{card.name}' takes no prompt: steer it with controls (POST .../controls)", "prompt")
     prompt = _prompt(data["prompt"], "prompt", cfg.limits.max_prompt_chars)
     transition = data.get("transition", "continue")
     if transition not in ("cut", "continue"):
         raise bad(f"'transition' must be 'cut' or 'continue', got {transition!r}", "transition")
     seed = _integer(data["seed"], "seed", 0, MAX_SEED) if data.get("seed") is not None else None
-    kept = transition == "cut" and _keeps_history(cfg)
-    return Scene(prompt, 1, transition, seed, _recache(data, transition, cfg), keeps_history=kept)
+    kept = transition == "cut" and card.new_shot == "history"
+    return Scene(prompt, 1, transition, seed, _recache(data, transition, cfg, card), keeps_history=kept)
 
 
-def _keeps_history(cfg: Config) -> bool:
-    """Whether this server's model makes a cut over the kept history (LongLive 2.0's multi-shot
-    transition: a RoPE offset and a shot sink; docs/design.md, Multi-shot) rather than afresh."""
-    cp = checkpoint_preset(cfg.model.preset)
-    return cp is not None and cp.shot_offset > 0
-
-
-def _parse_scenes(raw, total: int | None, fps: int, cfg: Config) -> list[Scene]:
+def _parse_scenes(raw, total: int | None, fps: int, cfg: Config, card: ModelCard) -> list[Scene]:
     lim = cfg.limits
     if not isinstance(raw, list) or not raw:
         raise bad("'scenes' must be a non-empty array", "scenes")
@@ -458,7 +449,7 @@ def _parse_scenes(raw, total: int | None, fps: int, cfg: Config) -> list[Scene]:
         if i == 0 and transition == "continue":
             transition = "cut"  # the first scene always starts a shot
         seed = _integer(sc["seed"], p + "seed", 0, MAX_SEED) if sc.get("seed") is not None else None
-        recache = _recache(sc, transition, cfg, p)
+        recache = _recache(sc, transition, cfg, card, p)
         lengths.append(_length(sc, fps, p, lim.max_frames))
         parsed.append((prompt, transition, seed, recache))
     missing = [i for i, n in enumerate(lengths) if n is None]
@@ -477,21 +468,21 @@ def _parse_scenes(raw, total: int | None, fps: int, cfg: Config) -> list[Scene]:
             lengths[i] = share + (1 if k < extra else 0)
     elif total is not None and sum(lengths) != total:
         raise bad(f"the scenes add up to {sum(lengths)} frames but the request asks for {total}", "scenes")
-    kept = _keeps_history(cfg)
+    kept = card.new_shot == "history"  # a cut over the kept history (LongLive 2.0's multi-shot)
     return [
         Scene(p, n, t, s, r, keeps_history=kept and i > 0 and t == "cut")
         for i, ((p, t, s, r), n) in enumerate(zip(parsed, lengths))
     ]
 
 
-def _recache(obj: dict, transition: str, cfg: Config, prefix: str = "") -> bool:
+def _recache(obj: dict, transition: str, cfg: Config, card: ModelCard, prefix: str = "") -> bool:
     recache = _bool(obj["recache"], prefix + "recache") if obj.get("recache") is not None else False
     if recache and transition != "continue":
         raise bad(f"'{prefix}recache' applies to a 'continue' transition (a cut starts afresh)", prefix + "recache")
     # An operator who set sampler.recache = "never" ruled the recompute out on this server:
     # honouring the request would make the setting mean nothing, ignoring it would hand back a
     # video without what was asked for. (every_switch re-caches anyway: the flag changes nothing.)
-    if recache and cfg.recache_policy == "never":
+    if recache and (cfg.sampler.recache or card.recache) == "never":
         raise bad(
             f"'{prefix}recache' is refused: this server's model re-caches never (sampler.recache = 'never')",
             prefix + "recache",

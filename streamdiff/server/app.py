@@ -12,6 +12,7 @@ import logging
 from email.utils import formatdate
 from pathlib import Path
 
+import msgspec
 from aiohttp import web
 
 from ..config import Config
@@ -94,7 +95,7 @@ async def steer_video(request: web.Request) -> web.Response:
     """POST /v1/videos/{id}/scenes: a new scene from the first block not yet started; the answer
     names the exact frame where it lands (the stream carries an emsg there)."""
     job = _steerable(request)
-    scene = parse_steer(await read_request_data(request), request.app[CONFIG])
+    scene = parse_steer(await read_request_data(request), request.app[CONFIG], request.app[SUPERVISOR].card)
     landed = job.handle.steer(scene)
     apply_landing(job, landed)
     log.info("job %s: scene %d (%s) from frame %d", job.id, landed.scene, scene.transition, landed.start_frame)
@@ -109,7 +110,7 @@ async def control_video(request: web.Request) -> web.Response:
     not yet started; the answer names that block and its first frame (each fragment's emsg carries
     the newest control that shaped it)."""
     job = _steerable(request)
-    landed = await control_job(job, await read_request_data(request), request.app[SUPERVISOR].facts)
+    landed = await control_job(job, await read_request_data(request), request.app[SUPERVISOR].card)
     return web.json_response(landed)
 
 
@@ -214,22 +215,25 @@ async def list_models(request: web.Request) -> web.Response:
 
 
 def _model_object(cfg: Config, sup: Supervisor) -> dict:
-    f = sup.facts
+    card = sup.card
     return {
         "id": cfg.model_name,
         "object": "model",
         "created": int(sup.started_at),
         "owned_by": "streamdiff",
         "preset": cfg.model.preset,
-        "fps": f["fps"],
-        "default_size": "x".join(map(str, f["default_size"])),
-        "frames_per_block": f["frames_per_block"],
-        "embedded_weights": f.get("embedded_weights", False),
-        "image_to_video": f.get("i2v", False),  # takes input_reference
+        "fps": card.fps,
+        "default_size": "x".join(map(str, card.default_size)),
+        "frames_per_block": card.frames_per_block,
+        "embedded_weights": card.embedded,
+        "image_to_video": card.i2v,  # takes input_reference
         "max_size": f"{cfg.limits.max_width}x{cfg.limits.max_height}",
         "decoder": cfg.model.decoder,  # the latent decoder serving: wan (the Wan 2.1 VAE) or taehv
-        "loaded": f.get("loaded"),  # the checkpoint, weight set, LoRA and sampler settings the DiT runs
-        "controls": _controls_object(f.get("controls")),  # a world model's control space (controls.py)
+        "loaded": sup.loaded,  # the checkpoint, weight set, LoRA and sampler settings the DiT runs
+        "controls": _controls_object(card.controls),  # a world model's control space (controls.py)
+        # the whole description the server plans and checks requests by (card.py): what the model
+        # takes (text, image, controls), what a cut keeps, whether it re-caches or splits its DiT
+        "card": msgspec.to_builtins(card),
     }
 
 
@@ -326,10 +330,10 @@ def make_app(sup: Supervisor, cfg: Config, api_keys: list[bytes]) -> web.Applica
 
     app.cleanup_ctx.append(prune_jobs)
     r = app.router
-    hls = HLS(get_job, lambda: sup.facts["frames_per_block"] * sup.facts["temporal_factor"])
+    hls = HLS(get_job, lambda: sup.card.block_frames)
 
     async def steer(job: Job, event: dict) -> dict:
-        return await steer_event(job, event["type"], event, cfg, sup.facts)
+        return await steer_event(job, event["type"], event, cfg, sup.card)
 
     whep = WHEP(get_job, steer, cfg.server)
 

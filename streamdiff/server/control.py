@@ -9,6 +9,7 @@ import math
 
 from aiohttp import web
 
+from ..card import ModelCard
 from ..supervisor.core import RUNNING
 from ..supervisor.engine import QueueFull
 from .api import APIError, parse_control, parse_video_request
@@ -41,11 +42,11 @@ async def start_job(app: web.Application, data: dict) -> Job:
     A body with an image or controls is validated on a thread: decoding, cropping and
     re-encoding a large image takes hundreds of milliseconds, and checking a control script
     tens, which on the event loop would stall every stream's writes and the workers' replies.
-    Validation is pure (the config and the model's facts), so it may run there."""
+    Validation is pure (the config and the model's card), so it may run there."""
     sup, cfg, jobs = app[SUPERVISOR], app[CONFIG], app[JOBS]
     supervisor_ready(app)
     heavy = data.get("input_reference") not in (None, "") or bool(data.get("controls"))
-    req = await off_loop(heavy, parse_video_request, data, cfg, sup.facts)
+    req = await off_loop(heavy, parse_video_request, data, cfg, sup.card)
     supervisor_ready(app)  # it may have begun draining meanwhile
     job = Job(req, live_consumer=req.stream, node=cfg.node)
     try:
@@ -85,12 +86,12 @@ def apply_landing(job: Job, landed) -> None:
     job.set_scenes(landed.scenes)
 
 
-async def control_job(job: Job, body, facts: dict) -> dict:
+async def control_job(job: Job, body, card: ModelCard) -> dict:
     """A world model's control applied to the job: where it lands ({seq, block, start_frame,
     start_seconds}), or APIError (400 bad, 409 finished or out of order, 429 too many waiting).
     A script is checked on a thread (tens of milliseconds at its longest)."""
     script = body.get("script") if isinstance(body, dict) else None
-    c = await off_loop(isinstance(script, list) and len(script) > SCRIPT_ON_LOOP, parse_control, body, facts)
+    c = await off_loop(isinstance(script, list) and len(script) > SCRIPT_ON_LOOP, parse_control, body, card)
     if job.finished or job.handle is None:
         raise APIError(409, f"video '{job.id}' has {job.state}: it takes no controls", None, "video_finished")
     landed = job.handle.control(c)

@@ -34,6 +34,7 @@ import logging
 
 from aiohttp import WSMsgType, web
 
+from ..card import ModelCard
 from .api import APIError, bad, client_json, parse_steer
 from .control import apply_landing, control_job, start_job
 from .jobs import Job, JobExpired
@@ -171,7 +172,7 @@ async def _controls(request: web.Request, ws: web.WebSocketResponse, sock: _Sock
                     apply_landing(job, job.handle.stop())
                     job.stopped = True
             elif kind in STEERING:
-                await sock.json(await steer_event(job, kind, event, cfg, request.app[SUPERVISOR].facts))
+                await sock.json(await steer_event(job, kind, event, cfg, request.app[SUPERVISOR].card))
             else:
                 raise bad(f"unknown event type {kind!r}", "type", "unknown_event")
         except APIError as err:
@@ -181,11 +182,11 @@ async def _controls(request: web.Request, ws: web.WebSocketResponse, sock: _Sock
 STEERING = ("session.prompt_update", "session.interaction", "session.control")
 
 
-async def steer_event(job: Job, kind: str, event: dict, cfg, facts: dict) -> dict:
+async def steer_event(job: Job, kind: str, event: dict, cfg, card: ModelCard) -> dict:
     """A steering event (a WebSocket's, a WHEP data channel's: one of STEERING) applied to the
     job: the reply that names where it lands, or APIError."""
     if kind == "session.control":
-        landed = await control_job(job, {k: v for k, v in event.items() if k != "type"}, facts)
+        landed = await control_job(job, {k: v for k, v in event.items() if k != "type"}, card)
         return {"type": "session.control.ack", "request_id": job.id, **landed}
     if kind == "session.interaction":
         inter = event.get("interaction")
@@ -194,7 +195,7 @@ async def steer_event(job: Job, kind: str, event: dict, cfg, facts: dict) -> dic
         body, event_id = {"prompt": inter["event"].get("prompt")}, inter.get("event_id")
     else:
         body, event_id = {k: v for k, v in event.items() if k != "type"}, None
-    scene = parse_steer(body, cfg)
+    scene = parse_steer(body, cfg, card)
     if job.finished:
         raise APIError(409, f"video '{job.id}' has {job.state}: it cannot be steered", None, "video_finished")
     landed = job.handle.steer(scene)

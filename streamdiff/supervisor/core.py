@@ -22,6 +22,7 @@ import time
 import zmq
 import zmq.asyncio
 
+from ..card import PLANNED_FIELDS, ModelCard
 from ..config import Config, ConfigError
 from ..controls import SPACES, Timeline
 from ..ipc import control
@@ -33,7 +34,7 @@ from . import scheduler as sch
 from .driver import Driver
 from .engine import SessionHandle
 from .scheduler import Scheduler, Session
-from .topology import Topology, build_topology, model_facts
+from .topology import Topology, build_topology, model_card
 from .workers import WorkerPool
 
 log = logging.getLogger("streamdiff.supervisor")
@@ -53,7 +54,8 @@ class Supervisor:
         self.cfg = cfg
         self.placement = placement  # placement.auto.Placement: the layout and why
         self.state = STARTING
-        self.facts = model_facts(cfg)
+        self.card = model_card(cfg)  # the preset's until the DiT workers report the model they loaded
+        self.loaded: dict | None = None  # what they loaded: checkpoint, weight set, LoRA, sampler, compile
         self.runtime_dir: str | None = None
         self.latent_ring: Ring | None = None
         self.frame_ring: Ring | None = None
@@ -72,14 +74,14 @@ class Supervisor:
 
     # -- start --------------------------------------------------------------------------------
     def _ring_sizes(self) -> tuple[int, int]:
-        f, lim, t = self.facts, self.cfg.limits, self.cfg.topology
-        sf, fpb = f["spatial_factor"], f["frames_per_block"]
+        c, lim, t = self.card, self.cfg.limits, self.cfg.topology
+        sf, fpb = c.spatial_factor, c.frames_per_block
         h, w = lim.max_height // sf, lim.max_width // sf
-        latent = f["latent_channels"] * fpb * h * w * 4
+        latent = c.latent_channels * fpb * h * w * 4
         if t.vae_cut:  # the latent slot carries the first stages' output; an adapting cut's one stage further too
             cuts = range(1, min(t.vae_cut + 1, len(self._stage_shapes(fpb, h, w)) - 1) + 1) if t.vae_cut_adapt else ()
             latent = max(latent, *(4 * math.prod(self._cut_shape(c, fpb, h, w)) for c in (t.vae_cut, *cuts)))
-        frames = fpb * f["temporal_factor"] * lim.max_height * lim.max_width * 3
+        frames = fpb * c.temporal_factor * lim.max_height * lim.max_width * 3
         return latent, frames
 
     def _stage_shapes(self, frames: int, h: int, w: int) -> list[tuple[int, ...]]:
@@ -152,7 +154,7 @@ class Supervisor:
             self.topology,
             p.latent_slots,
             p.frame_slots,
-            self.facts,
+            self.card,
             self._cut_fits(self.latent_ring.spec.slot_bytes),
         )
         host = self.topology.host_lend
@@ -172,7 +174,7 @@ class Supervisor:
         except Exception:
             await self.close()
             raise
-        self._check_facts()
+        self._check_card()
         await asyncio.get_running_loop().run_in_executor(None, self._probe_encoder)
         self._tasks.append(asyncio.create_task(self._monitor_loop(), name="monitor"))
         self.state = RUNNING
@@ -196,22 +198,11 @@ class Supervisor:
             except OSError:
                 pass
 
-    def _check_facts(self) -> None:
-        """The workers' model must fit the rings the supervisor sized from the preset."""
-        for w in self.pool.workers.values():
-            info = w.info.facts()
-            for key in ("frames_per_block", "spatial_factor", "temporal_factor", "latent_channels"):
-                if key in info and info[key] != self.facts[key]:
-                    raise RuntimeError(f"worker {w.spec.name} reports {key}={info[key]}, expected {self.facts[key]}")
-            self.facts.update(
-                {k: v for k, v in info.items() if k in ("model", "size_multiple", "embedded_weights", "loaded", "i2v")}
-            )
-            if "vae_compile" in info:  # the decoder's compile, beside the DiT's in what was loaded
-                self.facts["vae_compile"] = info["vae_compile"]
-        if "loaded" in self.facts and "vae_compile" in self.facts:
-            self.facts["loaded"] = {**self.facts["loaded"], "vae_compile": self.facts["vae_compile"]}
-        if "loaded" in self.facts:
-            log.info("model: %s", describe_loaded(self.facts["loaded"]))
+    def _check_card(self) -> None:
+        infos = {name: w.info for name, w in self.pool.workers.items()}
+        self.card, self.loaded = loaded_model(self.card, infos)
+        if self.loaded is not None:
+            log.info("model: %s", describe_loaded(self.loaded))
 
     def _probe_encoder(self) -> None:
         from ..media.encoder import HW_ENCODERS, hardware_available
@@ -321,10 +312,10 @@ class Supervisor:
     def submit(self, request, session_id: str) -> SessionHandle:
         """Plan a validated request into blocks and hand it to the scheduler; the handle reports
         what happens. Raises QueueFull (429) when it cannot be admitted or queued."""
-        blocks = plan_blocks(request.scenes, self.facts["frames_per_block"], self.facts["temporal_factor"])
+        blocks = plan_blocks(request.scenes, self.card.frames_per_block, self.card.temporal_factor)
         r = request
         sess = Session(session_id, r.scenes, blocks, r.width, r.height, r.fps, r.seed, time.monotonic(), live=r.live)
-        space = SPACES.get(self.facts.get("controls"))
+        space = SPACES.get(self.card.controls)
         if space is not None:  # a world model: the request's own controls land first, each at its block
             sess.controls = Timeline(space)
             for c in getattr(r, "controls", ()):
@@ -395,7 +386,7 @@ class Supervisor:
             "tasks_alive": alive,
             "pipeline": self.scheduler.snapshot() if self.scheduler else {},
             "placement": self.placement.as_dict() if self.placement else None,
-            "model": self.facts.get("loaded"),
+            "model": self.loaded,
         }
 
     # -- stop -----------------------------------------------------------------------------------
@@ -473,3 +464,27 @@ def describe_loaded(d: dict) -> str:
         f"{' (global)' if s['global_sink'] else ''}, re-cache {s['recache']}"
     )
     return "; ".join(parts)
+
+
+def loaded_model(card: ModelCard, infos: dict[str, m.ReadyInfo]) -> tuple[ModelCard, dict | None]:
+    """The model the workers loaded, from their READY: its card (which must agree with `card`,
+    the preset's the supervisor sized its rings and plans by, on PLANNED_FIELDS; the rest, its
+    dimensions and window, is the loaded model's) and what was loaded, the decoder's compile
+    beside the DiT's. RuntimeError names a worker whose model does not fit."""
+    loaded, compiled = None, None
+    for name, info in infos.items():
+        dit, vae = info.dit, info.vae
+        if dit is not None and dit.card is not None:
+            wrong = card.differs(dit.card, PLANNED_FIELDS)
+            if wrong:
+                raise RuntimeError(f"worker {name} reports {wrong[0]}")
+            card, loaded = dit.card, dict(dit.loaded)
+        if vae is not None:
+            for key in ("spatial_factor", "temporal_factor"):
+                theirs, mine = getattr(vae, key), getattr(card, key)
+                if theirs != mine:
+                    raise RuntimeError(f"worker {name} reports {key}={theirs}, expected {mine}")
+            compiled = vae.compile if vae.compile is not None else compiled
+    if loaded is not None and compiled is not None:
+        loaded["vae_compile"] = compiled
+    return card, loaded

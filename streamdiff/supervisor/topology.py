@@ -6,10 +6,11 @@ import os
 import socket
 from dataclasses import dataclass, field
 
+from ..card import ModelCard
 from ..config import Config, ConfigError, injected_faults, parse_size, sampler_overrides
 from ..config.layout import explicit_layout
 from ..ipc.shm import RingSpec
-from ..models.spec import ModelSpec, preset_facts
+from ..models.spec import ModelSpec, preset_card
 from ..platform.cpu import available_cores, worker_cores
 from ..platform.cpu_lending import LendSpec, create_ledger
 from ..workers import faults as injected
@@ -64,15 +65,10 @@ def model_spec(cfg: Config) -> ModelSpec:
     )
 
 
-def model_facts(cfg: Config) -> dict:
+def model_card(cfg: Config) -> ModelCard:
     """What the supervisor, the API and the planner know of the model before any worker starts
-    (the workers confirm them in READY): the preset's, with the configured block and size."""
-    facts = preset_facts(cfg.model.preset)
-    if cfg.sampler.frames_per_block:
-        facts["frames_per_block"] = cfg.sampler.frames_per_block
-    if cfg.model.size:
-        facts["default_size"] = parse_size(cfg.model.size)
-    return facts
+    (the DiT workers confirm it in READY): the preset's card, with the configured block and size."""
+    return preset_card(cfg.model.preset).configured(cfg.sampler.frames_per_block, parse_size(cfg.model.size))
 
 
 def _device(kind: str, index: int) -> str:

@@ -10,6 +10,7 @@ import torch
 
 from ..ipc import messages as m
 from ..ipc.shm import Ring
+from ..models.blocks import BlockRefused
 from ..models.compiled import compile_stats
 from ..parallel.vae_group import group_max
 from ..platform import select
@@ -92,21 +93,8 @@ class DiTStage:
         return [self.engine.model] + ([self.vae] if self.vae is not None else [])
 
     def info(self) -> m.DiTReady:
-        p = self.engine.preset
-        facts = m.ModelFacts(
-            model=p.name,
-            frames_per_block=p.sampler.frames_per_block,
-            fps=p.fps,
-            spatial_factor=p.vae.spatial_factor,
-            temporal_factor=p.vae.temporal_factor,
-            size_multiple=p.vae.spatial_factor * p.dit.patch_size[1],
-            latent_channels=p.dit.out_channels,
-            default_size=list(p.default_size),
-            embedded_weights=p.embedded,
-            i2v=self.engine.i2v,
-            loaded=self.engine.loaded,
-        )
-        return m.DiTReady(**self.calibration, rank=self.rank, world=self.world, facts=facts)
+        card, loaded = self.engine.card, self.engine.loaded
+        return m.DiTReady(**self.calibration, rank=self.rank, world=self.world, card=card, loaded=loaded)
 
     def calibrate(self, given: m.GivenTimes | None = None) -> dict:
         """One steady-state block at the preset's default size, timed (the admission model's
@@ -127,11 +115,10 @@ class DiTStage:
             ms, own_ms, alone_t = given.block_ms, given.block_ms, first_t
         kv = sess.state.kv
         tokens = kv.k[0].shape[2]  # window * tokens per frame
-        # The rolling sampler holds a second cache (its window's context) beside the history.
-        # Every buffer is allocated when the session opens and reused by its shots, and scales
-        # with the tokens per frame: bytes per token of the window, exact at any frame size.
-        held = [kv] + ([sess.rolling.scratch.kv] if sess.rolling is not None else [])
-        per_token = sum(c.nbytes for c in held) / tokens
+        # Every buffer (the history; the rolling sampler's second, its window's context) is
+        # allocated when the session opens and reused by its shots, and scales with the tokens
+        # per frame: bytes per token of the window, exact at any frame size.
+        per_token = sum(c.nbytes for c in sess.caches()) / tokens
         cross = sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in sess.state.cross)
         # Per-block share of a batched forward of two sessions (larger batches are measured as
         # the supervisor runs them), if half the memory free now holds a second session (the
@@ -171,7 +158,7 @@ class DiTStage:
         stream (timed after one block it came out 30-40% low, and sized a hybrid's first bands
         too wide). With a cut, the block's first VAE stages are part of its cost here (warmed
         like the DiT)."""
-        fpb = self.engine.preset.sampler.frames_per_block
+        fpb = self.engine.frames_per_block
         for i in range(-(-sess.state.kv.window // fpb) - 1):
             self._cut_stages([("calibration", i == 0, self.engine.generate_block(sess, fpb)[0], self.cut)])
         self.clock.start()
@@ -233,39 +220,17 @@ class DiTStage:
         shape = (c, msg.frames, *sess.latent_hw)
         if msg.frames < 1:
             raise RequestError(f"a block of {msg.frames} latent frames")
-        fpb = self.engine.frames_per_block
-        if self.engine.rolling_schedule is not None and msg.frames != fpb:  # its window holds whole blocks
-            raise RequestError(f"the rolling sampler makes whole blocks of {fpb} latent frames, not {msg.frames}")
+        try:
+            self.engine.check_block(
+                msg.frames, msg.cut, msg.image is not None, msg.actions, msg.camera, msg.transition, msg.prompt
+            )
+        except BlockRefused as exc:
+            raise RequestError(str(exc)) from None
         if msg.image is not None:
-            if not self.engine.i2v:
-                raise RequestError(f"model {self.engine.preset.name!r} does not condition on an image")
-            if self.engine.image_mode != "block":  # in the shot's first block (LongLive 2.0), or beside every block
-                if not msg.cut:
-                    raise RequestError("an image starts a shot: it comes with the shot's first block")
-            elif not msg.cut or msg.frames != 1 or self.engine.rolling_schedule is not None:
-                raise RequestError("an image is a shot's first block of one latent frame (no rolling sampler)")
             img, f = decode_png(msg.image), self.engine.preset.vae.spatial_factor
             if tuple(img.shape) != (sess.latent_hw[0] * f, sess.latent_hw[1] * f, 3):
                 raise RequestError(f"the image is {img.shape[1]}x{img.shape[0]}, not the video's size")
             self.images[msg.session] = img
-        a = self.engine.model.cfg.action
-        if a is not None:  # an action model: an action per latent frame (controls.action_row)
-            n = a.keyboard_dim + 2 * a.mouse
-            if msg.actions and (
-                len(msg.actions) != msg.frames or any(len(r) != n or not np.isfinite(r).all() for r in msg.actions)
-            ):
-                raise RequestError(f"an action model's block needs {msg.frames} finite action rows of {n} values")
-        elif msg.actions:
-            raise RequestError(f"model {self.engine.preset.name!r} takes no actions")
-        if msg.transition and (msg.cut or not self.engine.preset.sampler.shot_offset or msg.prompt is None):
-            raise RequestError(f"model {self.engine.preset.name!r} takes no shot transition here")
-        if self.engine.image_condition and msg.cut and msg.image is None:
-            raise RequestError(f"model {self.engine.preset.name!r} starts every shot from an image")
-        if self.engine.model.cfg.prope:  # a camera model: a camera per latent frame (controls.camera_row)
-            if len(msg.camera) != msg.frames or any(len(r) != 20 or not np.isfinite(r).all() for r in msg.camera):
-                raise RequestError(f"a camera model's block needs {msg.frames} finite camera rows of 20 values")
-        elif msg.camera:
-            raise RequestError(f"model {self.engine.preset.name!r} takes no camera")
         rows = sess.latent_hw[0] // self.engine.model.cfg.patch_size[1]
         if rows < self.world:  # each rank of a DiT group computes at least one row of patches
             raise RequestError(f"{rows} rows of patches cannot be split over a DiT group of {self.world}")
@@ -312,13 +277,13 @@ class DiTStage:
             self.faults.hit("compute", self.seeds.get(msg.session))
             if msg.prompt is not None:
                 # an image block is not drawn: the authors draw the F - 1 frames after it
-                in_block = self.engine.image_mode != "block"  # the image is no block of its own
+                in_block = not self.engine.card.image_block  # the image is no block of its own
                 left = max(0, msg.shot_left - 1) if msg.image is not None and not in_block else msg.shot_left
                 image = self.images.pop(msg.session) if in_block and msg.image is not None else None
                 self.engine.set_scene(sess, msg.prompt, msg.cut, msg.seed, msg.recache, left, image, msg.transition)
         latents, blocks = {}, []
         for msg, sess in run:  # image-to-video: the picture's latent is the shot's first block
-            if msg.image is not None and self.engine.image_mode == "block":
+            if msg.image is not None and self.engine.card.image_block:
                 latents[msg.session] = self.engine.start_from_image(sess, self.images.pop(msg.session))[0]
             else:
                 blocks.append((msg, sess))

@@ -167,15 +167,16 @@ def test_never_refuses_a_scene_that_asks():
 def test_the_api_refuses_recache_only_on_a_never_server(policy, refused):
     from streamdiff.config.loader import load
     from streamdiff.server.api import APIError, parse_steer
+    from streamdiff.supervisor.topology import model_card
 
     cfg = load(None, {"sampler": {"recache": policy}})
     steer = {"prompt": "a blue whale", "transition": "continue", "recache": True}
     if refused:
         with pytest.raises(APIError, match="sampler.recache = 'never'") as err:
-            parse_steer(steer, cfg)
+            parse_steer(steer, cfg, model_card(cfg))
         assert err.value.status == 400
     else:
-        assert parse_steer(steer, cfg).recache
+        assert parse_steer(steer, cfg, model_card(cfg)).recache
 
 
 def test_longlive2s_cut_is_a_shot_transition_over_the_kept_history():
@@ -185,16 +186,17 @@ def test_longlive2s_cut_is_a_shot_transition_over_the_kept_history():
     from streamdiff.config import Config, ModelConfig
     from streamdiff.plan import plan_blocks
     from streamdiff.server.api import parse_steer, parse_video_request
-    from streamdiff.supervisor.topology import model_facts
+    from streamdiff.supervisor.topology import model_card
 
     cfg = Config(model=ModelConfig(preset="longlive2-5b"))
-    steer = parse_steer({"prompt": "a blue whale", "transition": "cut"}, cfg)
+    card, plain = model_card(cfg), model_card(Config())
+    steer = parse_steer({"prompt": "a blue whale", "transition": "cut"}, cfg, card)
     assert steer.transition == "cut" and steer.keeps_history
-    assert not parse_steer({"prompt": "a blue whale"}, cfg).keeps_history
-    assert not parse_steer({"prompt": "a blue whale", "transition": "cut"}, Config()).keeps_history
+    assert not parse_steer({"prompt": "a blue whale"}, cfg, card).keeps_history
+    assert not parse_steer({"prompt": "a blue whale", "transition": "cut"}, Config(), plain).keeps_history
     scenes = [{"prompt": "a fox", "num_frames": 29}, {"prompt": "a city", "num_frames": 18, "transition": "cut"}]
     for c, kept in ((cfg, True), (Config(), False)):
-        req = parse_video_request({"scenes": scenes, "size": "256x144"}, c, model_facts(c))
+        req = parse_video_request({"scenes": scenes, "size": "256x160"}, c, model_card(c))
         assert [sc.keeps_history for sc in req.scenes] == [False, kept]
         blocks = plan_blocks(req.scenes, 8, 4)
         assert [b.shot_start for b in blocks] == [True, False] if kept else [True, True]

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from streamdiff.models.presets import WAN22_5B, WAN22_VAE, get_preset
-from streamdiff.models.spec import ModelSpec, preset_facts
+from streamdiff.models.spec import ModelSpec, preset_card
 from streamdiff.models.wan.loading import (
     check_keys,
     load_into,
@@ -173,6 +173,6 @@ def test_a_wan22_directory_is_the_5b_preset(tmp_path):
         diffusers.WanTransformer3DModel(**WAN22_5B_DIFFUSERS).save_config(tmp_path / "transformer")
     p = get_preset(ModelSpec(preset="wan2.2-ti2v-5b", path=str(tmp_path)))
     assert (p.dit, p.vae, p.default_size, p.fps) == (WAN22_5B, WAN22_VAE, (1280, 704), 24)
-    facts = preset_facts("wan2.2-ti2v-5b")
-    assert facts["spatial_factor"] == p.vae.spatial_factor and facts["latent_channels"] == p.dit.in_channels
-    assert facts["default_size"] == p.default_size and facts["fps"] == p.fps
+    # the card the supervisor plans by before any worker starts is the one the loaded model reports
+    assert p.card() == preset_card("wan2.2-ti2v-5b")
+    assert p.card().size_multiple == 32 and p.card().tokens_per_frame(1280, 704) == 880

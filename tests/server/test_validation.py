@@ -8,7 +8,7 @@ import pytest
 
 from streamdiff.config import Config
 from streamdiff.server.api import APIError, parse_video_request
-from streamdiff.supervisor.topology import model_facts
+from streamdiff.supervisor.topology import model_card
 
 BAD_REQUESTS = [
     ({"prompt": "x", "size": "257x144"}, 400, "size"),
@@ -40,7 +40,7 @@ BAD_REQUESTS = [
 def test_invalid_requests_are_refused_naming_the_parameter(body, status, param):
     cfg = Config()
     with pytest.raises(APIError) as exc:
-        parse_video_request(body, cfg, model_facts(cfg))
+        parse_video_request(body, cfg, model_card(cfg))
     err = exc.value.body()["error"]
     assert exc.value.status == status and err["param"] == param and err["message"]
     assert err["type"] == "invalid_request_error"
@@ -48,5 +48,5 @@ def test_invalid_requests_are_refused_naming_the_parameter(body, status, param):
 
 def test_a_good_request_is_its_scenes_and_size():
     cfg = Config()
-    req = parse_video_request({"prompt": "a red fox", "num_frames": 33, "size": "128x64"}, cfg, model_facts(cfg))
+    req = parse_video_request({"prompt": "a red fox", "num_frames": 33, "size": "128x64"}, cfg, model_card(cfg))
     assert (req.frames, req.width, req.height, req.prompt) == (33, 128, 64, "a red fox")

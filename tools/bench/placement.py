@@ -85,25 +85,25 @@ def main() -> None:
     from streamdiff.placement.profile.schema import Profile, cache_path
     from streamdiff.placement.sim import simulate
     from streamdiff.platform.devices import cpu_model
-    from streamdiff.supervisor.topology import model_facts
+    from streamdiff.supervisor.topology import model_card
 
     bench = bench_module()
     names = a.layouts.split(",")
     w, h = (int(x) for x in a.size.split("x"))
     cfg = load(None, {})
-    facts = model_facts(cfg)
+    card = model_card(cfg)
     rounds = []
     for r in range(a.rounds):
         state = tempfile.mkdtemp(prefix="sd-state-")
         t0 = time.time()
         prof = measure(cfg, [(w, h)], rounds=1, log=lambda s: print(s, file=sys.stderr))
         Path(cache_path(state, cfg, (w, h))).write_text(prof.to_json())
-        chosen = plan(cfg, prof, 2, "throughput", facts, (w, h)).best[0]
+        chosen = plan(cfg, prof, 2, "throughput", card, (w, h)).best[0]
         print(f"round {r + 1}: profile in {time.time() - t0:.0f}s; the planner picks {chosen.name}", flush=True)
         row = {"profile": json.loads(prof.to_json()), "planned": chosen.name, "layouts": {}}
         for name in names:
             lay = chosen if name == "auto" else layout_for(name, bench.LAYOUTS[name])
-            pred = simulate(cfg, prof, lay, facts, (w, h))
+            pred = simulate(cfg, prof, lay, card, (w, h))
             out = Path(state) / f"bench-{name}.json"
             env = {**os.environ, "STATE_DIRECTORY": state}
             subprocess.run(

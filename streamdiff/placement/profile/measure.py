@@ -89,9 +89,9 @@ def measure(
 def _measure_once(
     cfg, kind: str, n: int, sizes: list[tuple[int, int]], timeout_s: float, progress: Progress, cycles: int
 ) -> dict:
-    from ...supervisor.topology import free_port, model_facts, model_spec
+    from ...supervisor.topology import free_port, model_card, model_spec
 
-    spec, facts = model_spec(cfg), model_facts(cfg)
+    spec, card = model_spec(cfg), model_card(cfg)
     ws = cfg.pipeline.vae_cpu_working_set_bytes
     dev = (lambda i: "cpu") if kind == "cpu" else (lambda i: f"{kind}:{i}")
     threads = _threads(kind, n)
@@ -159,6 +159,6 @@ def _measure_once(
             res[key]["hybrid"] = probe
     progress.step("libx264's time per block")
     for w, h in sizes:
-        fpb, tf = facts["frames_per_block"], facts["temporal_factor"]
+        fpb, tf = card.frames_per_block, card.temporal_factor
         res[f"{w}x{h}"]["encode"] = encode_ms(w, h, 16, 1 + tf * (fpb - 1), tf * fpb)
     return res

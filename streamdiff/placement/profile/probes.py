@@ -69,7 +69,7 @@ def dit_child(spec, device, cpus, threads, sizes, batches, rank, world, addr, ho
                 (beside if by_host else steady).append(timed(lambda s=sess: eng.generate_block(s, fpb)))
             beside = [x[0] for x in beside]
             firsts = [shot_start(eng.open_session(w, h, seed=i)) for i in range(1, FIRST_BLOCKS + 1)]
-            image_ms = _image_ms(eng, w, h, timed) if eng.i2v else None
+            image_ms = _image_ms(eng, w, h, timed) if eng.card.i2v else None
             cut_stages = _cut_stages(vae, eng, sess, fpb, device) if vae is not None else None
             batch_ms = {}
             for b in batches:
@@ -111,10 +111,10 @@ def _image_ms(eng, w: int, h: int, timed) -> float:
 
     img = torch.randint(0, 256, (h, w, 3), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
     runs = []
-    if eng.image_mode == "first_frame":  # the picture's latent alone: the block is an ordinary one
+    if eng.card.image == "first_frame":  # the picture's latent alone: the block is an ordinary one
         start = eng.image_latent
     else:
-        start = eng.condition_on_image if eng.image_condition else eng.start_from_image
+        start = eng.condition_on_image if eng.card.image == "condition" else eng.start_from_image
     for i in range(FIRST_BLOCKS):
         s = eng.open_session(w, h, seed=20 + i)
         eng.set_scene(s, "profile", cut=True)

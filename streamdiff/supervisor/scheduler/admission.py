@@ -78,15 +78,13 @@ class Admission(SchedulerState):
         return 0 if sess.live else most_held_frames(sess.blocks)
 
     def _demand(self, sess: Session, dit: str, group: int) -> Demand:
-        f = self.facts
         block_s = max(b.frames_out for b in sess.blocks) / sess.fps
-        mult, sf = f.get("size_multiple", 16), f["spatial_factor"]
         return self.capacity.demand(
             {"dit": dit, "vae": self._group_unit(group)},
             (sess.width, sess.height),
             block_s,
-            (sess.height // sf, sess.width // sf),
-            (sess.height // mult) * (sess.width // mult),
+            self.card.latent_size(sess.width, sess.height),
+            self.card.tokens_per_frame(sess.width, sess.height),
             len(self.topology.vae_groups[group]),
             self._held_frames(sess),
         )

@@ -12,6 +12,7 @@ import logging
 from collections import deque
 from collections.abc import Callable, Collection
 
+from ...card import ModelCard
 from ...config import Config
 from ...ipc import messages as m
 from ...ipc.shm import SlotPool
@@ -19,7 +20,7 @@ from ...metrics import Metrics
 from ..bands import Balance
 from ..cut import CutBalance
 from ..engine import CANCELLED, DONE, FAILED, RUNNING
-from ..topology import Topology
+from ..topology import Topology, model_card
 from .capacity import CapacityModel
 from .events import Action, Cancel, CloseEncoder, End, Send
 from .tickets import FINAL, T_CANCELLED, T_FAILED, T_FRAMES, T_LATENT, T_QUEUED, Session, Ticket, advance
@@ -34,13 +35,13 @@ class SchedulerState:
         topology: Topology,
         latent_slots: int,
         frame_slots: int,
-        facts: dict | None = None,
+        card: ModelCard | None = None,
         cut_fits: Callable[[int, tuple[int, int], int], bool] | None = None,
     ) -> None:
         """cut_fits(cut, latent_hw, latent_frames): whether a VAE cut's activation of a block fits
         a latent slot (supervisor/cut.py; None: any does); a function of its arguments alone."""
         self.cfg = cfg
-        self.facts = facts or {"spatial_factor": 8, "size_multiple": 16}
+        self.card = card or model_card(cfg)
         self.capacity = CapacityModel(cfg.limits.target_utilization)
         self.topology = topology
         t = cfg.topology
@@ -77,8 +78,7 @@ class SchedulerState:
         return all(n in self.ready for n in self.topology.members(name))
 
     def _latent_hw(self, width: int, height: int) -> tuple[int, int]:
-        sf = self.facts["spatial_factor"]
-        return height // sf, width // sf
+        return self.card.latent_size(width, height)
 
     @staticmethod
     def _group_unit(group: int) -> str:

@@ -71,8 +71,7 @@ class Steering(SchedulerState):
 
     def _replan(self, sess: Session, at: int, new: Scene | None) -> None:
         """Blocks from `at` on (none of them started) follow the new plan."""
-        f = self.facts
-        fpb, tf = f["frames_per_block"], f["temporal_factor"]
+        fpb, tf = self.card.frames_per_block, self.card.temporal_factor
         sess.scenes, sess.blocks = replan_from(sess.scenes, sess.blocks, at, new, fpb, tf)
         blocks = sess.blocks
         sess.tickets = sess.tickets[:at] + [Ticket(b) for b in blocks[at:]]
