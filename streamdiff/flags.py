@@ -11,6 +11,7 @@ import argparse
 from pathlib import Path
 
 from .config import ConfigError
+from .models.spec import ARCH_CARDS, DIRECTORY_PRESET
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
@@ -21,8 +22,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--model",
         metavar="PRESET|PATH",
-        help="'tiny' (embedded), 'tiny-random' (the same, always seeded), 'wan2.1-t2v-1.3b', or a weights "
-        "directory (Wan 2.1 release or diffusers layout; implies wan2.1-t2v-1.3b)",
+        help=f"a DiT configuration ({', '.join(ARCH_CARDS)}; 'tiny' is embedded, 'tiny-random' the same, "
+        f"always seeded), or a weights directory (Wan 2.1 release or diffusers layout; implies {DIRECTORY_PRESET})",
     )
     p.add_argument(
         "--preset",
@@ -193,14 +194,14 @@ def overrides_from_args(a: argparse.Namespace, only: tuple[str, ...] | None = No
             o[section][key] = v
     model = given.get("model")
     if model is not None:
-        if model in ("tiny", "tiny-random", "wan2.1-t2v-1.3b"):
+        if model in ARCH_CARDS:
             o["model"]["preset"] = model
         else:
             path = Path(model).expanduser()
             if not path.is_dir():
                 raise ConfigError(
-                    f"--model: {model!r} is neither a preset (tiny, tiny-random, wan2.1-t2v-1.3b) nor a directory"
+                    f"--model: {model!r} is neither a DiT configuration ({', '.join(ARCH_CARDS)}) nor a directory"
                 )
             o["model"]["path"] = str(path.resolve())
-            o["model"].setdefault("preset", "wan2.1-t2v-1.3b")
+            o["model"].setdefault("preset", DIRECTORY_PRESET)
     return {k: v for k, v in o.items() if v}

@@ -212,6 +212,94 @@ def test_the_rule_sees_a_device_branch():
     ]
 
 
+# A model variant's knowledge lives in models/ (its family, its presets, its engine). Outside it
+# the code reads the model's card (streamdiff/card.py: what it takes, what a cut keeps, its
+# geometry and cache), never a preset's name or one of these fields of its internals.
+VARIANT_FIELDS = {
+    "image_mode",  # the card's `image`
+    "image_condition",
+    "rolling_schedule",  # the card's `sampler`
+    "rolling",
+    "unipc",
+    "shot_offset",  # the card's `new_shot`
+    "kv_recompute",
+    "prope",  # the card's `controls` and `kv_caches`
+    "noise_layout",
+    "canvas",
+    "global_sink",
+    "first_block_steps",
+}
+# Every place outside models/ that still knows a variant, and why.
+VARIANT_EXCEPTIONS = {
+    ("config/__init__.py", ".first_block_steps"): "the operator's [sampler] override, passed to SamplerConfig unread",
+    ("train/dit.py", ".canvas"): "train/ trains the embedded default, whose sampler it sets (the family's own loop)",
+    ("train/evaluate.py", ".canvas"): "the same: the embedded default's evaluation runs its trained sampler",
+}
+
+
+def _variant_knowledge(tree, presets: set[str]) -> list[tuple[int, str]]:
+    """Where code knows a model variant: a preset's name, `checkpoint_preset(...)`, a field of
+    VARIANT_FIELDS, or the torch-side preset's `.preset.checkpoint` / `.preset.sampler`."""
+    import ast
+
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value in presets:
+            found.append((node.lineno, f"preset name {node.value!r}"))
+        elif isinstance(node, ast.Attribute):
+            if node.attr in VARIANT_FIELDS:
+                found.append((node.lineno, f".{node.attr}"))
+            elif node.attr in ("checkpoint", "sampler") and getattr(node.value, "attr", "") == "preset":
+                found.append((node.lineno, f".preset.{node.attr}"))
+        elif (
+            isinstance(node, ast.Call)
+            and getattr(node.func, "id", getattr(node.func, "attr", "")) == "checkpoint_preset"
+        ):
+            found.append((node.lineno, "checkpoint_preset()"))
+    return found
+
+
+def _variant_files(root):
+    """streamdiff's modules outside models/ (and the card, which is the model's description)."""
+    for path in sorted(root.rglob("*.py")):
+        rel = path.relative_to(root)
+        if rel.parts[0] != "models" and str(rel) != "card.py":
+            yield str(rel), path
+
+
+def test_only_models_knows_a_variant():
+    """Outside models/: no preset's name and no variant field (see `_variant_knowledge`), but
+    for VARIANT_EXCEPTIONS, each with its reason; an exception no longer needed is dropped."""
+    import ast
+
+    from streamdiff.models.spec import known_presets
+
+    root = ROOT / "streamdiff"
+    seen = {}
+    for rel, path in _variant_files(root):
+        for line, what in _variant_knowledge(ast.parse(path.read_text()), set(known_presets())):
+            seen.setdefault((rel, what), line)
+    new = {f"{rel}:{line} {what}" for (rel, what), line in seen.items() if (rel, what) not in VARIANT_EXCEPTIONS}
+    assert not new, "a variant known outside models/ (read the card instead):\n" + "\n".join(sorted(new))
+    assert set(VARIANT_EXCEPTIONS) <= set(seen), f"stale exceptions: {set(VARIANT_EXCEPTIONS) - set(seen)}"
+
+
+def test_the_rule_sees_variant_knowledge():
+    import ast
+
+    code = (
+        'if engine.image_mode != "block" or cfg.model.preset == "longlive2-5b":\n    pass\n'
+        "cp = checkpoint_preset(name)\nx = self.engine.preset.sampler.shot_offset"
+    )
+    assert sorted(_variant_knowledge(ast.parse(code), {"longlive2-5b"})) == [
+        (1, ".image_mode"),
+        (1, "preset name 'longlive2-5b'"),
+        (3, "checkpoint_preset()"),
+        (4, ".preset.sampler"),
+        (4, ".shot_offset"),
+    ]
+
+
 def test_the_supervisor_process_imports_no_torch():
     """What `streamdiffd` runs before (and beside) its workers imports no torch: the CLI, the
     server, the supervisor, placement (`place()`: layout, memory check, device facts; on an

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ...models.shipped import fingerprint
+from ...models.spec import preset_card
 from ...platform.devices import device_name
 
 VERSION = 1
@@ -66,7 +67,7 @@ def model_key(cfg) -> dict:
     key = {"dtype": m.dtype, "path": m.path, "dit_checkpoint": m.dit_checkpoint}
     if m.lora:
         key["lora"] = m.lora
-    if m.preset in ("tiny", "tiny-random"):
+    if preset_card(m.preset).embedded:  # its depth follows the ratio
         key["dit_vae_ratio"] = m.dit_vae_ratio
     shipped = fingerprint(m.preset)
     if shipped:  # the embedded default's trained weights (and sampler): a profile of others is stale
