@@ -510,16 +510,17 @@ def test_an_adapting_cut_moves_to_where_the_measured_sides_balance():
 def test_a_cut_moves_only_where_a_shot_starts():
     from streamdiff.ipc import messages as m
     from streamdiff.workers.errors import RequestError
-    from streamdiff.workers.stage_common import check_cut_change, cut_of
+    from streamdiff.workers.stage_common import StageSession, check_cut_change, cut_of
 
     msg = m.DecodeBlock("s", 1, 0, 0, [16, 3, 18, 32], 12, vae_cut=5)
     assert cut_of(msg, 4) == 5 and cut_of(m.DecodeBlock("s", 1, 0, 0, [16, 3, 18, 32], 12), 4) == 4
-    check_cut_change({"s": 4}, msg, 5, 9, shot_start=True)
-    check_cut_change({}, msg, 5, 9, shot_start=False)  # the session's first block
+    at4, first = StageSession(vae_cut=4), StageSession()
+    check_cut_change(at4, 5, 9, shot_start=True)
+    check_cut_change(first, 5, 9, shot_start=False)  # the session's first block
     with pytest.raises(RequestError, match="moves from 4 to 5 inside a shot"):
-        check_cut_change({"s": 4}, msg, 5, 9, shot_start=False)
+        check_cut_change(at4, 5, 9, shot_start=False)
     with pytest.raises(RequestError, match="this decoder has 9 stages"):
-        check_cut_change({}, msg, 9, 9, shot_start=True)
+        check_cut_change(first, 9, 9, shot_start=True)
 
 
 def test_the_simulator_runs_an_adapting_cut_as_the_daemon_does():

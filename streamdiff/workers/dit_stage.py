@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -22,6 +24,7 @@ from .stage_common import (
     REFUSE,
     RUN,
     SKIP,
+    StageSession,
     check_cut,
     check_cut_change,
     cut_of,
@@ -34,7 +37,20 @@ from .stage_common import (
     transient_at,
 )
 
+if TYPE_CHECKING:
+    from ..models.engines import DiTSession
+    from ..models.wan.vae_blocks import VAEState
+
 log = logging.getLogger("streamdiff.worker")
+
+
+@dataclass(kw_only=True)
+class DiTStageSession(StageSession):
+    """What the DiT stage holds of one session."""
+
+    dit: DiTSession  # the model's: its caches, noise and scene (models/engines.py)
+    image: torch.Tensor | None = None  # its checked start image, until its block runs
+    vae_state: VAEState | None = None  # with a VAE cut: the decoder's first stages' caches
 
 
 class DiTStage:
@@ -64,16 +80,13 @@ class DiTStage:
             self.engine.share_prompt = shared_prompts(sp, (1, cfg.text_len, cfg.text_dim), spec.device)
         self.ring = Ring(spec.latent_ring)
         self.faults = faults
-        self.sessions: dict = {}
-        self.seeds: dict[str, int] = {}
-        self.next_block: dict[str, int] = {}  # session -> the block index due next
-        self.images: dict[str, torch.Tensor] = {}  # session -> its checked image, until its block runs
+        self.sessions: dict[str, DiTStageSession] = {}
         self.cpu_budget = spec.cpu_memory_budget_bytes
         self.max_batch = spec.max_batch
         # topology.vae_cut: the VAE decoder's first stages run here on each block, each session
         # with its own cache for them; the latent slot carries their output to the VAE worker.
         # The supervisor may move a session's cut at a shot's start (GenerateBlock.vae_cut).
-        self.cut, self.vae, self.vae_states, self.vae_cuts, self.stages = spec.vae_cut, None, {}, {}, 0
+        self.cut, self.vae, self.stages = spec.vae_cut, None, 0
         if self.cut:
             from ..models.engines import VAEEngine
 
@@ -102,8 +115,8 @@ class DiTStage:
         `given`: timings given instead (workers/calibration.py): only the shot's first block
         runs, for its transients, and on a platform that counts none (the CPU) no block: the
         caches are allocated when the session opens and its scene is set."""
-        p, w, h = self.engine.preset, *self.engine.preset.default_size
-        fpb = p.sampler.frames_per_block
+        w, h = self.engine.card.default_size
+        fpb = self.engine.frames_per_block
         sess = self.engine.open_session(w, h, seed=0)
         self.engine.set_scene(sess, "calibration", cut=True)
         first_t = 0
@@ -158,64 +171,58 @@ class DiTStage:
         stream (timed after one block it came out 30-40% low, and sized a hybrid's first bands
         too wide). With a cut, the block's first VAE stages are part of its cost here (warmed
         like the DiT)."""
-        fpb = self.engine.frames_per_block
+        fpb, held = self.engine.frames_per_block, DiTStageSession(dit=sess)
         for i in range(-(-sess.state.kv.window // fpb) - 1):
-            self._cut_stages([("calibration", i == 0, self.engine.generate_block(sess, fpb)[0], self.cut)])
+            self._cut_stages([(held, i == 0, self.engine.generate_block(sess, fpb)[0], self.cut)])
         self.clock.start()
         ms, alone_t = self.platform.peak_during(
             lambda: timed_ms(
                 self.platform,
-                lambda: self._cut_stages([("calibration", False, self.engine.generate_block(sess, fpb)[0], self.cut)]),
+                lambda: self._cut_stages([(held, False, self.engine.generate_block(sess, fpb)[0], self.cut)]),
             )
         )
         _, own_s = self.clock.stop()
-        self.vae_states.pop("calibration", None)
-        self.vae_cuts.pop("calibration", None)
         return ms, 1000 * own_s, alone_t
 
     def open(self, msg: m.OpenSession) -> None:
-        self.seeds[msg.session] = msg.seed
-        self.faults.hit("open", msg.seed)
+        self.faults.hit("open", msg.session)
         try:
-            self.sessions[msg.session] = self.engine.open_session(msg.width, msg.height, msg.seed, msg.held_frames)
+            sess = self.engine.open_session(msg.width, msg.height, msg.seed, msg.held_frames)
         except ValueError as exc:
             raise RequestError(str(exc)) from None
+        self.sessions[msg.session] = DiTStageSession(dit=sess)
 
     def close(self, session: str) -> None:
         self.sessions.pop(session, None)
-        self.seeds.pop(session, None)
-        self.next_block.pop(session, None)
-        self.images.pop(session, None)
-        self.vae_states.pop(session, None)
-        self.vae_cuts.pop(session, None)
 
-    def _cut_stages(self, blocks: list[tuple[str, bool, torch.Tensor, int]]) -> dict[str, torch.Tensor]:
+    def _cut_stages(self, blocks: list[tuple[DiTStageSession, bool, torch.Tensor, int]]) -> list[torch.Tensor]:
         """blocks: (session, starts a shot, latent (C, f, h, w), the block's cut). Each
-        session's latent, or with a cut its first stages' output (float32, CPU): what goes into
+        block's latent, or with a cut its first stages' output (float32, CPU): what goes into
         its ring slot. Blocks of one shape and cut whose stage caches are at the same phase run
         their stages in one call."""
         if not self.cut:
-            return {key: latent for key, _, latent, _ in blocks}
+            return [latent for _, _, latent, _ in blocks]
         from ..models.wan.vae import decode_stages_sessions
 
         groups: dict[tuple, list] = {}
-        for key, shot_start, latent, cut in blocks:
-            if shot_start or key not in self.vae_states:
-                self.vae_states[key] = self.vae.new_state()
-            self.vae_cuts[key] = cut
-            groups.setdefault((tuple(latent.shape), cut, phase(self.vae_states[key])), []).append((key, latent))
-        out = {}
+        for i, (held, shot_start, latent, cut) in enumerate(blocks):
+            if shot_start or held.vae_state is None:
+                held.vae_state = self.vae.new_state()
+            held.vae_cut = cut
+            groups.setdefault((tuple(latent.shape), cut, phase(held.vae_state)), []).append((i, held, latent))
+        out: list = [None] * len(blocks)
         for (_, cut, _), group in groups.items():
-            x = torch.stack([latent for _, latent in group])
-            states = [self.vae_states[key] for key, _ in group]
+            x = torch.stack([latent for _, _, latent in group])
+            states = [held.vae_state for _, held, _ in group]
             y = decode_stages_sessions(self.vae, x, states, 0, cut, x.shape[2]).float().cpu()
-            out.update({key: y[i] for i, (key, _) in enumerate(group)})
+            for j, (i, _, _) in enumerate(group):
+                out[i] = y[j]
         return out
 
-    def check(self, msg: m.GenerateBlock, sess) -> None:
-        seed = self.seeds.get(msg.session)
-        self.faults.hit("check", seed)
-        in_order(self.next_block, msg)
+    def check(self, msg: m.GenerateBlock, held: DiTStageSession) -> None:
+        self.faults.hit("check", msg.session)
+        in_order(held, msg)
+        sess = held.dit
         c = self.engine.model.cfg.out_channels  # the latent the ring carries
         shape = (c, msg.frames, *sess.latent_hw)
         if msg.frames < 1:
@@ -230,7 +237,7 @@ class DiTStage:
             img, f = decode_png(msg.image), self.engine.preset.vae.spatial_factor
             if tuple(img.shape) != (sess.latent_hw[0] * f, sess.latent_hw[1] * f, 3):
                 raise RequestError(f"the image is {img.shape[1]}x{img.shape[0]}, not the video's size")
-            self.images[msg.session] = img
+            held.image = img
         rows = sess.latent_hw[0] // self.engine.model.cfg.patch_size[1]
         if rows < self.world:  # each rank of a DiT group computes at least one row of patches
             raise RequestError(f"{rows} rows of patches cannot be split over a DiT group of {self.world}")
@@ -240,7 +247,7 @@ class DiTStage:
             from ..models.wan.vae_shapes import stage_shapes
 
             cut = cut_of(msg, self.cut)
-            check_cut_change(self.vae_cuts, msg, cut, self.stages, msg.cut or msg.session not in self.vae_states)
+            check_cut_change(held, cut, self.stages, msg.cut or held.vae_state is None)
             out = stage_shapes(self.vae.cfg, msg.frames, *sess.latent_hw)[cut - 1]
             if np.prod(out) * 4 > self.ring.spec.slot_bytes:
                 raise RequestError(f"the VAE's first {cut} stages make {list(out)} of a block: too big for a ring slot")
@@ -254,11 +261,11 @@ class DiTStage:
         for the group, and a rank that refused a block reports it (the others skip it)."""
         verdicts, refused = [], {}
         for msg in msgs:
-            sess = self.sessions.get(msg.session)
-            verdict = SKIP if msg.session in closed or sess is None else RUN
+            held = self.sessions.get(msg.session)
+            verdict = SKIP if msg.session in closed or held is None else RUN
             if verdict == RUN:
                 try:
-                    self.check(msg, sess)
+                    self.check(msg, held)
                 except RequestError as exc:
                     verdict, refused[msg.block, msg.session] = REFUSE, exc
             verdicts.append(verdict)
@@ -273,20 +280,23 @@ class DiTStage:
         sp = self.engine.model.parallel if self.world > 1 else None
         waited = sp.wait_s if sp else 0.0
         self.clock.start()
-        for msg, sess in run:
-            self.faults.hit("compute", self.seeds.get(msg.session))
+        image_block = self.engine.card.image_block  # the image is a block of its own, else it goes with one
+        for msg, held in run:
+            self.faults.hit("compute", msg.session)
             if msg.prompt is not None:
                 # an image block is not drawn: the authors draw the F - 1 frames after it
-                in_block = not self.engine.card.image_block  # the image is no block of its own
-                left = max(0, msg.shot_left - 1) if msg.image is not None and not in_block else msg.shot_left
-                image = self.images.pop(msg.session) if in_block and msg.image is not None else None
-                self.engine.set_scene(sess, msg.prompt, msg.cut, msg.seed, msg.recache, left, image, msg.transition)
+                left = max(0, msg.shot_left - 1) if msg.image is not None and image_block else msg.shot_left
+                image = None
+                if msg.image is not None and not image_block:  # it goes with this block
+                    image, held.image = held.image, None
+                self.engine.set_scene(held.dit, msg.prompt, msg.cut, msg.seed, msg.recache, left, image, msg.transition)
         latents, blocks = {}, []
-        for msg, sess in run:  # image-to-video: the picture's latent is the shot's first block
-            if msg.image is not None and self.engine.card.image_block:
-                latents[msg.session] = self.engine.start_from_image(sess, self.images.pop(msg.session))[0]
+        for msg, held in run:  # image-to-video: the picture's latent is the shot's first block
+            if msg.image is not None and image_block:
+                latents[msg.session] = self.engine.start_from_image(held.dit, held.image)[0]
+                held.image = None
             else:
-                blocks.append((msg, sess))
+                blocks.append((msg, held.dit))
         groups: dict[tuple, list] = {}  # sessions denoise together where size and step count agree
         for msg, sess in blocks:
             sess.camera, sess.actions = msg.camera or None, msg.actions or None
@@ -305,15 +315,15 @@ class DiTStage:
                     stats["compile_s"],
                 )
                 self.graphs = stats["graphs"]
-        data = self._cut_stages([(msg.session, msg.cut, latents[msg.session], cut_of(msg, self.cut)) for msg, _ in run])
+        data = self._cut_stages([(held, msg.cut, latents[msg.session], cut_of(msg, self.cut)) for msg, held in run])
         waited = (sp.wait_s if sp else 0.0) - waited  # the group's all-to-alls: not this rank's own work
         wall, own = self.clock.stop(waited)
         if self.rank > 0:
             return [], refusals
         n = max(1, len(run))
         ms, busy = 1000 * wall / n, 1000 * own / n  # each block's share
-        for msg, _ in run:
-            latent, out = latents[msg.session], data[msg.session]  # (C, f, h, w) float32, CPU; or a cut's
+        for (msg, _), out in zip(run, data, strict=True):
+            latent = latents[msg.session]  # (C, f, h, w) float32, CPU; or `out`, a cut's
             if self.cut:
                 put_activation(self.ring, msg.slot, out)
             else:

@@ -60,17 +60,27 @@ class Faults:
         self.mine = [f for f in faults if f.worker == worker and f.incarnation in (None, incarnation)]
         self.poisoned = False
         self.dropped: set[str] = set()  # sessions whose first block message was dropped
+        self.seeds: dict[str, int] = {}  # session -> its seed: `@seed=N` matches by it (the worker's only use of it)
 
-    def drop(self, session: str, seed: int | None) -> bool:
+    def opened(self, session: str, seed: int) -> None:
+        self.seeds[session] = seed
+
+    def closed(self, session: str) -> None:
+        self.seeds.pop(session, None)
+
+    def drop(self, session: str) -> bool:
         """True if this block message of `session` is to be lost (once per session)."""
         if session in self.dropped:
             return False
+        seed = self.seeds.get(session)
         if any(f.kind == "drop" and f.seed in (None, seed) for f in self.mine):
             self.dropped.add(session)
             return True
         return False
 
-    def hit(self, point: str, seed: int | None = None) -> None:
+    def hit(self, point: str, session: str | None = None) -> None:
+        """The faults of `point` (for the session's seed, where one is named) happen here."""
+        seed = self.seeds.get(session) if session is not None else None
         if self.poisoned and point == "compute":
             raise DeviceFault("CUDA error: an illegal memory access was encountered (injected, sticky)")
         for f in self.mine:

@@ -92,7 +92,6 @@ class Worker:
         self.supervisor = spec.supervisor_pid or os.getppid()
         self.stages: dict[str, object] = {}
         self.faults = Faults(spec.faults, spec.name, spec.incarnation)
-        self.seeds: dict[str, int] = {}  # session -> seed (only for matching injected faults)
         self.lender = None  # CPU shared cores (platform/cpu_lending.py)
 
     # -- start-up ---------------------------------------------------------------------------
@@ -190,14 +189,14 @@ class Worker:
                 return
             msg = m.decode(raw)
             if isinstance(msg, m.OpenSession):
-                self.seeds[msg.session] = msg.seed
+                self.faults.opened(msg.session, msg.seed)
             elif isinstance(msg, m.GenerateBatch | m.DecodeBatch):
                 msg.blocks = [b for b in msg.blocks if not self._dropped(b)]
                 if not msg.blocks:
                     continue
             if isinstance(msg, m.CloseSession):
                 self.closed.add(msg.session)
-                self.seeds.pop(msg.session, None)
+                self.faults.closed(msg.session)
                 for stage in self.stages.values():
                     stage.close(msg.session)
             elif isinstance(msg, m.Shutdown):
@@ -255,7 +254,7 @@ class Worker:
 
     def _dropped(self, msg: m.GenerateBlock | m.DecodeBlock) -> bool:
         """An injected fault: this block's message is lost on its way."""
-        if self.faults.drop(msg.session, self.seeds.get(msg.session)):
+        if self.faults.drop(msg.session):
             log.warning("dropping %s %s/%d (injected fault)", msg.type, msg.session, msg.block)
             return True
         return False

@@ -11,6 +11,7 @@ they all run the block's collectives or none do. Device work is timed by the pla
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -79,13 +80,21 @@ def phase(state) -> tuple:
     return tuple(None if c is None else tuple(c.shape) for c in state.cache)
 
 
-def in_order(next_block: dict[str, int], msg) -> None:
+@dataclass(kw_only=True)
+class StageSession:
+    """What a stage holds of one session, in one object: a stage keeps one dict of them and
+    drops a session with one pop (each stage adds its own state)."""
+
+    next_block: int = 0  # the block index due next (`in_order`)
+    vae_cut: int | None = None  # the VAE cut its shot runs (`check_cut_change`); None: no block yet
+
+
+def in_order(held: StageSession, msg) -> None:
     """A session's blocks arrive in order on one socket: a gap means a message was lost, and
     running this block would build on state the lost one never made."""
-    due = next_block.get(msg.session, 0)
-    if msg.block != due:
-        raise SessionError(f"block {msg.block} arrived but block {due} never did (a lost control message)")
-    next_block[msg.session] = due + 1
+    if msg.block != held.next_block:
+        raise SessionError(f"block {msg.block} arrived but block {held.next_block} never did (a lost control message)")
+    held.next_block += 1
 
 
 def cut_of(msg: m.GenerateBlock | m.DecodeBlock, worker_cut: int) -> int:
@@ -94,13 +103,13 @@ def cut_of(msg: m.GenerateBlock | m.DecodeBlock, worker_cut: int) -> int:
     return msg.vae_cut or worker_cut
 
 
-def check_cut_change(cuts: dict[str, int], msg, cut: int, n: int, shot_start: bool) -> None:
+def check_cut_change(held: StageSession, cut: int, n: int, shot_start: bool) -> None:
     """A block's cut against the stages [1, n) and its session's cut so far: a cut moves only
     where a shot starts, when the stage caches on both sides start afresh."""
     if not 0 < cut < n:
         raise RequestError(f"a VAE cut after stage {cut}: this decoder has {n} stages (1-{n - 1})")
-    if not shot_start and cuts.get(msg.session, cut) != cut:
-        raise RequestError(f"the VAE cut moves from {cuts[msg.session]} to {cut} inside a shot")
+    if not shot_start and held.vae_cut not in (None, cut):
+        raise RequestError(f"the VAE cut moves from {held.vae_cut} to {cut} inside a shot")
 
 
 def check_cut(vae, cut: int) -> int:

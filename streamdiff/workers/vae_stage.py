@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import logging
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -22,6 +23,7 @@ from .stage_common import (
     REFUSE,
     RUN,
     SKIP,
+    StageSession,
     check_cut,
     check_cut_change,
     cut_of,
@@ -34,6 +36,14 @@ from .stage_common import (
 )
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(kw_only=True)
+class VAEStageSession(StageSession):
+    """What a VAE stage (one shard) holds of one session."""
+
+    state: object  # the decoder's causal cache: VAEState (the Wan VAE's) or TAEHVState, this shard's rows
+    weights: tuple[float, ...] | None = None  # the band weights its cache holds
 
 
 class VAEStage:
@@ -55,13 +65,10 @@ class VAEStage:
             from ..parallel.vae_group import init_group
 
             init_group(g.init_addr, g.rank, g.world, spec.device, g.timeout_s)
-        self.sessions: dict = {}
-        self.seeds: dict[str, int] = {}
-        self.next_block: dict[str, int] = {}  # session -> the block index due next
-        self.weights: dict[str, tuple[float, ...] | None] = {}  # session -> the band weights its cache holds
+        self.sessions: dict[str, VAEStageSession] = {}
         self.slots = self.engine.model.band_slots(self.shard_front)
         # topology.vae_cut: the DiT ran the decoder's first stages; this worker runs the rest.
-        self.cut, self.vae_cuts = spec.vae_cut, {}  # the worker's cut; each session's (DecodeBlock.vae_cut)
+        self.cut = spec.vae_cut  # the worker's cut; each session's is its own (DecodeBlock.vae_cut)
         self.stages = check_cut(self.engine.model, self.cut) if self.cut else 0
         self.cpu_budget = spec.cpu_memory_budget_bytes
         self.max_batch = spec.max_batch
@@ -148,35 +155,30 @@ class VAEStage:
         return out
 
     def open(self, msg: m.OpenSession) -> None:
-        self.seeds[msg.session] = msg.seed
-        self.faults.hit("open", msg.seed)
-        self.sessions[msg.session] = self.engine.open_session()
+        self.faults.hit("open", msg.session)
+        self.sessions[msg.session] = VAEStageSession(state=self.engine.open_session())
 
     def close(self, session: str) -> None:
         self.sessions.pop(session, None)
-        self.seeds.pop(session, None)
-        self.next_block.pop(session, None)
-        self.weights.pop(session, None)
-        self.vae_cuts.pop(session, None)
 
-    def _rebalance(self, msg: m.DecodeBlock, state, weights: tuple[float, ...] | None) -> None:
+    def _rebalance(self, msg: m.DecodeBlock, held: VAEStageSession, weights: tuple[float, ...] | None) -> None:
         """Decode this block under the batch's band weights: in the middle of a shot whose
         bands differ, first move the cache's rows to the new bands (every shard does, in the
         batch's order: the same collectives)."""
         h = msg.shape[2]
-        before = self.weights.get(msg.session)
-        self.weights[msg.session] = weights
-        if msg.reset or state.latent_frames == 0 or self.world == 1:
+        before, held.weights = held.weights, weights
+        if msg.reset or held.state.latent_frames == 0 or self.world == 1:
             return
         old, new = split_rows(h, self.world, before), split_rows(h, self.world, weights)
         if old != new:
-            move_bands(state, self.slots, old, new, self.rank)
+            move_bands(held.state, self.slots, old, new, self.rank)
 
-    def check(self, msg: m.DecodeBlock, state, weights: tuple[float, ...] | None = None):
+    def check(self, msg: m.DecodeBlock, held: VAEStageSession, weights: tuple[float, ...] | None = None):
         """The block's decode plan, or RequestError. Depends on the message and the session's
         cache position only, which every shard of the group shares: they all refuse together."""
-        self.faults.hit("check", self.seeds.get(msg.session))
-        in_order(self.next_block, msg)
+        self.faults.hit("check", msg.session)
+        in_order(held, msg)
+        state = held.state
         p = self.engine.preset
         if len(msg.shape) != 4 or min(msg.shape) < 1 or msg.shape[0] != p.dit.out_channels:
             raise RequestError(f"a latent block of shape {msg.shape}")
@@ -191,7 +193,7 @@ class VAEStage:
         if msg.frames_out * h * sf * w * sf * 3 > self.frames.spec.slot_bytes:
             raise RequestError(f"{msg.frames_out} frames of {w * sf}x{h * sf} do not fit a frame slot")
         if self.cut:
-            check_cut_change(self.vae_cuts, msg, cut_of(msg, self.cut), self.stages, first)
+            check_cut_change(held, cut_of(msg, self.cut), self.stages, first)
             if len(msg.data_shape) != 4 or np.prod(msg.data_shape) * 4 > self.latents.spec.slot_bytes:
                 raise RequestError(f"the first stages' output of shape {msg.data_shape} is not a block's")
         try:
@@ -214,11 +216,11 @@ class VAEStage:
         weights for shots that start in this batch (None: equal bands)."""
         verdicts, refusals = [], {}
         for msg in msgs:
-            state = self.sessions.get(msg.session)
-            verdict = SKIP if msg.session in closed or state is None else RUN
+            held = self.sessions.get(msg.session)
+            verdict = SKIP if msg.session in closed or held is None else RUN
             if verdict == RUN:
                 try:
-                    self.check(msg, state, weights)
+                    self.check(msg, held, weights)
                 except RequestError as exc:
                     verdict, refusals[msg.block, msg.session] = REFUSE, exc
             verdicts.append(verdict)
@@ -235,14 +237,14 @@ class VAEStage:
         self.clock.start()
         groups: dict[tuple, list] = {}
         for msg in run:
-            self.faults.hit("compute", self.seeds.get(msg.session))
+            self.faults.hit("compute", msg.session)
+            held = self.sessions[msg.session]
             if msg.reset:  # a new shot: the temporal cache starts afresh
-                self.sessions[msg.session] = self.engine.open_session()
-            state = self.sessions[msg.session]
-            self._rebalance(msg, state, weights)
+                held.state = self.engine.open_session()
+            self._rebalance(msg, held, weights)
             cut = cut_of(msg, self.cut) if self.cut else 0
-            self.vae_cuts[msg.session] = cut
-            key = (tuple(msg.shape), tuple(msg.data_shape), cut, msg.frames_out, phase(state))
+            held.vae_cut = cut
+            key = (tuple(msg.shape), tuple(msg.data_shape), cut, msg.frames_out, phase(held.state))
             groups.setdefault(key, []).append(msg)
         waited, rows = 0.0, 0
         for group in groups.values():
@@ -269,7 +271,7 @@ class VAEStage:
             [torch.from_numpy(self.latents.array(msg.latent_slot, msg.shape, np.float32)) for msg in msgs]
         )
         halo = ExchangeHalo(self.rank, list(plan.bands), self.platform.wait_clock()) if self.world > 1 else None
-        states = [self.sessions[msg.session] for msg in msgs]
+        states = [self.sessions[msg.session].state for msg in msgs]
         strips = self.engine.decode_blocks(states, latents, plan, self.rank, halo, self.shard_front)
         r0, r1 = plan.rows(self.rank)
         self.platform.sync()
@@ -287,7 +289,7 @@ class VAEStage:
         sf = self.engine.preset.vae.spatial_factor
         _, f, h, w = msgs[0].shape
         x = take_activations(self.latents, [msg.latent_slot for msg in msgs], msgs[0].data_shape)
-        states = [self.sessions[msg.session] for msg in msgs]
+        states = [self.sessions[msg.session].state for msg in msgs]
         y = decode_stages_sessions(self.engine.model, x, states, cut_of(msgs[0], self.cut), self.stages, f)
         for i, msg in enumerate(msgs):
             out = self.frames.array(msg.frame_slot, (msg.frames_out, h * sf, w * sf, 3), np.uint8)
