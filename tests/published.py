@@ -23,7 +23,7 @@ from torch.distributed.fsdp._common_utils import FSDP_WRAPPED_MODULE
 
 from streamdiff.models.catalog import CHECKPOINT_PRESETS
 from streamdiff.models.presets import ModelSpec, build_dit, get_preset
-from streamdiff.models.wan.dit import Block, WanDiT
+from streamdiff.models.wan.dit import DiTBlock, WanDiT
 
 from .helpers import write_tokenizer
 from .models.conftest import SMALL_DIT, diffusers_wan22_vae  # SMALL_DIT: 2 heads of 24, 2 layers, text width 32
@@ -217,7 +217,7 @@ def longlive_targets(model: nn.Module) -> list[str]:
     return sorted(
         sub_name
         for name, m in model.named_modules()
-        if isinstance(m, Block)
+        if isinstance(m, DiTBlock)
         for sub_name, sub in m.named_modules(prefix=name)
         if isinstance(sub, nn.Linear)
     )

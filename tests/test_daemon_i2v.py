@@ -81,7 +81,7 @@ def test_engines_first_frame_is_the_image_through_the_vae(release, round_trip):
     img, mu, ref, frame = round_trip
     sess = dit.open_session(*SIZE, seed=3)
     # two blocks: the image, then one noise frame; the worker passes the F - 1 drawn (DiTStage.run_batch)
-    dit.set_scene(sess, "a red square", cut=True, shot_left=1)
+    dit.set_scene(sess, "a red square", new_shot=True, shot_left=1)
     assert sess.shot_noise.shape[1] == 1
     z = dit.start_from_image(sess, torch.from_numpy(img.copy()))
     mean = torch.tensor(ref.config.latents_mean).view(1, -1, 1, 1, 1)

@@ -51,7 +51,7 @@ def engine_latents(spec_flags: list[str], scenes: list[Scene], width: int, heigh
         left = shot_left(blocks, b.index)
         if b.first_of_scene:
             recache = sc.recache and not b.shot_start
-            eng.set_scene(sess, sc.prompt, cut=b.shot_start, seed=sc.seed, recache=recache, shot_left=left)
+            eng.set_scene(sess, sc.prompt, new_shot=b.shot_start, seed=sc.seed, recache=recache, shot_left=left)
         out.append(eng.generate_block(sess, b.latent_frames, left))
     return torch.cat(out, dim=2)
 

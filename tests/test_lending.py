@@ -50,7 +50,7 @@ def test_a_restarted_worker_clears_its_stale_byte(tmp_path):
 
 
 def test_hooks_go_before_every_dit_block_and_vae_convolution(tmp_path):
-    from streamdiff.models.wan.dit import Block, DiTConfig, WanDiT
+    from streamdiff.models.wan.dit import DiTBlock, DiTConfig, WanDiT
     from streamdiff.models.wan.vae import VAEConfig, WanVAEDecoder
     from streamdiff.models.wan.vae_blocks import CausalConv3d
 
@@ -60,7 +60,7 @@ def test_hooks_go_before_every_dit_block_and_vae_convolution(tmp_path):
     convs = [x for x in dec.modules() if isinstance(x, CausalConv3d)]
     assert len(convs) > 3 and install_lender(vae, dec) > len(convs)  # the norms, blocks and resamplers too
     assert all(c._forward_pre_hooks for c in convs)
-    assert install_lender(dit, net) == 3 == sum(isinstance(x, Block) for x in net.modules())
+    assert install_lender(dit, net) == 3 == sum(isinstance(x, DiTBlock) for x in net.modules())
     vae.running(True)  # the DiT waits: two threads
     assert torch.get_num_threads() == 2
     dit.running(True)  # ... and now runs: the next convolution goes back to one

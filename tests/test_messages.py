@@ -14,7 +14,7 @@ from streamdiff.supervisor.core import loaded_model
 
 EXAMPLES = [
     m.OpenSession("video_1", 256, 144, 2**63 - 1),
-    m.GenerateBlock("video_1", 3, 3, 5, prompt="a fox", cut=True, seed=7),
+    m.GenerateBlock("video_1", 3, 3, 5, prompt="a fox", new_shot=True, seed=7),
     m.DecodeBlock("video_1", 3, 5, 2, [16, 3, 18, 32], 12, reset=True),
     m.CloseSession("video_1"),
     m.Shutdown(),

@@ -325,7 +325,7 @@ def test_through_a_vae_cut_an_image_block_also_costs_the_cuts_stages_on_its_late
     assert card.frames_per_block == 3
 
     def ttff(cut: int, image: bool) -> float:
-        lay = Layout("disaggregated", 1, 1, 1, cut=cut)
+        lay = Layout("disaggregated", 1, 1, 1, vae_cut=cut)
         return simulate(Config(), prof, lay, card, (256, 144), image=image).w1_ttff_s
 
     # the first fragment waits for the image block's DiT time, then its VAE's
@@ -376,13 +376,13 @@ def test_a_vae_cut_moves_the_decoders_first_stages_to_the_dit_and_the_planner_of
 
     prof = synthetic(100.0, 200.0, stages=[10.0, 10.0, 20.0, 40.0, 60.0, 60.0])
     assert predict(prof, Layout("disaggregated", 1, 1)).w1_steady_fps == pytest.approx(w1_steady_fps(0.2), rel=0.03)
-    cut = Layout("disaggregated", 1, 1, 1, cut=3)
+    cut = Layout("disaggregated", 1, 1, 1, vae_cut=3)
     assert cut.name == "disagg-1+1/cut3" and cut.flags()[-2:] == ["--vae-cut", "3"]
     assert predict(prof, cut).w1_steady_fps == pytest.approx(w1_steady_fps(0.16), rel=0.03)
     ranked = [lay.name for lay, _ in plan(Config(), prof, 2, "throughput", preset_card("tiny"), (256, 144)).ranked]
     assert {n for n in ranked if "/cut" in n} == {f"disagg-1+1/cut{c}" for c in (1, 2, 3, 4)}
     assert ranked.index("disagg-1+1/cut3") < ranked.index("disagg-1+1")
-    assert not any(x.cut for x in candidates(2, "cuda", cuts=(1, 2)))
+    assert not any(x.vae_cut for x in candidates(2, "cuda", cuts=(1, 2)))
     # The same 40 ms of stages took 70 in the DiT's process, after its block: the DiT side is
     # charged 170 while the VAE loses only its own 40, so the cut is DiT-bound at 170 ms.
     prof.sizes["256x144"]["dit"]["1"]["cut_stages_ms"] = [15.0, 20.0, 35.0, 50.0, 70.0, 70.0]
@@ -537,12 +537,12 @@ def test_the_simulator_runs_an_adapting_cut_as_the_daemon_does():
     card = preset_card("tiny")
     cfg = Config()
     adapt = replace(cfg, topology=replace(cfg.topology, vae_cut_adapt=True))
-    best = simulate(cfg, prof, Layout("disaggregated", 1, 1, cut=3), card, (256, 144)).w1_fps
+    best = simulate(cfg, prof, Layout("disaggregated", 1, 1, vae_cut=3), card, (256, 144)).w1_fps
     for start in (1, 5):
-        fixed = simulate(cfg, prof, Layout("disaggregated", 1, 1, cut=start), card, (256, 144)).w1_fps
-        moved = simulate(adapt, prof, Layout("disaggregated", 1, 1, cut=start), card, (256, 144)).w1_fps
+        fixed = simulate(cfg, prof, Layout("disaggregated", 1, 1, vae_cut=start), card, (256, 144)).w1_fps
+        moved = simulate(adapt, prof, Layout("disaggregated", 1, 1, vae_cut=start), card, (256, 144)).w1_fps
         assert moved == pytest.approx(best, rel=0.02) and best > 1.05 * fixed
-        sim = Sim(adapt, prof, Layout("disaggregated", 1, 1, cut=start), (256, 144), card)
+        sim = Sim(adapt, prof, Layout("disaggregated", 1, 1, vae_cut=start), (256, 144), card)
         sim.submit("w1", storyboard(), 256, 144)
         sim.run()
         assert sim.sched.snapshot()["vae_cuts"] == {"dit0": 3}
@@ -621,13 +621,13 @@ def test_an_adapting_cut_prices_moved_work_as_the_profile_measured_it():
     card = preset_card("tiny")
     cfg = Config()
     adapt = replace(cfg, topology=replace(cfg.topology, vae_cut_adapt=True))
-    sim = Sim(adapt, prof, Layout("disaggregated", 1, 1, cut=5), (256, 144), card)
+    sim = Sim(adapt, prof, Layout("disaggregated", 1, 1, vae_cut=5), (256, 144), card)
     assert sim.cfg.topology.vae_cut_exchange == pytest.approx((2.0, 0.5))
     sim.submit("w1", storyboard(), 256, 144)
     sim.run()
     assert sim.sched.snapshot()["vae_cuts"] == {"dit0": 3} and sim.sched.cuts.changes == 1
-    best = simulate(cfg, prof, Layout("disaggregated", 1, 1, cut=3), card, (256, 144)).w1_fps
-    moved = simulate(adapt, prof, Layout("disaggregated", 1, 1, cut=5), card, (256, 144)).w1_fps
+    best = simulate(cfg, prof, Layout("disaggregated", 1, 1, vae_cut=3), card, (256, 144)).w1_fps
+    moved = simulate(adapt, prof, Layout("disaggregated", 1, 1, vae_cut=5), card, (256, 144)).w1_fps
     assert moved == pytest.approx(best, rel=0.02)
 
 
@@ -646,7 +646,7 @@ def test_a_simulation_leaves_the_daemons_log_as_it_found_it(caplog):
     cfg = Config()
     adapt = replace(cfg, topology=replace(cfg.topology, vae_cut_adapt=True))
     prof = synthetic(100.0, 200.0, stages=[10.0, 10.0, 20.0, 40.0, 60.0, 60.0])
-    simulate(adapt, prof, Layout("disaggregated", 1, 1, cut=1), preset_card("tiny"), (256, 144))
+    simulate(adapt, prof, Layout("disaggregated", 1, 1, vae_cut=1), preset_card("tiny"), (256, 144))
     assert "cut moves" not in caplog.text  # the simulated daemon's own line stays out
     logging.getLogger("streamdiff.placement").info("dit0: the VAE cut moves from 1 to 3 stages")
     assert "the VAE cut moves from 1 to 3" in caplog.text

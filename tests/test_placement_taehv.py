@@ -30,7 +30,7 @@ def test_with_taehv_only_groups_of_one_are_planned_and_dits_may_share_a_decoder(
     assert any("/cut" in n for n in names) and any(n.startswith("hybrid") for n in names)  # the Wan VAE's
     for obj in ("throughput", "streams"):
         ranked = plan(Config(), prof, 4, obj, card, (256, 144)).ranked
-        assert all(lay.group_size == 1 and lay.mode != "hybrid" and lay.cut == 0 for lay, _ in ranked)
+        assert all(lay.group_size == 1 and lay.mode != "hybrid" and lay.vae_cut == 0 for lay, _ in ranked)
         assert "disagg-3+1" in [lay.name for lay, _ in ranked]
     streams = {lay.name: p.goodput for lay, p in plan(Config(), prof, 4, "streams", card, (256, 144)).ranked}
     assert streams["disagg-3+1"] > streams["disagg-1+3/k1"]  # three DiTs feeding one TAEHV serve more

@@ -567,8 +567,8 @@ def test_a_steer_lands_on_the_first_block_not_started_and_the_video_keeps_its_le
     w.run()
     assert w.ended["s"].state == "done" and sum(a.block.emit for a in w.emitted["s"][1:]) == total
     gens = {b.block: b for _, msg in w.sent if isinstance(msg, m.GenerateBatch) for b in msg.blocks}
-    assert gens[issued].prompt == "a red ball" and not gens[issued].cut and gens[issued].recache
-    assert gens[issued + 1].prompt == "a blue square" and gens[issued + 1].cut and gens[issued + 1].seed == 5
+    assert gens[issued].prompt == "a red ball" and not gens[issued].new_shot and gens[issued].recache
+    assert gens[issued + 1].prompt == "a blue square" and gens[issued + 1].new_shot and gens[issued + 1].seed == 5
     assert not gens[issued + 1].recache
     assert [sc.prompt for sc in landed.scenes] == ["p", "a red ball"]
     w.assert_clean()

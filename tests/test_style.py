@@ -18,7 +18,7 @@ def test_ruff(args):
 
 
 def test_the_api_reaches_the_engine_only_through_its_boundary():
-    """server/ submits requests and follows sessions through supervisor/engine.py and the
+    """server/ submits requests and follows sessions through supervisor/handle.py and the
     Supervisor's entry points; it never imports or reaches into the scheduler."""
     import ast
 
@@ -298,6 +298,19 @@ def test_the_rule_sees_variant_knowledge():
         (4, ".preset.sampler"),
         (4, ".shot_offset"),
     ]
+
+
+def test_no_class_name_twice():
+    """A class name means one thing in the package (`Block` was a plan's block and a DiT layer)."""
+    import ast
+    from collections import defaultdict
+
+    where = defaultdict(list)
+    for path in sorted((ROOT / "streamdiff").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef):
+                where[node.name].append(str(path.relative_to(ROOT)))
+    assert not {k: v for k, v in where.items() if len(v) > 1}
 
 
 def test_the_supervisor_process_imports_no_torch():

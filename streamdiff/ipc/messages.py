@@ -41,17 +41,17 @@ class OpenSession(Message, tag="open"):
 
 class GenerateBlock(Message, tag="gen"):
     """DiT: denoise `frames` latent frames of `session` into latent ring slot `slot`.
-    `prompt` is set on the first block of a scene (with `cut` and the scene's `seed`)."""
+    `prompt` is set on the first block of a scene (with `new_shot` and the scene's `seed`)."""
 
     session: str
     block: int
     frames: int
     slot: int
     prompt: str | None = None
-    cut: bool = False
+    new_shot: bool = False  # the first block of a shot (the API's `cut`)
     seed: int | None = None
     recache: bool = False  # with a continuing prompt: recompute the window's keys/values under it
-    # a new shot over the kept history (LongLive 2.0's multi-shot; DiTEngine.set_scene): no `cut`
+    # a new shot over the kept history (LongLive 2.0's multi-shot; DiTEngine.set_scene): no `new_shot`
     transition: bool = False
     vae_cut: int = 0  # topology.vae_cut: the decoder stages to run on it (set at a shot's start; 0: the worker's)
     # blocks of its shot from this one on, as planned now (0: live, open-ended): the shot's noise drawn up

@@ -60,7 +60,7 @@ class DiTSession:
     # after take the caption alone (the authors' prompts per block: utils/dataset.py)
     shot_prompt: str | None = None
     # "authors": the shot's noise was drawn up front (a fixed length), "per_block": drawn as
-    # each block starts (a live shot, whose length nobody knows). See docs/design.md, Seeding.
+    # each block starts (a live shot, whose length nobody knows). See docs/models.md, Seeding.
     seeding: str = "per_block"
     shot_noise: torch.Tensor | None = None  # (1, F, C, h, w), the authors' layout, model dtype
     shot_pos: int = 0  # latent frames of shot_noise used so far
@@ -191,14 +191,15 @@ class DiTEngine:
         self,
         sess: DiTSession,
         prompt: str,
-        cut: bool,
+        new_shot: bool,
         seed: int | None = None,
         recache: bool = False,
         shot_left: int = 0,
         image: torch.Tensor | None = None,
         transition: bool = False,
     ) -> None:
-        """Start a scene. `cut`: a new shot (fresh KV cache, positions from 0, first-block steps).
+        """Start a scene. `new_shot`: a new shot, the API's `cut` (fresh KV cache, positions from 0,
+        first-block steps).
         `transition`: a new shot over the kept history, the model's own (LongLive 2.0's multi-shot,
         `SamplerConfig.shot_offset`): the caches and the noise go on, the first block's prompt
         starts with the words its training marks a new shot with (`SHOT_PREFIX`; the blocks after
@@ -232,45 +233,45 @@ class DiTEngine:
         s = self.preset.sampler
         sess.shot_prompt = None
         if transition:
-            if cut or not s.shot_offset:
-                why = "it is no cut" if cut else f"model {self.preset.name!r} has none (sampler.shot_offset)"
+            if new_shot or not s.shot_offset:
+                why = "it is no cut" if new_shot else f"model {self.preset.name!r} has none (sampler.shot_offset)"
                 raise ValueError(f"a shot transition keeps the history: {why}")
             sess.state.rope_offset += s.shot_offset
             sess.state.pin_next = True
             sess.shot_prompt = prompt.removeprefix(SHOT_PREFIX)
             prompt = SHOT_PREFIX + sess.shot_prompt
-        if cut:  # the same buffers, emptied (one cache per session); rolling: the blocks in flight go
+        if new_shot:  # the same buffers, emptied (one cache per session); rolling: the blocks in flight go
             (sess.rolling or sess.state).new_shot()
             sess.shot_blocks = 0
         if seed is not None:
             sess.generator.manual_seed(seed)
-        if cut or seed is not None:
+        if new_shot or seed is not None:
             sess.shot_noise, sess.shot_pos, sess.seeding = None, 0, "per_block"
             if shot_left > 0:
                 shape = self._noise_shape(sess, shot_left * self.frames_per_block)
                 sess.shot_noise = self._randn(shape, sess.generator)
                 sess.seeding = "authors"
-        if recache and not cut and sess.rolling is not None:
+        if recache and not new_shot and sess.rolling is not None:
             rolling.recache(self.model, sess.rolling, self.encode_prompt(prompt), s.context_t)
             sess.prompt = prompt
-        elif recache and not cut and s.kv_recompute:  # the held context again, Krea's way, under the new prompt
+        elif recache and not new_shot and s.kv_recompute:  # the held context again, Krea's way, under the new prompt
             self.model.set_prompt(sess.state, self.encode_prompt(prompt))
             self.model.recompute(sess.state, s.frames_per_block, s.context_t)
             sess.prompt = prompt
-        elif recache and not cut:
+        elif recache and not new_shot:
             self.model.recache(sess.state, self.encode_prompt(prompt), s.context_t, s.global_sink)
             sess.prompt = prompt
         elif self.image_condition:  # no text: the context is the shot's image
-            if cut:
+            if new_shot:
                 h, w = (n * self.preset.vae.spatial_factor for n in sess.latent_hw)
                 self.condition_on_image(sess, image if image is not None else torch.zeros(h, w, 3, dtype=torch.uint8))
-        elif cut or prompt != sess.prompt:
+        elif new_shot or prompt != sess.prompt:
             self.model.set_prompt(sess.state, self.encode_prompt(prompt))
             sess.prompt = prompt
-        if cut:  # LongLive 2.0: the picture is the first latent frame of the shot's first block
+        if new_shot:  # LongLive 2.0: the picture is the first latent frame of the shot's first block
             first = image is not None and self.image_mode == "first_frame"
             sess.first_latent = self.image_latent(sess, image) if first else None
-        if cut and s.canvas:  # the shot's sink frame, under its first prompt (SamplerConfig.canvas)
+        if new_shot and s.canvas:  # the shot's sink frame, under its first prompt (SamplerConfig.canvas)
             commit_canvas(self.model, sess.state, *sess.latent_hw, s.context_t)
 
     @torch.no_grad()
@@ -339,12 +340,12 @@ class DiTEngine:
         for sess in sessions:
             held = self.image_mode == "first_frame" and sess is sessions[0]  # LongLive 2.0's held picture
             picture = torch.zeros(height, width, 3, dtype=torch.uint8) if held else None
-            self.set_scene(sess, "warm", cut=True, image=picture)
+            self.set_scene(sess, "warm", new_shot=True, image=picture)
             if self.i2v and self.image_mode == "block" and sess is sessions[0]:
                 self.start_from_image(sess, torch.zeros(height, width, 3, dtype=torch.uint8))
             self.generate_block(sess, fpb)  # the shot's first block (its own steps)
         if self.preset.sampler.recache != "never":
-            self.set_scene(sessions[0], "warm again", cut=False, recache=True)
+            self.set_scene(sessions[0], "warm again", new_shot=False, recache=True)
         for _ in range(2):
             self.generate_block(sessions[0], fpb)  # steady, behind a fuller window
         if batch:

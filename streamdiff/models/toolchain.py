@@ -42,7 +42,7 @@ def decide(mode: str, device_type: str) -> tuple[bool, str]:
     """(compile, why) for `--compile mode` on `device_type`. `off`: eager. `on`: compiled, or
     CompileUnavailable naming what is missing. `auto`: compiled on accelerators where nothing is
     missing (a compile error later still falls back to eager: `compiled.Compiler`); eager on the
-    CPU, where compiled blocks measured little faster than eager (docs/design.md#model-core-models)."""
+    CPU, where compiled blocks measured little faster than eager (docs/models.md#model-core-models)."""
     if mode not in MODES:
         raise ValueError(f"compile must be auto, on or off, got {mode!r}")
     if mode == "off":

@@ -134,7 +134,7 @@ def place(cfg: Config, log=print) -> tuple[Config, Placement]:
     best, pred = p.best
     chosen = best.configure(
         t,
-        vae_cut_adapt=best.cut > 0,  # from there the cut follows the blocks' measured times,
+        vae_cut_adapt=best.vae_cut > 0,  # from there the cut follows the blocks' measured times,
         vae_cut_exchange=cut_exchange(prof, best, size, t.vae_cut_exchange),  # priced as the planner did
     )
     runners_up = p.as_dict(top=4)["ranked"][1:]

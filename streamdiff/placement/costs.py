@@ -95,7 +95,7 @@ class Costs:
         """(DiT, VAE): each stage's speed on `cores` threads (its own and those lent to it while
         the other waits) against its speed on its own, from the profile's thread rounds; 1 where
         the profile has no figure at that count. `first`: a shot's first block, timed after
-        idle (docs/design.md#placement-placement)."""
+        idle (docs/placement.md#placement-placement)."""
         key = "first_ms" if first else "block_ms"
 
         def up(role: str, own: dict) -> float:
@@ -201,6 +201,6 @@ def cut_fraction(fig: dict, cut: int) -> float:
 def cut_exchange(profile: Profile, layout: Layout, size: tuple[int, int], default: tuple[float, ...]) -> tuple:
     """The exchange the daemon's cut balance prices a layout's cut at (topology.vae_cut_exchange):
     the profile's, for a layout with a cut; `default` for one without."""
-    if not layout.cut:
+    if not layout.vae_cut:
         return default
-    return Costs(profile, size, layout.threads, layout.dit_group, layout.cut).cut_exchange()
+    return Costs(profile, size, layout.threads, layout.dit_group, layout.vae_cut).cut_exchange()

@@ -20,7 +20,7 @@ class Layout:
     threads: int = 1  # per worker (CPU)
     weights: tuple[float, ...] = ()
     dit_group: int = 1  # devices per DiT (Ulysses; disaggregated)
-    cut: int = 0  # the DiT workers also run the VAE decoder's first `cut` stages (topology.vae_cut)
+    vae_cut: int = 0  # the DiT workers also run the VAE decoder's first `vae_cut` stages (topology.vae_cut)
     shared: bool = False  # CPU: a waiting worker lends its cores to the other (topology.share_cores)
 
     @property
@@ -39,7 +39,7 @@ class Layout:
         if self.mode == "disaggregated":
             base = f"disagg-{self.dit}+{self.vae}" + (f"/k{k}" if k != self.vae else "")
             base += f"/sp{self.dit_group}" if self.dit_group > 1 else ""
-            base += f"/cut{self.cut}" if self.cut else ""
+            base += f"/cut{self.vae_cut}" if self.vae_cut else ""
         elif self.mode == "hybrid":
             base = f"hybrid-{self.dit}+{self.vae}" + (f"/k{k}" if k != self.vae else "")
         elif self.dit_group > 1:  # one DiT and one VAE group over the same devices, in sequence
@@ -62,8 +62,8 @@ class Layout:
             out += ["--dit-group-size", str(self.dit_group)]
         if self.threads > 1:
             out += ["--threads-per-worker", str(self.threads)]
-        if self.cut:
-            out += ["--vae-cut", str(self.cut)]
+        if self.vae_cut:
+            out += ["--vae-cut", str(self.vae_cut)]
         if self.shared:
             out += ["--share-cores"]
         return out
@@ -95,7 +95,7 @@ class Layout:
             dit_group_size=self.dit_group,
             threads_per_worker=self.threads,
             vae_band_weights=self.weights,
-            vae_cut=self.cut,
+            vae_cut=self.vae_cut,
             share_cores=self.shared,
             **more,
         )

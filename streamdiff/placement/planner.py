@@ -70,7 +70,7 @@ def candidates(
             sp = [1] + [s for s in dit_groups if t == 1 and d % s == 0]
             out += [Layout("disaggregated", d, v, g, t, dit_group=s) for g in _divisors(v) for s in sp]
             if kind == "cpu":
-                out += [Layout("disaggregated", d, v, 1, t, cut=c) for c in cuts]
+                out += [Layout("disaggregated", d, v, 1, t, vae_cut=c) for c in cuts]
         for d in range(1, n + 1):
             out += [Layout("aggregated", d, n, g, t) for g in _divisors(n)]
         if t == 1 and n in dit_groups:  # the DiT and the VAE each over all n devices, in sequence
@@ -88,7 +88,7 @@ def decoder_of(cfg: Config, profile: Profile) -> str:
 
 def whole_decoder(layouts: list[Layout]) -> list[Layout]:
     """The layouts a decoder that is never sharded or cut (TAEHV) can run: VAE groups of one."""
-    return [x for x in layouts if x.group_size == 1 and x.mode != "hybrid" and x.cut == 0]
+    return [x for x in layouts if x.group_size == 1 and x.mode != "hybrid" and x.vae_cut == 0]
 
 
 def _valid(x: Layout) -> bool:
@@ -100,7 +100,7 @@ def _valid(x: Layout) -> bool:
 # A layout's error where no check of this machine recorded one: the median of the simulator's
 # speed-corrected W1 errors was 3% on Zen 5 (24: 8 layouts, 3 rounds, 2026-12-01) and 1% on
 # Zen 4 (18: 6 layouts, 3 rounds, 2026-12-07). At 5% Zen 4's fresh profiles planned plain
-# disagg-1+1 over lent cores predicted 4.4% ahead, which measured 22% ahead (design.md, Placement).
+# disagg-1+1 over lent cores predicted 4.4% ahead, which measured 22% ahead (placement.md).
 DEFAULT_PLAN_ERROR = 0.02
 
 
@@ -109,7 +109,7 @@ def mechanisms(x: Layout) -> int:
     or one each; threads count as none): a hybrid's shared cores, a VAE group's halo exchange,
     a DiT group's all-to-alls, a VAE cut's activation ring, lent cores. Each can cost what
     the simulator does not model."""
-    return sum((x.mode == "hybrid", x.group_size > 1, x.dit_group > 1, x.cut > 0, x.shared))
+    return sum((x.mode == "hybrid", x.group_size > 1, x.dit_group > 1, x.vae_cut > 0, x.shared))
 
 
 def _lead(objective: str, best: Prediction, p: Prediction) -> float:

@@ -50,7 +50,7 @@ BUSY_GAP_S = 0.01  # a process whose last job ended this recently is still busy 
 
 
 @dataclass
-class Job:
+class Work:
     kind: str  # dit | vae
     msg: m.Message
     procs: list[str]  # the processes that run it together (a VAE group's shards)
@@ -66,7 +66,7 @@ class Proc:
     name: str
     device: int
     queue: deque = field(default_factory=deque)
-    job: Job | None = None
+    job: Work | None = None
     # processor sharing (hybrid DiT): work left at full rate, the rate now, since when, and a
     # version that invalidates the completion event scheduled at an older rate
     left_s: float = 0.0
@@ -116,7 +116,7 @@ class Sim:
     def cost(self, w: int, h: int) -> Costs:
         if (w, h) not in self.costs:
             self.costs[(w, h)] = Costs(
-                self.profile, (w, h), self.layout.threads, self.layout.dit_group, self.layout.cut
+                self.profile, (w, h), self.layout.threads, self.layout.dit_group, self.layout.vae_cut
             )
         return self.costs[(w, h)]
 
@@ -140,7 +140,7 @@ class Sim:
             vae = m.VAEReady(
                 m.StageCost(1000 * g_ms, [w, h]),
                 {"2": b2 * g_ms * 1000 / c.vae1["block_ms"]} if b2 else {},
-                stages_ms=m.StageTimes(stages, [w, h]) if self.layout.cut and stages else None,
+                stages_ms=m.StageTimes(stages, [w, h]) if self.layout.vae_cut and stages else None,
             )
             events.append(s.WorkerReady(group[0], m.ReadyInfo(vae=vae)))
         self.step(events)
@@ -183,11 +183,11 @@ class Sim:
             if isinstance(msg, m.GenerateBatch):
                 ranks = self.topo.members(self._dit_of(a.worker))
                 if a.worker == ranks[0]:  # one job for a DiT group's ranks together
-                    self._enqueue(Job("dit", msg, ranks))
+                    self._enqueue(Work("dit", msg, ranks))
             elif isinstance(msg, m.DecodeBatch):
                 gi = next(i for i, g in enumerate(self.topo.vae_groups) if a.worker in g)
                 if a.worker == self.topo.vae_groups[gi][0]:  # one job for the whole group
-                    self._enqueue(Job("vae", msg, list(self.topo.vae_groups[gi]), gi))
+                    self._enqueue(Work("vae", msg, list(self.topo.vae_groups[gi]), gi))
         elif isinstance(a, s.OpenEncoder):
             self.at(self.now + HOP_S, self._post, s.EncoderOpened(a.session, init=b"init"))
         elif isinstance(a, s.Encode):
@@ -214,7 +214,7 @@ class Sim:
         self.pending.append(ev)
 
     # -- processes ----------------------------------------------------------------------------
-    def _enqueue(self, job: Job) -> None:
+    def _enqueue(self, job: Work) -> None:
         for p in job.procs:
             self.procs[p].queue.append(job)
         self.at(self.now + HOP_S / 2, self._try_start, job.procs)
@@ -232,7 +232,7 @@ class Sim:
                     self.procs[q].job = job
                 self._start(job)
 
-    def _start(self, job: Job) -> None:
+    def _start(self, job: Work) -> None:
         job.started = self.now
         if job.kind == "dit":
             blocks = job.msg.blocks
@@ -241,14 +241,14 @@ class Sim:
             # an image-to-video shot's first block is the image, encoded and committed: once a request;
             # with a VAE cut the DiT runs the cut's stages on its latent frame too
             text = [b for b in blocks if b.image is None]
-            cuts = [b.vae_cut or self.layout.cut for b in text]
+            cuts = [b.vae_cut or self.layout.vae_cut for b in text]
             # the encoder takes from the DiT's cores once it has a block to encode
             host = bool(self.result.fragments)
-            dur = c.dit_s(len(text), sum(1 for b in text if b.cut), cuts, host) if text else 0.0
+            dur = c.dit_s(len(text), sum(1 for b in text if b.new_shot), cuts, host) if text else 0.0
             fpb = self.card.frames_per_block
             for b in blocks:
                 if b.image is not None:
-                    dur += (c.image_ms + c.dit_cut_ms(b.vae_cut or self.layout.cut) * b.frames / fpb) / 1000
+                    dur += (c.image_ms + c.dit_cut_ms(b.vae_cut or self.layout.vae_cut) * b.frames / fpb) / 1000
             p = self.procs[job.procs[0]]
             p.left_s, p.since, p.rate = dur, self.now, self._free_rate(p)
             self._schedule(p)
@@ -265,7 +265,7 @@ class Sim:
         bands = split_rows(sess.height // SPATIAL, k, weights)
         rows = [r1 - r0 for r0, r1 in bands]
         busy = all(self.now - self.procs[q].free_at <= BUSY_GAP_S for q in job.procs)
-        dur, own = c.vae(k, rows, len(blocks), blocks[0].reset, blocks[0].vae_cut or self.layout.cut, busy)
+        dur, own = c.vae(k, rows, len(blocks), blocks[0].reset, blocks[0].vae_cut or self.layout.vae_cut, busy)
         job.own, job.rows, job.dur = own, rows, dur
         self.vae_blocks += len(blocks)
         if self.layout.shared:  # one shard (1+1), whose speed follows whether the DiT runs beside it
@@ -287,7 +287,7 @@ class Sim:
                 return 1.0
             dit = p.job is not None and p.job.kind == "dit"
             blocks = p.job.msg.blocks if p.job is not None else []
-            first = any(b.cut for b in blocks) if dit else bool(blocks and blocks[0].reset)
+            first = any(b.new_shot for b in blocks) if dit else bool(blocks and blocks[0].reset)
             up = self.cost(*self._size).lent_speedups(self.layout.devices, first)
             return up[0] if dit else up[1]
         if not p.low:
@@ -343,7 +343,7 @@ class Sim:
         self._rates_changed()  # shared cores: the VAE beside it speeds up
         self._try_start(job.procs)
 
-    def _vae_done(self, job: Job) -> None:
+    def _vae_done(self, job: Work) -> None:
         n = len(job.msg.blocks)
         for q in job.procs:
             self.procs[q].job, self.procs[q].free_at = None, self.now

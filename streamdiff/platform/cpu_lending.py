@@ -13,7 +13,7 @@ the DiT (or an encode) runs.
 
 Why thread counts and affinity, not the kernel alone: two workers that each keep two threads on
 two cores run every OpenMP region at the pace of whichever thread shares its core, and an encoder
-beside a borrowed thread holds the region back the same way (docs/design.md#processes-one-host).
+beside a borrowed thread holds the region back the same way (docs/placement.md#the-layouts).
 A stale byte (a worker killed mid-batch) only stops the other from
 borrowing its cores until its restart clears it.
 """

@@ -20,12 +20,12 @@ from ..controls import SPACES
 from ..supervisor.core import Supervisor
 from .api import APIError, bad, parse_steer
 from .bodies import body_limit, read_request_data
-from .control import apply_landing, control_job, start_job
 from .hls import HLS
 from .jobs import Job, JobStore
 from .keys import API_KEYS, CONFIG, JOBS, STORE, SUPERVISOR
 from .middleware import auth_middleware, count_middleware, errors_middleware
 from .realtime import realtime_video, steer_event
+from .steer import apply_landing, control_job, start_job
 from .store import VideoStore, node_of
 from .streaming import byte_range, stream_job
 from .whep import WHEP

@@ -1,7 +1,7 @@
 """Video jobs: the OpenAI video object, the bytes of its MP4, readers that follow it live
 (supervisor process).
 
-A job follows one engine session through its SessionHandle (supervisor/engine.py): a task reads
+A job follows one session through its SessionHandle (supervisor/handle.py): a task reads
 the handle's events into the job. Its bytes are the CMAF stream: the init segment, then
 one fragment per block; readers (the streaming POST, GET .../content) start from byte 0 and
 follow new fragments as they arrive. Backpressure: when the job was created with
@@ -23,7 +23,7 @@ from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable
 
 from ..plan import Block
-from ..supervisor.engine import CANCELLED, DONE, Data, SessionHandle, Started
+from ..supervisor.handle import CANCELLED, DONE, Data, SessionHandle, Started
 
 log = logging.getLogger("streamdiff.http")
 

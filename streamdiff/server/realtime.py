@@ -36,10 +36,10 @@ from aiohttp import WSMsgType, web
 
 from ..card import ModelCard
 from .api import APIError, bad, client_json, parse_steer
-from .control import apply_landing, control_job, start_job
 from .jobs import Job, JobExpired
 from .jsonin import JSONLimits
 from .keys import CONFIG, SUPERVISOR
+from .steer import apply_landing, control_job, start_job
 
 log = logging.getLogger("streamdiff.realtime")
 

@@ -25,14 +25,14 @@ import zmq.asyncio
 from ..card import PLANNED_FIELDS, ModelCard
 from ..config import Config, ConfigError
 from ..controls import SPACES, Timeline
-from ..ipc import control
 from ..ipc import messages as m
+from ..ipc import sockets
 from ..ipc.shm import Ring, SharedMemoryFull, create_rings, sweep_stale
 from ..plan import plan_blocks
 from ..platform.cpu_lending import HostSlot
 from . import scheduler as sch
 from .driver import Driver
-from .engine import SessionHandle
+from .handle import SessionHandle
 from .scheduler import Scheduler, Session
 from .topology import Topology, build_topology, model_card
 from .workers import WorkerPool
@@ -137,7 +137,7 @@ class Supervisor:
         self.latent_ring, self.frame_ring = rings["latent"], rings["frames"]
         self._ctx = zmq.asyncio.Context()
         addr = f"ipc://{self.runtime_dir}/control"
-        self._router = control.router(self._ctx, addr)  # recv_from_workers / send_to_workers
+        self._router = sockets.router(self._ctx, addr)  # recv_from_workers / send_to_workers
         self._send_sock = zmq.Socket.shadow(self._router.underlying)  # send_to_workers
         self.topology = build_topology(self.cfg, addr, self.latent_ring.spec, self.frame_ring.spec, self.runtime_dir)
         self.pool = WorkerPool(

@@ -8,7 +8,7 @@ of a decode. The workers' start-up blocks (READY), then every block, give the ma
 the VAE side's time over its stages' share is what a whole decode takes now, and the DiT
 side's time less its stages' share at that speed is the DiT's own. The planner picks a cut from
 a profile taken minutes earlier on a machine whose speed, and the balance of the stages, drift
-(one 2-vCPU VM gave DiT/VAE 0.43-0.76 in profiles minutes apart; docs/design.md#placement-placement);
+(one 2-vCPU VM gave DiT/VAE 0.43-0.76 in profiles minutes apart; docs/placement.md#placement-placement);
 this puts the cut where the blocks being made balance.
 
 Moved work does not cost the same on both sides: the DiT's process runs moved stages slower,

@@ -23,7 +23,7 @@ from ..ipc import messages as m
 from ..ipc.shm import Ring
 from ..media.encoder import FragmentWriter, open_encoder
 from . import scheduler as s
-from .engine import QueueFull, SessionHandle
+from .handle import QueueFull, SessionHandle
 
 log = logging.getLogger("streamdiff.driver")
 

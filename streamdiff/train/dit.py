@@ -74,7 +74,7 @@ class DiTRun:
     # The first block at sigma 1 is drawn from pure noise, and a Wan DiT has no absolute position
     # (RoPE is relative, the patch embedding a strided convolution): from noise alone it cannot
     # know where "the middle of the left edge" is: neither coupling the noise to the clip nor a
-    # flow-ODE first block made it commit to an object (docs/design.md#model-core-models). With
+    # flow-ODE first block made it commit to an object (docs/models.md#model-core-models). With
     # the position canvas before the first block (SamplerConfig.canvas) the place is readable, and
     # a probe learnt it within 1500 first blocks, but only with the object weighted at sigma 1 too:
     # unweighted it is 2% of the loss there. Without the canvas the object stays unweighted at

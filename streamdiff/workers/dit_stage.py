@@ -86,12 +86,12 @@ class DiTStage:
         # topology.vae_cut: the VAE decoder's first stages run here on each block, each session
         # with its own cache for them; the latent slot carries their output to the VAE worker.
         # The supervisor may move a session's cut at a shot's start (GenerateBlock.vae_cut).
-        self.cut, self.vae, self.stages = spec.vae_cut, None, 0
-        if self.cut:
+        self.vae_cut, self.vae, self.stages = spec.vae_cut, None, 0
+        if self.vae_cut:
             from ..models.engines import VAEEngine
 
             self.vae = VAEEngine(spec.model, spec.device, spec.vae_working_set_bytes).model
-            self.stages = check_cut(self.vae, self.cut)
+            self.stages = check_cut(self.vae, self.vae_cut)
         self.calibration = calibrated(spec, "dit", self.calibrate, self._agree)
         compiler = self.engine.compiler  # the log, /health and /v1/models say what compiled, or why not
         self.engine.loaded["compile"] = report = compiler.report()
@@ -118,7 +118,7 @@ class DiTStage:
         w, h = self.engine.card.default_size
         fpb = self.engine.frames_per_block
         sess = self.engine.open_session(w, h, seed=0)
-        self.engine.set_scene(sess, "calibration", cut=True)
+        self.engine.set_scene(sess, "calibration", new_shot=True)
         first_t = 0
         if given is None or self.platform.counts_transients:  # the first block has its own steps
             _, first_t = self.platform.peak_during(lambda: self.engine.generate_block(sess, fpb))
@@ -141,7 +141,7 @@ class DiTStage:
         fits = int(self.max_batch > 1 and budget // 2 >= 2 * (per_token * tokens + cross))
         if given is None and -self._agree([-fits])[0]:  # a group's ranks all time the pair or none does
             other = self.engine.open_session(w, h, seed=1)
-            self.engine.set_scene(other, "calibration", cut=True)
+            self.engine.set_scene(other, "calibration", new_shot=True)
             self.engine.generate_block(other, fpb)
             pair = [sess, other]
             self.engine.generate_blocks(pair, fpb)  # cold: a new shape
@@ -173,12 +173,12 @@ class DiTStage:
         like the DiT)."""
         fpb, held = self.engine.frames_per_block, DiTStageSession(dit=sess)
         for i in range(-(-sess.state.kv.window // fpb) - 1):
-            self._cut_stages([(held, i == 0, self.engine.generate_block(sess, fpb)[0], self.cut)])
+            self._cut_stages([(held, i == 0, self.engine.generate_block(sess, fpb)[0], self.vae_cut)])
         self.clock.start()
         ms, alone_t = self.platform.peak_during(
             lambda: timed_ms(
                 self.platform,
-                lambda: self._cut_stages([(held, False, self.engine.generate_block(sess, fpb)[0], self.cut)]),
+                lambda: self._cut_stages([(held, False, self.engine.generate_block(sess, fpb)[0], self.vae_cut)]),
             )
         )
         _, own_s = self.clock.stop()
@@ -200,7 +200,7 @@ class DiTStage:
         block's latent, or with a cut its first stages' output (float32, CPU): what goes into
         its ring slot. Blocks of one shape and cut whose stage caches are at the same phase run
         their stages in one call."""
-        if not self.cut:
+        if not self.vae_cut:
             return [latent for _, _, latent, _ in blocks]
         from ..models.wan.vae import decode_stages_sessions
 
@@ -229,7 +229,7 @@ class DiTStage:
             raise RequestError(f"a block of {msg.frames} latent frames")
         try:
             self.engine.check_block(
-                msg.frames, msg.cut, msg.image is not None, msg.actions, msg.camera, msg.transition, msg.prompt
+                msg.frames, msg.new_shot, msg.image is not None, msg.actions, msg.camera, msg.transition, msg.prompt
             )
         except BlockRefused as exc:
             raise RequestError(str(exc)) from None
@@ -243,11 +243,11 @@ class DiTStage:
             raise RequestError(f"{rows} rows of patches cannot be split over a DiT group of {self.world}")
         if np.prod(shape) * 4 > self.ring.spec.slot_bytes:
             raise RequestError(f"a latent block of shape {shape} does not fit a ring slot")
-        if self.cut:
+        if self.vae_cut:
             from ..models.wan.vae_shapes import stage_shapes
 
-            cut = cut_of(msg, self.cut)
-            check_cut_change(held, cut, self.stages, msg.cut or held.vae_state is None)
+            cut = cut_of(msg, self.vae_cut)
+            check_cut_change(held, cut, self.stages, msg.new_shot or held.vae_state is None)
             out = stage_shapes(self.vae.cfg, msg.frames, *sess.latent_hw)[cut - 1]
             if np.prod(out) * 4 > self.ring.spec.slot_bytes:
                 raise RequestError(f"the VAE's first {cut} stages make {list(out)} of a block: too big for a ring slot")
@@ -289,7 +289,9 @@ class DiTStage:
                 image = None
                 if msg.image is not None and not image_block:  # it goes with this block
                     image, held.image = held.image, None
-                self.engine.set_scene(held.dit, msg.prompt, msg.cut, msg.seed, msg.recache, left, image, msg.transition)
+                self.engine.set_scene(
+                    held.dit, msg.prompt, msg.new_shot, msg.seed, msg.recache, left, image, msg.transition
+                )
         latents, blocks = {}, []
         for msg, held in run:  # image-to-video: the picture's latent is the shot's first block
             if msg.image is not None and image_block:
@@ -315,7 +317,9 @@ class DiTStage:
                     stats["compile_s"],
                 )
                 self.graphs = stats["graphs"]
-        data = self._cut_stages([(held, msg.cut, latents[msg.session], cut_of(msg, self.cut)) for msg, held in run])
+        data = self._cut_stages(
+            [(held, msg.new_shot, latents[msg.session], cut_of(msg, self.vae_cut)) for msg, held in run]
+        )
         waited = (sp.wait_s if sp else 0.0) - waited  # the group's all-to-alls: not this rank's own work
         wall, own = self.clock.stop(waited)
         if self.rank > 0:
@@ -324,11 +328,11 @@ class DiTStage:
         ms, busy = 1000 * wall / n, 1000 * own / n  # each block's share
         for (msg, _), out in zip(run, data, strict=True):
             latent = latents[msg.session]  # (C, f, h, w) float32, CPU; or `out`, a cut's
-            if self.cut:
+            if self.vae_cut:
                 put_activation(self.ring, msg.slot, out)
             else:
                 self.ring.array(msg.slot, out.shape, np.float32)[...] = out.numpy()
-            cut_shape = list(out.shape) if self.cut else []
+            cut_shape = list(out.shape) if self.vae_cut else []
             replies.append(
                 m.LatentDone(
                     msg.session,

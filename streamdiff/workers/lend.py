@@ -11,9 +11,9 @@ def install_lender(lender: Lender, module) -> int:
     before each CPU conv2d of the decoder (its `checkpoint`, models/wan/kernels.py); returns how
     many modules. The DiT's waits fall at the end of each VAE block, where the decoder's
     full-resolution norms and convolutions run, in spells shorter than one of those convolutions
-    on one core (docs/design.md#processes-one-host)."""
+    on one core (docs/placement.md#the-layouts)."""
     from ..models.wan import vae, vae_blocks
-    from ..models.wan.dit import Block
+    from ..models.wan.dit import DiTBlock
 
     for sub in module.modules():
         if isinstance(sub, vae.WanVAEDecoder):
@@ -21,5 +21,5 @@ def install_lender(lender: Lender, module) -> int:
     return lender.install(
         sub
         for sub in module.modules()
-        if isinstance(sub, Block) or type(sub).__module__ in (vae.__name__, vae_blocks.__name__)
+        if isinstance(sub, DiTBlock) or type(sub).__module__ in (vae.__name__, vae_blocks.__name__)
     )

@@ -37,7 +37,7 @@ def decode_png(data: bytes) -> torch.Tensor:
 def put_activation(ring: Ring, slot: int, x: torch.Tensor) -> None:
     """A cut's activation (C, T, H, W; float32, CPU) into a ring slot, channels last (T, H, W, C):
     the order the decoder's stages make and take it in, so neither side reorders it
-    (docs/design.md#placement-placement)."""
+    (docs/placement.md#placement-placement)."""
     c, t, h, w = x.shape
     ring.array(slot, (t, h, w, c), np.float32)[...] = x.permute(1, 2, 3, 0).numpy()
 

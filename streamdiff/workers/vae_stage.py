@@ -68,8 +68,8 @@ class VAEStage:
         self.sessions: dict[str, VAEStageSession] = {}
         self.slots = self.engine.model.band_slots(self.shard_front)
         # topology.vae_cut: the DiT ran the decoder's first stages; this worker runs the rest.
-        self.cut = spec.vae_cut  # the worker's cut; each session's is its own (DecodeBlock.vae_cut)
-        self.stages = check_cut(self.engine.model, self.cut) if self.cut else 0
+        self.vae_cut = spec.vae_cut  # the worker's cut; each session's is its own (DecodeBlock.vae_cut)
+        self.stages = check_cut(self.engine.model, self.vae_cut) if self.vae_cut else 0
         self.cpu_budget = spec.cpu_memory_budget_bytes
         self.max_batch = spec.max_batch
         self.calibration = calibrated(spec, "vae", self.calibrate, self._agree)
@@ -111,7 +111,7 @@ class VAEStage:
         # rows of every level, the same bytes per latent pixel at any size; a shard's halo rows
         # do not scale, and a cut decoder's stages are timed at the preset's size on this cache.
         lh, lw = h // sf, w // sf
-        if given is not None and self.world == 1 and not self.cut and not self.platform.counts_transients:
+        if given is not None and self.world == 1 and not self.vae_cut and not self.platform.counts_transients:
             lh, lw = max(2, lh // 4 // 2 * 2), max(2, lw // 4 // 2 * 2)
 
         def decode(states, frames: int) -> float:
@@ -146,7 +146,7 @@ class VAEStage:
             "batch_ms": batch_ms,
             "memory": m.VAEMemory(cache / (lh * lw), 0.0, transient),
         }
-        if self.cut:  # each decoder stage's time: what the supervisor moves a cut by (supervisor/cut.py)
+        if self.vae_cut:  # each decoder stage's time: what the supervisor moves a cut by (supervisor/cut.py)
             from ..models.wan.stage_times import stage_times
 
             z = (1, p.dit.out_channels, fpb, h // sf, w // sf)
@@ -192,8 +192,8 @@ class VAEStage:
             raise RequestError(f"a latent block of shape {msg.shape} does not fit a ring slot")
         if msg.frames_out * h * sf * w * sf * 3 > self.frames.spec.slot_bytes:
             raise RequestError(f"{msg.frames_out} frames of {w * sf}x{h * sf} do not fit a frame slot")
-        if self.cut:
-            check_cut_change(held, cut_of(msg, self.cut), self.stages, first)
+        if self.vae_cut:
+            check_cut_change(held, cut_of(msg, self.vae_cut), self.stages, first)
             if len(msg.data_shape) != 4 or np.prod(msg.data_shape) * 4 > self.latents.spec.slot_bytes:
                 raise RequestError(f"the first stages' output of shape {msg.data_shape} is not a block's")
         try:
@@ -242,7 +242,7 @@ class VAEStage:
             if msg.reset:  # a new shot: the temporal cache starts afresh
                 held.state = self.engine.open_session()
             self._rebalance(msg, held, weights)
-            cut = cut_of(msg, self.cut) if self.cut else 0
+            cut = cut_of(msg, self.vae_cut) if self.vae_cut else 0
             held.vae_cut = cut
             key = (tuple(msg.shape), tuple(msg.data_shape), cut, msg.frames_out, phase(held.state))
             groups.setdefault(key, []).append(msg)
@@ -264,7 +264,7 @@ class VAEStage:
         spent waiting for neighbours and this shard's band height."""
         c, f, h, w = msgs[0].shape
         sf = self.engine.preset.vae.spatial_factor
-        if self.cut:
+        if self.vae_cut:
             return self._decode_rest(msgs), h
         plan = self.engine.plan((c, f, h, w), self.world, len(msgs), weights)
         latents = torch.stack(
@@ -290,7 +290,7 @@ class VAEStage:
         _, f, h, w = msgs[0].shape
         x = take_activations(self.latents, [msg.latent_slot for msg in msgs], msgs[0].data_shape)
         states = [self.sessions[msg.session].state for msg in msgs]
-        y = decode_stages_sessions(self.engine.model, x, states, cut_of(msgs[0], self.cut), self.stages, f)
+        y = decode_stages_sessions(self.engine.model, x, states, cut_of(msgs[0], self.vae_cut), self.stages, f)
         for i, msg in enumerate(msgs):
             out = self.frames.array(msg.frame_slot, (msg.frames_out, h * sf, w * sf, 3), np.uint8)
             out[...] = to_uint8_frames(y[i : i + 1]).numpy()

@@ -49,7 +49,7 @@ def sessions_at_different_positions(dit: DiTEngine):
     out = []
     for i, (prompt, blocks) in enumerate((("a red fox", 1), ("a blue whale at sea", 3), ("rain on a city", 6))):
         sess = dit.open_session(128, 64, seed=100 + i)
-        dit.set_scene(sess, prompt, cut=True)
+        dit.set_scene(sess, prompt, new_shot=True)
         for _ in range(blocks):
             dit.generate_block(sess, 3)
         out.append(sess)
@@ -73,8 +73,8 @@ def test_dit_batch_across_a_scene_switch(dit):
     batch = sessions_at_different_positions(dit)[:2]
     alone = [clone(s) for s in batch]
     for sessions in (batch, alone):  # `continue` into a new prompt for one, a cut for the other
-        dit.set_scene(sessions[0], "the fox reaches a lake", cut=False)
-        dit.set_scene(sessions[1], "a desert at noon", cut=True, seed=9)
+        dit.set_scene(sessions[0], "the fox reaches a lake", new_shot=False)
+        dit.set_scene(sessions[1], "a desert at noon", new_shot=True, seed=9)
     # A shot's first block has its own step list: here the same length, so they batch.
     assert len(dit.steps_of(batch[0])) == len(dit.steps_of(batch[1]))
     got = dit.generate_blocks(batch, 3)

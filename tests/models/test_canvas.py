@@ -32,7 +32,7 @@ def test_the_engine_commits_the_canvas_at_every_cut_and_keeps_it_as_the_sink():
     assert eng.cache_frames(6) == eng.least_cache_frames == 13  # the canvas is no planned block
     prompt = "a red ball moving left on a white background"
     sess = eng.open_session(64, 48, seed=7)
-    eng.set_scene(sess, prompt, cut=True)
+    eng.set_scene(sess, prompt, new_shot=True)
     assert sess.state.next_frame == 1  # the canvas at position 0, the first block from 1
     got = eng.generate_block(sess, 3)
 
@@ -51,7 +51,7 @@ def test_the_engine_commits_the_canvas_at_every_cut_and_keeps_it_as_the_sink():
     for _ in range(4):  # past the window: 1 + 15 frames in a 13-frame cache
         eng.generate_block(sess, 3)
     assert torch.equal(sess.state.kv.latents_at(range(0, 1))[:, :, :1], position_canvas(c, h, w))
-    eng.set_scene(sess, prompt, cut=True)
+    eng.set_scene(sess, prompt, new_shot=True)
     assert sess.state.next_frame == 1  # a cut starts from the canvas again
 
 
@@ -61,7 +61,7 @@ def test_an_image_starts_the_shot_after_the_canvas():
     committed at 1 as the shot's first frame, and the first denoised block follows at 2."""
     eng = DiTEngine(ModelSpec(preset="tiny-random", sampler=CANVAS))
     sess = eng.open_session(64, 48, seed=7)
-    eng.set_scene(sess, "a red ball moving left on a white background", cut=True)
+    eng.set_scene(sess, "a red ball moving left on a white background", new_shot=True)
     image = torch.randint(0, 256, (48, 64, 3), dtype=torch.uint8, generator=torch.Generator().manual_seed(1))
     z = eng.start_from_image(sess, image)
     assert sess.state.next_frame == 2

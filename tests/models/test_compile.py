@@ -52,7 +52,7 @@ def test_auto_serves_eager_after_a_compile_error_and_says_so(wanted_but_failing)
     outs = []
     for eng in (eager, auto):
         s = eng.open_session(128, 64, seed=3)
-        eng.set_scene(s, "a red ball", cut=True)
+        eng.set_scene(s, "a red ball", new_shot=True)
         outs.append([eng.generate_block(s, 3) for _ in range(2)])
     for a, b in zip(*outs, strict=True):
         assert torch.equal(a, b)
@@ -64,7 +64,7 @@ def test_auto_serves_eager_after_a_compile_error_and_says_so(wanted_but_failing)
 def test_on_raises_the_compile_error_at_the_first_block(wanted_but_failing):
     eng = DiTEngine(ModelSpec(preset="tiny-random", dtype="float32", compile="on"))
     s = eng.open_session(128, 64, seed=3)
-    eng.set_scene(s, "a red ball", cut=True)
+    eng.set_scene(s, "a red ball", new_shot=True)
     with pytest.raises(torch._dynamo.exc.BackendCompilerFailed, match="No working C"):
         eng.generate_block(s, 3)
 

@@ -29,7 +29,7 @@ def run(dit, scenes, seed=5):
     sess = dit.open_session(W, H, seed)
     out = []
     for prompt, cut, scene_seed, blocks in scenes:
-        dit.set_scene(sess, prompt, cut=cut, seed=scene_seed)
+        dit.set_scene(sess, prompt, new_shot=cut, seed=scene_seed)
         out += [dit.generate_block(sess, dit.frames_per_block) for _ in range(blocks)]
     return out
 
@@ -38,8 +38,8 @@ def test_interleaved_sessions_equal_each_alone(dit):
     a_alone = run(dit, [("a red fox", True, None, 3)], seed=1)
     b_alone = run(dit, [("a blue whale", True, None, 3)], seed=2)
     sa, sb = dit.open_session(W, H, 1), dit.open_session(W, H, 2)
-    dit.set_scene(sa, "a red fox", cut=True)
-    dit.set_scene(sb, "a blue whale", cut=True)
+    dit.set_scene(sa, "a red fox", new_shot=True)
+    dit.set_scene(sb, "a blue whale", new_shot=True)
     a, b = [], []
     for _ in range(3):
         a.append(dit.generate_block(sa, 3))
@@ -122,5 +122,5 @@ def test_a_probe_engine_times_the_dit_without_loading_the_text_encoder(tmp_path)
         DiTEngine(spec)
     eng = DiTEngine(spec, probe=True)
     sess = eng.open_session(64, 32, seed=1)
-    eng.set_scene(sess, "a red fox", cut=True)
+    eng.set_scene(sess, "a red fox", new_shot=True)
     assert eng.text is None and eng.generate_block(sess, 3).shape == (1, 16, 3, 4, 8)

@@ -151,13 +151,13 @@ def test_a_storyboard_with_three_cuts_holds_one_cache():
     got = []
     with LargeAllocations(kv.k[0].numel() * kv.k[0].element_size()) as big:
         for seed, n in shots:
-            eng.set_scene(sess, "a shot", cut=True, seed=seed)
+            eng.set_scene(sess, "a shot", new_shot=True, seed=seed)
             got.append([eng.generate_block(sess, 3) for _ in range(n)])
     assert big.seen == []
     assert sess.state.kv is kv and [t.data_ptr() for t in (*kv.k, *kv.v)] == buffers
     for (seed, _), blocks_ in zip(shots, got, strict=True):
         fresh = eng.open_session(128, 64, seed=seed)
-        eng.set_scene(fresh, "a shot", cut=True)
+        eng.set_scene(fresh, "a shot", new_shot=True)
         for b in blocks_:
             torch.testing.assert_close(b, eng.generate_block(fresh, 3), rtol=1e-5, atol=1e-5)
 
@@ -236,7 +236,7 @@ def test_the_engine_block_builds_nothing_from_host_data():
     or a tensor made from a Python list still shows as an op: none in the engine's block."""
     eng = DiTEngine(ModelSpec(preset="tiny-random", dtype="float32", compile="off"))
     sess = eng.open_session(256, 144, seed=0)
-    eng.set_scene(sess, "a shot", cut=True)
+    eng.set_scene(sess, "a shot", new_shot=True)
     eng.generate_block(sess, 3)
     with HostTraffic("cpu") as host:
         for _ in range(5):  # past the window: evictions
@@ -264,7 +264,7 @@ def test_an_eager_worker_never_imports_dynamo():
         "    WanDiT(get_preset(spec).dit)\n"
         "dit, vae = DiTEngine(spec), VAEEngine(spec)\n"
         "s = dit.open_session(128, 64, seed=1)\n"
-        "dit.set_scene(s, 'a red ball', cut=True)\n"
+        "dit.set_scene(s, 'a red ball', new_shot=True)\n"
         "z = dit.generate_block(s, 3)\n"
         "assert compile_stats() == {'graphs': 0, 'compile_s': 0.0}\n"
         "print('torch._dynamo' in sys.modules)\n"
@@ -352,7 +352,7 @@ def test_a_cache_sized_to_the_longest_shot_equals_a_full_window(kind):
     assert fitted.state.kv.k[0].shape[2] * s.window_frames == small * full.state.kv.k[0].shape[2]
     for prompt, cut, blocks in scenes:
         for e, sess in zip(engines, (full, fitted), strict=True):
-            e.set_scene(sess, prompt, cut=cut, shot_left=blocks if cut else 0)
+            e.set_scene(sess, prompt, new_shot=cut, shot_left=blocks if cut else 0)
         for _ in range(blocks):
             a, b = (e.generate_block(sess, fpb) for e, sess in zip(engines, (full, fitted), strict=True))
             torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
@@ -362,12 +362,12 @@ def served_mix(e: DiTEngine, w: int, h: int) -> list[torch.Tensor]:
     """Batches of 1 to 4, an image block, a prompt switch (a re-cache), a cut: every latent."""
     sessions = [e.open_session(w, h, seed=i) for i in range(4)]
     for s in sessions:
-        e.set_scene(s, "a red ball", cut=True)
+        e.set_scene(s, "a red ball", new_shot=True)
     outs = [e.start_from_image(sessions[0], torch.zeros(h, w, 3, dtype=torch.uint8))]
     for n in (1, 2, 3, 4):
         outs += e.generate_blocks(sessions[:n], 3)
-    e.set_scene(sessions[1], "a blue ball", cut=False)  # every_switch: the switch re-caches
-    e.set_scene(sessions[2], "a new shot", cut=True, seed=7, shot_left=3)
+    e.set_scene(sessions[1], "a blue ball", new_shot=False)  # every_switch: the switch re-caches
+    e.set_scene(sessions[2], "a new shot", new_shot=True, seed=7, shot_left=3)
     return outs + e.generate_blocks(sessions, 3)
 
 

@@ -84,7 +84,7 @@ def ours(engine: DiTEngine, prompts: list[str], seed: int) -> list[torch.Tensor]
     sess = engine.open_session(W, H, seed)
     out = []
     for i, p in enumerate(prompts):
-        engine.set_scene(sess, p, cut=i == 0)
+        engine.set_scene(sess, p, new_shot=i == 0)
         out.append(engine.generate_block(sess, engine.frames_per_block))
     return out
 
@@ -105,10 +105,10 @@ def test_prompt_switch_reaches_the_context_through_the_recompute(engine):
     """After the first block under a new prompt, the held context's keys are recomputed under it:
     they equal a fresh pass of the same latents under the new prompt, not the old."""
     sess = engine.open_session(W, H, 3)
-    engine.set_scene(sess, "a red fox", cut=True)
+    engine.set_scene(sess, "a red fox", new_shot=True)
     for _ in range(3):
         engine.generate_block(sess, 3)
-    engine.set_scene(sess, "a city at night", cut=False)
+    engine.set_scene(sess, "a city at night", new_shot=False)
     engine.generate_block(sess, 3)
     kv = sess.state.kv
     assert kv.frames == K and sess.state.next_frame == K
@@ -129,8 +129,8 @@ def test_batched_sessions_recompute_each_alone(engine):
     a_alone = ours(engine, ["a red fox"] * 3, seed=1)
     b_alone = ours(engine, ["a blue whale"] * 3, seed=2)
     sa, sb = engine.open_session(W, H, 1), engine.open_session(W, H, 2)
-    engine.set_scene(sa, "a red fox", cut=True)
-    engine.set_scene(sb, "a blue whale", cut=True)
+    engine.set_scene(sa, "a red fox", new_shot=True)
+    engine.set_scene(sb, "a blue whale", new_shot=True)
     for i in range(3):
         a, b = engine.generate_blocks([sa, sb], 3)
         torch.testing.assert_close(a, a_alone[i], rtol=1e-5, atol=1e-5)

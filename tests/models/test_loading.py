@@ -200,7 +200,7 @@ def test_real_preset_engines_generate_from_a_diffusers_directory(checkpoints):
     spec = ModelSpec(preset="wan2.1-t2v-1.3b", path=str(checkpoints / "diffusers"))
     dit, vae = DiTEngine(spec), VAEEngine(spec)
     sess = dit.open_session(64, 32, seed=3)
-    dit.set_scene(sess, "a red fox runs through snow", cut=True)
+    dit.set_scene(sess, "a red fox runs through snow", new_shot=True)
     latent = dit.generate_block(sess, 3)
     frames = vae.decode_block(vae.open_session(), latent)
     assert latent.shape == (1, 16, 3, 4, 8) and frames.shape == (9, 32, 64, 3)

@@ -143,10 +143,10 @@ def test_every_switch_recaches_a_continue_scene_unasked():
 
     def go(eng, ask):
         sess = eng.open_session(64, 48, 7)
-        eng.set_scene(sess, "a red fox", cut=True)
+        eng.set_scene(sess, "a red fox", new_shot=True)
         for _ in range(4):
             eng.generate_block(sess, eng.frames_per_block)
-        eng.set_scene(sess, "a blue whale", cut=False, recache=ask)
+        eng.set_scene(sess, "a blue whale", new_shot=False, recache=ask)
         return eng.generate_block(sess, eng.frames_per_block)
 
     got = go(every, False)
@@ -157,10 +157,10 @@ def test_every_switch_recaches_a_continue_scene_unasked():
 def test_never_refuses_a_scene_that_asks():
     eng = engine("never")
     sess = eng.open_session(64, 48, 7)
-    eng.set_scene(sess, "a red fox", cut=True)
+    eng.set_scene(sess, "a red fox", new_shot=True)
     eng.generate_block(sess, eng.frames_per_block)
     with pytest.raises(ValueError, match="recache is 'never'"):
-        eng.set_scene(sess, "a blue whale", cut=False, recache=True)
+        eng.set_scene(sess, "a blue whale", new_shot=False, recache=True)
 
 
 @pytest.mark.parametrize("policy,refused", [("never", True), ("on_request", False), ("every_switch", False)])

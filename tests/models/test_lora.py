@@ -14,7 +14,7 @@ from torch import nn
 
 from streamdiff.models import presets
 from streamdiff.models.presets import ModelSpec, build_dit
-from streamdiff.models.wan.dit import Block, DiTConfig, WanDiT
+from streamdiff.models.wan.dit import DiTBlock, DiTConfig, WanDiT
 from streamdiff.models.wan.loading import CheckpointError, normalize_dit_state_dict
 from streamdiff.models.wan.lora import merge_lora, read_lora
 
@@ -32,7 +32,7 @@ def longlive_targets(model: nn.Module) -> list[str]:
     return sorted(
         sub_name
         for name, m in model.named_modules()
-        if isinstance(m, Block)
+        if isinstance(m, DiTBlock)
         for sub_name, sub in m.named_modules(prefix=name)
         if isinstance(sub, nn.Linear)
     )

@@ -135,13 +135,13 @@ def ours(eng, prompts, seed, w, h, batch_with=None):
     sess = eng.open_session(w, h, seed=seed)
     other = eng.open_session(w, h, seed=seed + 100) if batch_with else None
     if other is not None:
-        eng.set_scene(other, batch_with, cut=True)
+        eng.set_scene(other, batch_with, new_shot=True)
     out = []
     for chunk, prompt in enumerate(prompts):
         if chunk == 0:
-            eng.set_scene(sess, prompt, cut=True)
+            eng.set_scene(sess, prompt, new_shot=True)
         elif prompt.startswith(SHOT_PREFIX):
-            eng.set_scene(sess, prompt.removeprefix(SHOT_PREFIX), cut=False, transition=True)
+            eng.set_scene(sess, prompt.removeprefix(SHOT_PREFIX), new_shot=False, transition=True)
         if other is None:
             out.append(eng.generate_block(sess, F))
         else:
@@ -200,14 +200,14 @@ def test_a_transition_batched_with_another_session_equals_it_alone(engine):
 
 def test_a_transition_is_refused_where_it_does_not_belong(engine):
     sess = engine.open_session(128, 64, seed=1)
-    engine.set_scene(sess, "a red fox", cut=True)
+    engine.set_scene(sess, "a red fox", new_shot=True)
     with pytest.raises(ValueError, match="it is no cut"):
-        engine.set_scene(sess, "a city", cut=True, transition=True)
+        engine.set_scene(sess, "a city", new_shot=True, transition=True)
     plain = DiTEngine(ModelSpec(preset="tiny-random", sampler=UNIPC))
     s2 = plain.open_session(128, 64, seed=1)
-    plain.set_scene(s2, "a red fox", cut=True)
+    plain.set_scene(s2, "a red fox", new_shot=True)
     with pytest.raises(ValueError, match="shot_offset"):
-        plain.set_scene(s2, "a city", cut=False, transition=True)
+        plain.set_scene(s2, "a city", new_shot=False, transition=True)
     from streamdiff.models.wan.sampler import SamplerConfig
 
     for bad in ({"kind": "rolling"}, {"sink_frames": 0}, {"recache": "on_request"}):

@@ -345,7 +345,7 @@ def engine():
 
 def shot(engine, sess, prompt, blocks, seed=None, cut=True, live=False):
     """A scene of `blocks` blocks, as the DiT worker runs it (shot_left as GenerateBlock gives it)."""
-    engine.set_scene(sess, prompt, cut=cut, seed=seed, shot_left=0 if live else blocks)
+    engine.set_scene(sess, prompt, new_shot=cut, seed=seed, shot_left=0 if live else blocks)
     return [engine.generate_block(sess, 3, 0 if live else blocks - i) for i in range(blocks)]
 
 
@@ -390,7 +390,7 @@ def test_engine_prompt_switch_keeps_the_window(engine):
     sess = engine.open_session(64, 48, seed=4)
     first = shot(engine, sess, "a red fox", 2, live=True)
     levels = [b.level for b in sess.rolling.flight]
-    engine.set_scene(sess, "a city at night", cut=False)
+    engine.set_scene(sess, "a city at night", new_shot=False)
     assert [b.level for b in sess.rolling.flight] == levels
     switched = engine.generate_block(sess, 3)
     same = engine.open_session(64, 48, seed=4)
@@ -402,7 +402,7 @@ def test_engine_prompt_switch_keeps_the_window(engine):
 
 def test_engine_refuses_a_partial_block(engine):
     sess = engine.open_session(64, 48, seed=4)
-    engine.set_scene(sess, "a red fox", cut=True)
+    engine.set_scene(sess, "a red fox", new_shot=True)
     with pytest.raises(ValueError, match="whole blocks of 3 latent frames, not 2"):
         engine.generate_block(sess, 2, 1)
 
@@ -411,7 +411,7 @@ def test_engine_shortened_shot_drains(engine):
     """A replan that ends the shot sooner (a stop, a steer) drops the blocks in flight past the
     new end; the last call leaves nothing in flight."""
     sess = engine.open_session(64, 48, seed=4)
-    engine.set_scene(sess, "a red fox", cut=True)
+    engine.set_scene(sess, "a red fox", new_shot=True)
     engine.generate_block(sess, 3, 8)
     assert [b.index for b in sess.rolling.flight] == [1, 2, 3, 4]
     engine.generate_block(sess, 3, 2)  # block 1, and block 2 is the shot's last now
@@ -437,7 +437,7 @@ def test_engine_recache(engine):
     def after(prompt, recache):
         sess = engine.open_session(64, 48, seed=4)
         shot(engine, sess, "a red fox", 3, live=True)
-        engine.set_scene(sess, prompt, cut=False, recache=recache)
+        engine.set_scene(sess, prompt, new_shot=False, recache=recache)
         return [engine.generate_block(sess, 3) for _ in range(2)]
 
     plain = after("a red fox", False)

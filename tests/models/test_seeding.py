@@ -45,7 +45,7 @@ def test_the_engine_draws_the_authors_noise_in_their_order(dit, dtype, monkeypat
     fpb, c, (h, w) = dit.frames_per_block, dit.model.cfg.in_channels, dit.latent_size(W, H)
     blocks, steps = 3, len(dit.timesteps)
     sess = dit.open_session(W, H, 0)
-    dit.set_scene(sess, "a red fox", cut=True, seed=SEED, shot_left=blocks)
+    dit.set_scene(sess, "a red fox", new_shot=True, seed=SEED, shot_left=blocks)
     assert sess.seeding == "authors"
     ref = authors_draws(SEED, blocks, fpb, c, h, w, steps, dtype)
     for first, again in ref:
@@ -61,7 +61,7 @@ def test_a_live_shot_draws_per_block_from_the_same_stream(dit):
     fpb, c, (h, w) = dit.frames_per_block, dit.model.cfg.in_channels, dit.latent_size(W, H)
     steps = len(dit.timesteps)
     sess = dit.open_session(W, H, SEED)
-    dit.set_scene(sess, "a red fox", cut=True)
+    dit.set_scene(sess, "a red fox", new_shot=True)
     assert sess.seeding == "per_block"
     torch.manual_seed(SEED)
     for _ in range(2):
@@ -80,7 +80,7 @@ def test_the_denoised_blocks_equal_the_authors_block_loop(dit):
     ts = dit.timesteps
     sig = sigma_of(ts, dit.preset.sampler.shift)
     sess = dit.open_session(W, H, 0)
-    dit.set_scene(sess, "a red fox", cut=True, seed=SEED, shot_left=2)
+    dit.set_scene(sess, "a red fox", new_shot=True, seed=SEED, shot_left=2)
     got = [dit.generate_block(sess, fpb) for _ in range(2)]
 
     model, s = dit.model, dit.preset.sampler
@@ -107,7 +107,7 @@ def test_batched_sessions_equal_each_alone_under_both_schemes(dit):
 
     def open_(seed, shot):
         sess = dit.open_session(W, H, seed)
-        dit.set_scene(sess, f"prompt {seed}", cut=True, seed=seed, shot_left=shot)
+        dit.set_scene(sess, f"prompt {seed}", new_shot=True, seed=seed, shot_left=shot)
         return sess
 
     alone = [[dit.generate_block(s, fpb) for _ in range(2)] for s in (open_(1, 2), open_(2, 0))]

@@ -112,10 +112,10 @@ def test_an_engine_block_is_diffusers_unipc_on_the_dit_then_the_clean_pass():
     w, h = 128, 64
     a, b, r = (e.open_session(w, h, seed=5) for e in (eng, eng, ref))
     for e, s in ((eng, a), (eng, b), (ref, r)):
-        e.set_scene(s, "a red fox", cut=True)
+        e.set_scene(s, "a red fox", new_shot=True)
     got = [eng.generate_block(a, 3) for _ in range(2)]
     other = eng.open_session(w, h, seed=6)
-    eng.set_scene(other, "a blue ball", cut=True)
+    eng.set_scene(other, "a blue ball", new_shot=True)
     pair = eng.generate_blocks([b, other], 3)  # b's first block, batched
     torch.testing.assert_close(pair[0], got[0], rtol=1e-5, atol=1e-5)
     gen = torch.Generator().manual_seed(5)
@@ -143,7 +143,7 @@ def test_a_held_first_frame_is_longlive2s_image_to_video_first_block():
     model, (w, h) = eng.model, (128, 64)
     ours, ref = (eng.open_session(w, h, seed=1) for _ in range(2))
     for s in (ours, ref):
-        eng.set_scene(s, "a red fox", cut=True)
+        eng.set_scene(s, "a red fox", new_shot=True)
     g = torch.Generator().manual_seed(2)
     noise, image = torch.randn(1, 16, 3, 8, 16, generator=g), torch.randn(1, 16, 1, 8, 16, generator=g)
     ts = unipc_timesteps(UNIPC["steps"], UNIPC["shift"])

@@ -11,7 +11,7 @@ import pytest
 
 from streamdiff.plan import Block, Scene
 from streamdiff.server.jobs import Job, JobExpired, JobStore
-from streamdiff.supervisor.engine import SessionHandle
+from streamdiff.supervisor.handle import SessionHandle
 
 REQ = SimpleNamespace(scenes=[Scene("p", 9)], frames=9, fps=16, model="tiny", prompt="p", width=64, height=64, seed=1)
 PLACEMENT = {"dit": "dit0", "vae": ["vae0.0"]}

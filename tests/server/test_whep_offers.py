@@ -209,7 +209,10 @@ async def _never_connect():
         t0 = time.monotonic()
         statuses = [(await s.post(sdp))[0] for _ in range(100)]
         posted = time.monotonic() - t0
-        assert statuses == [201] * 100 and len(s.whep.peers) == 100
+        assert statuses == [201] * 100
+        # all held at once, unless the posting itself outlasted the timeout (a loaded machine:
+        # the first offers then expire while the last are posted, which is the point of it)
+        assert len(s.whep.peers) == 100 or posted > timeout, (len(s.whep.peers), posted)
         during = open_fds()
         deadline = time.monotonic() + timeout + 5
         while s.whep.peers and time.monotonic() < deadline:

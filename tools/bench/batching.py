@@ -53,7 +53,7 @@ def main() -> int:
     sessions = []
     for i in range(most):
         s = dit.open_session(w, h, seed=i)
-        dit.set_scene(s, f"session {i}", cut=True)
+        dit.set_scene(s, f"session {i}", new_shot=True)
         dit.generate_block(s, fpb)  # past the first block: steady-state step list
         sessions.append(s)
     states = [vae.open_session() for _ in range(most)]

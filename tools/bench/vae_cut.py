@@ -61,7 +61,7 @@ def dit_side(cpu, cut, size, blocks, slots, free, full, go):
     state = vae.new_state()
     fpb = dit.frames_per_block
     sess = dit.open_session(*size, seed=0)
-    dit.set_scene(sess, "a red fox runs through fresh snow", cut=True)
+    dit.set_scene(sess, "a red fox runs through fresh snow", new_shot=True)
     warm = [dit.generate_block(sess, fpb) for _ in range(WARM_BLOCKS)]
     with torch.no_grad():
         for z in warm[:1]:  # the stages' first block of a shot, untimed, as the VAE side's

@@ -5,7 +5,7 @@ A Wan DiT has no absolute position: RoPE is relative and the patch embedding a s
 convolution, so on a shot's first block, pure noise with nothing before it, every place looks
 like every other, and a prompt's object has nowhere to be drawn. Published models learn to break
 that symmetry by distillation; the trained tiny default (issue 36) is trained by flow matching
-alone, and cannot (docs/design.md#model-core-models). Committed
+alone, and cannot (docs/models.md#model-core-models). Committed
 to the KV cache at t = 0 before the first block, as an image-to-video start latent is, the
 canvas gives each token the sine and cosine of its column and row, at four frequencies: a token
 reads its place from the canvas token at its own (y, x) in the frame before, which is what a

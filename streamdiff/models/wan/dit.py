@@ -222,7 +222,7 @@ def _mod(y: torch.Tensor, f: int, sh: torch.Tensor, sc: torch.Tensor) -> torch.T
     return (_per_frame(y.float(), f) * (1 + sc.unsqueeze(2)) + sh.unsqueeze(2)).view(y.shape)
 
 
-def block_qkv(blk: Block, x: torch.Tensor, e: torch.Tensor, f: int, cos: torch.Tensor, sin: torch.Tensor):
+def block_qkv(blk: DiTBlock, x: torch.Tensor, e: torch.Tensor, f: int, cos: torch.Tensor, sin: torch.Tensor):
     """A block up to its self-attention: q, k, v (S, L, heads, head_dim), RoPE applied, and q, k
     before RoPE (PRoPE's; a model without it drops them at once). No cache and no Python state:
     the part `torch.compile` takes (`WanDiT.compile_blocks`)."""
@@ -236,7 +236,7 @@ def block_qkv(blk: Block, x: torch.Tensor, e: torch.Tensor, f: int, cos: torch.T
 
 
 def block_cross(
-    blk: Block,
+    blk: DiTBlock,
     x: torch.Tensor,
     attn: torch.Tensor,
     e: torch.Tensor,
@@ -257,7 +257,7 @@ def block_cross(
     return x + blk.cross_attn(blk.norm3(x), [(ck, cv)])
 
 
-def block_ffn(blk: Block, x: torch.Tensor, e: torch.Tensor, f: int) -> torch.Tensor:
+def block_ffn(blk: DiTBlock, x: torch.Tensor, e: torch.Tensor, f: int) -> torch.Tensor:
     """A block's FFN and its gate."""
     b, n, c = x.shape
     c_shift, c_scale, c_gate = (blk.modulation.unsqueeze(1) + e)[:, :, 3:].unbind(2)
@@ -266,7 +266,7 @@ def block_ffn(blk: Block, x: torch.Tensor, e: torch.Tensor, f: int) -> torch.Ten
 
 
 def block_rest(
-    blk: Block,
+    blk: DiTBlock,
     x: torch.Tensor,
     attn: torch.Tensor,
     e: torch.Tensor,
@@ -279,7 +279,7 @@ def block_rest(
     return block_ffn(blk, block_cross(blk, x, attn, e, f, ck, cv, cam), e, f)
 
 
-class Block(nn.Module):
+class DiTBlock(nn.Module):
     def __init__(self, cfg: DiTConfig, index: int = 0) -> None:
         super().__init__()
         self.norm1 = LayerNorm(cfg.dim, cfg.eps, elementwise_affine=False)
@@ -342,7 +342,7 @@ class Head(nn.Module):
         super().__init__()
         self.norm = LayerNorm(cfg.dim, cfg.eps, elementwise_affine=False)
         self.head = nn.Linear(cfg.dim, cfg.out_channels * math.prod(cfg.patch_size))
-        self.modulation = nn.Parameter(torch.randn(1, 2, cfg.dim).div_(cfg.dim**0.5))  # in place: Block's
+        self.modulation = nn.Parameter(torch.randn(1, 2, cfg.dim).div_(cfg.dim**0.5))  # in place: DiTBlock's
 
     def forward(self, x: torch.Tensor, e: torch.Tensor, f: int) -> torch.Tensor:
         b, n, c = x.shape
@@ -367,7 +367,7 @@ class WanDiT(nn.Module):
             )
         self.time_embedding = nn.Sequential(nn.Linear(cfg.freq_dim, cfg.dim), nn.SiLU(), nn.Linear(cfg.dim, cfg.dim))
         self.time_projection = nn.Sequential(nn.SiLU(), nn.Linear(cfg.dim, 6 * cfg.dim))
-        self.blocks = nn.ModuleList([Block(cfg, i) for i in range(cfg.num_layers)])
+        self.blocks = nn.ModuleList([DiTBlock(cfg, i) for i in range(cfg.num_layers)])
         self.head = Head(cfg)
         self._rope: Rope | None = None
         # A DiT group's sequence parallelism (parallel/dit_group.py's SeqParallel), set by the

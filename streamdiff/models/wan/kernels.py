@@ -3,7 +3,7 @@ layout, and the per-block decode plan that every shard of a VAE group shares.
 
 The model definition (vae.py) says what is computed; this module says how, per device:
 
-- On the CPU, PyTorch's conv3d falls back to a slow im2col kernel (docs/design.md#model-core-models),
+- On the CPU, PyTorch's conv3d falls back to a slow im2col kernel (docs/models.md#model-core-models),
   so a 3D conv runs as one conv2d per temporal tap, summed; 1x1 convs run as a matmul over
   channels (PyTorch's 1x1 CPU conv returns channels-first and would push every later op off
   oneDNN's fast path); activations stay frames-major channels-last. Elsewhere the native ops and

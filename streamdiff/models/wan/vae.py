@@ -33,12 +33,12 @@ from .kernels import DecodePlan, conv2d, frames, layout, unframes
 from .vae_blocks import (
     AttentionBlock,
     CausalConv3d,
+    ChannelRMSNorm,
     Ctx,
     Halo,
     Resample,
     ResBlock,
     ResidualUpStage,
-    RMSNorm,
     VAEState,
     rms_norm,
     unpatchify,
@@ -138,7 +138,7 @@ class Decoder3d(nn.Module):
                 ups.append(Resample(cout, temporal=temporal_up[i]))
         self.upsamples = nn.Sequential(*ups)
         self.head = nn.Sequential(
-            RMSNorm(dims[-1], images=False), nn.SiLU(), CausalConv3d(dims[-1], cfg.rgb_channels, 3, padding=1)
+            ChannelRMSNorm(dims[-1], images=False), nn.SiLU(), CausalConv3d(dims[-1], cfg.rgb_channels, 3, padding=1)
         )
         # Where height sharding starts. Wan 2.1: the first upsampler (everything before it is
         # the low-resolution front: conv1, the middle with its global attention, the first
@@ -195,7 +195,7 @@ class WanVAEDecoder(nn.Module):
         compile a few graphs once rather than one each."""
         kernel = compiler.wrap(rms_norm) if compiler is not None else rms_norm
         for m in self.modules():
-            if isinstance(m, RMSNorm):
+            if isinstance(m, ChannelRMSNorm):
                 m.kernel = kernel
 
     def band_slots(self, shard_front: bool = False) -> list[int | None]:

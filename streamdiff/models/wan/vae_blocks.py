@@ -121,7 +121,7 @@ def rms_norm(x: torch.Tensor, gamma: torch.Tensor, silu: bool) -> torch.Tensor:
     return F.silu(y, inplace=True) if silu else y
 
 
-class RMSNorm(nn.Module):
+class ChannelRMSNorm(nn.Module):
     """Per-pixel RMS norm over channels: normalize(x, dim=1) * sqrt(C) * gamma."""
 
     def __init__(self, dim: int, images: bool = True) -> None:
@@ -144,10 +144,10 @@ class ResBlock(nn.Module):
         super().__init__()
         # Indices match the original nn.Sequential: norm 0, conv 2, norm 3, conv 6.
         self.residual = nn.Sequential(
-            RMSNorm(cin, images=False),
+            ChannelRMSNorm(cin, images=False),
             nn.SiLU(),
             CausalConv3d(cin, cout, 3, padding=1),
-            RMSNorm(cout, images=False),
+            ChannelRMSNorm(cout, images=False),
             nn.SiLU(),
             nn.Dropout(0.0),
             CausalConv3d(cout, cout, 3, padding=1),
@@ -167,7 +167,7 @@ class AttentionBlock(nn.Module):
 
     def __init__(self, dim: int) -> None:
         super().__init__()
-        self.norm = RMSNorm(dim)
+        self.norm = ChannelRMSNorm(dim)
         self.to_qkv = nn.Conv2d(dim, dim * 3, 1)
         self.proj = nn.Conv2d(dim, dim, 1)
 

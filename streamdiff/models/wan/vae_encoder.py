@@ -30,7 +30,7 @@ from torch import nn
 
 from .loading import _RES_DIFFUSERS, strip_prefixes
 from .vae import VAEConfig
-from .vae_blocks import AttentionBlock, AvgDown3D, CausalConv3d, Ctx, ResBlock, RMSNorm, VAEState, patchify
+from .vae_blocks import AttentionBlock, AvgDown3D, CausalConv3d, ChannelRMSNorm, Ctx, ResBlock, VAEState, patchify
 
 
 class Downsample(nn.Module):
@@ -109,7 +109,9 @@ class Encoder3d(nn.Module):
         d = dims[-1]
         self.middle = nn.Sequential(ResBlock(d, d), AttentionBlock(d), ResBlock(d, d))
         # mean and log-variance: the quant conv splits them
-        self.head = nn.Sequential(RMSNorm(d, images=False), nn.SiLU(), CausalConv3d(d, cfg.z_dim * 2, 3, padding=1))
+        self.head = nn.Sequential(
+            ChannelRMSNorm(d, images=False), nn.SiLU(), CausalConv3d(d, cfg.z_dim * 2, 3, padding=1)
+        )
 
     def forward(self, x: torch.Tensor, ctx: Ctx) -> torch.Tensor:
         x = self.conv1(x, ctx)

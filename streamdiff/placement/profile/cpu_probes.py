@@ -35,7 +35,7 @@ def dit_beside_child(spec, device, cpus, size, stop, out) -> None:
         fpb = eng.frames_per_block
         w, h = size
         sess = eng.open_session(w, h, seed=0)
-        eng.set_scene(sess, "profile", cut=True)
+        eng.set_scene(sess, "profile", new_shot=True)
         for _ in range(-(-sess.state.kv.window // fpb)):  # a full window, as in a stream
             eng.generate_block(sess, fpb)
         # Its time alone on the core, seconds before the shards start: the reference the probe's
@@ -122,7 +122,7 @@ def level_child(role, spec, sizes, working_set, cmds, out) -> None:
             fpb, sessions, vae, vae_states = eng.frames_per_block, {}, None, {}
             for w, h in sizes:
                 sess = sessions[(w, h)] = eng.open_session(w, h, seed=0)
-                eng.set_scene(sess, "profile", cut=True)
+                eng.set_scene(sess, "profile", new_shot=True)
                 for _ in range(-(-sess.state.kv.window // fpb) + 1):  # a full window behind
                     eng.generate_block(sess, fpb)
 
@@ -205,7 +205,7 @@ def levels(
 
     The thread rounds of `_measure_once` run one after the other, a minute or so apart, and this
     VM's speed drifts over such spans, which once chose the layout measured slowest
-    (docs/design.md#placement-placement). Here the one-thread DiT and VAE (side by side, as
+    (docs/placement.md#placement-placement). Here the one-thread DiT and VAE (side by side, as
     disagg-1+1 runs them) and each stage on two threads take turns for `cycles` cycles
     (`level_windows`), so a drift slows all four alike; the medians set each figure's level
     (`rescale`).

@@ -12,7 +12,7 @@ STEADY_BLOCKS = 6  # steady blocks timed per measurement (after a shot's first):
 GROUP_SIZES_MAX = 4
 # A shot's first block is timed on this many fresh sessions after the steady blocks, as a worker
 # meets one, and their median kept: timed just after the cold block, first blocks came out slower
-# than a worker meets them (docs/design.md#placement-placement).
+# than a worker meets them (docs/placement.md#placement-placement).
 FIRST_BLOCKS = 3
 # ... each after this long idle, as a worker meets a new request: on two threads a first block
 # after idle is slower than one straight after other blocks (a VAE block: 119-128 ms against

@@ -50,12 +50,12 @@ def dit_child(spec, device, cpus, threads, sizes, batches, rank, world, addr, ho
                 return 1000 * wall, 1000 * own, 1000 * waited
 
             warm = eng.open_session(w, h, seed=99)  # the first forward at a size is cold
-            eng.set_scene(warm, "warm up", cut=True)
+            eng.set_scene(warm, "warm up", new_shot=True)
             eng.generate_block(warm, fpb)
 
             def shot_start(s):
                 plat.idle(FIRST_IDLE_S)
-                return timed(lambda: (eng.set_scene(s, "profile", cut=True), eng.generate_block(s, fpb)))[0]
+                return timed(lambda: (eng.set_scene(s, "profile", new_shot=True), eng.generate_block(s, fpb)))[0]
 
             sess = eng.open_session(w, h, seed=0)
             shot_start(sess)
@@ -75,7 +75,7 @@ def dit_child(spec, device, cpus, threads, sizes, batches, rank, world, addr, ho
             for b in batches:
                 group = [eng.open_session(w, h, seed=10 + i) for i in range(b)]
                 for s in group:
-                    eng.set_scene(s, "profile", cut=True)
+                    eng.set_scene(s, "profile", new_shot=True)
                     eng.generate_block(s, fpb)
                 eng.generate_blocks(group, fpb)  # cold: a new batch shape
                 runs = [timed(lambda g=group: eng.generate_blocks(g, fpb))[0] / b for _ in range(2)]
@@ -117,7 +117,7 @@ def _image_ms(eng, w: int, h: int, timed) -> float:
         start = eng.condition_on_image if eng.card.image == "condition" else eng.start_from_image
     for i in range(FIRST_BLOCKS):
         s = eng.open_session(w, h, seed=20 + i)
-        eng.set_scene(s, "profile", cut=True)
+        eng.set_scene(s, "profile", new_shot=True)
         runs.append(timed(lambda s=s: start(s, img))[0])
     return median(runs)
 

@@ -9,7 +9,7 @@ import logging
 
 from ...ipc import messages as m
 from ...plan import most_held_frames
-from ..engine import CANCELLED, RUNNING
+from ..handle import CANCELLED, RUNNING
 from .capacity import Demand
 from .events import OpenEncoder, Reject, Send, Start, StopAdmitting, Submit, WorkerReady
 from .state import SchedulerState

@@ -24,7 +24,7 @@ from __future__ import annotations
 from ...controls import control_marker
 from ...ipc import messages as m
 from ...plan import scene_marker, shot_left
-from ..engine import RUNNING
+from ..handle import RUNNING
 from .admission import Admission
 from .events import Encode, Send
 from .tickets import FINAL, T_DIT, T_FRAMES, T_LATENT, T_QUEUED, T_VAE, Session, Ticket
@@ -183,7 +183,7 @@ class Dispatch(Admission):
                     b.latent_frames,
                     t.latent_slot,
                     prompt=scene.prompt if first else None,
-                    cut=b.shot_start and first,
+                    new_shot=b.shot_start and first,
                     seed=scene.seed if first else None,
                     recache=first and scene.recache and not b.shot_start,
                     transition=first and scene.keeps_history,

@@ -8,7 +8,7 @@ from __future__ import annotations
 import logging
 
 from ...ipc import messages as m
-from ..engine import FAILED
+from ..handle import FAILED
 from .events import SendFailed, WorkerIdle, WorkersLost
 from .replies import Replies
 from .tickets import T_DIT, T_VAE, Session, Ticket

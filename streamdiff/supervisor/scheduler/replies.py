@@ -8,7 +8,7 @@ import logging
 
 from ...ipc import messages as m
 from ...plan import Block
-from ..engine import DONE, FAILED, RUNNING
+from ..handle import DONE, FAILED, RUNNING
 from .dispatch import Dispatch
 from .events import Ack, Emit, Encoded, EncoderOpened
 from .tickets import T_DIT, T_EMITTED, T_FAILED, T_FRAMES, T_LATENT, T_VAE, Session, Ticket

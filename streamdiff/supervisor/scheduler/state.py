@@ -19,7 +19,7 @@ from ...ipc.shm import SlotPool
 from ...metrics import Metrics
 from ..bands import Balance
 from ..cut import CutBalance
-from ..engine import CANCELLED, DONE, FAILED, RUNNING
+from ..handle import CANCELLED, DONE, FAILED, RUNNING
 from ..topology import Topology, model_card
 from .capacity import CapacityModel
 from .events import Action, Cancel, CloseEncoder, End, Send

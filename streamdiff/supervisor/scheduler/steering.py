@@ -9,7 +9,7 @@ from dataclasses import replace
 
 from ...controls import ControlError
 from ...plan import Scene, replan_from
-from ..engine import DONE, RUNNING
+from ..handle import DONE, RUNNING
 from .events import ControlLanded, Controlled, Steer, Steered, Stop
 from .state import SchedulerState
 from .tickets import Session, Ticket

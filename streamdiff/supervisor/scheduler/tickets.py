@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from ...controls import Timeline
 from ...ipc.shm import SlotPool
 from ...plan import Block, Scene
-from ..engine import QUEUED, RUNNING
+from ..handle import QUEUED, RUNNING
 from .capacity import Demand
 
 # Ticket states.

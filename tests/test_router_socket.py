@@ -1,11 +1,11 @@
-"""The supervisor's control socket (ipc/control.py) against libzmq itself: a worker restarted
+"""The supervisor's control socket (ipc/sockets.py) against libzmq itself: a worker restarted
 under its old name is heard even while the dead one's connection is still open."""
 
 from __future__ import annotations
 
 import zmq
 
-from streamdiff.ipc import control
+from streamdiff.ipc import sockets
 
 
 def dealer(ctx: zmq.Context, name: bytes, addr: str) -> zmq.Socket:
@@ -19,7 +19,7 @@ def dealer(ctx: zmq.Context, name: bytes, addr: str) -> zmq.Socket:
 def test_a_restarted_worker_is_heard_before_the_dead_ones_connection_closes(tmp_path):
     ctx = zmq.Context()
     addr = f"ipc://{tmp_path}/control"
-    router = control.router(ctx, addr)
+    router = sockets.router(ctx, addr)
     try:
         old = dealer(ctx, b"dit0", addr)
         old.send(b"ready")
@@ -39,7 +39,7 @@ def test_a_restarted_worker_is_heard_before_the_dead_ones_connection_closes(tmp_
 
 def test_a_message_to_a_worker_not_connected_raises(tmp_path):
     ctx = zmq.Context()
-    router = control.router(ctx, f"ipc://{tmp_path}/control")
+    router = sockets.router(ctx, f"ipc://{tmp_path}/control")
     try:
         try:
             router.send_multipart([b"vae0.0", b"dec"])

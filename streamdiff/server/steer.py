@@ -11,7 +11,7 @@ from aiohttp import web
 
 from ..card import ModelCard
 from ..supervisor.core import RUNNING
-from ..supervisor.engine import QueueFull
+from ..supervisor.handle import QueueFull
 from .api import APIError, parse_control, parse_video_request
 from .bodies import off_loop
 from .jobs import Job

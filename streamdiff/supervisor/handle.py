@@ -1,4 +1,4 @@
-"""The engine as the API sees it (supervisor process): submit a request, get a SessionHandle.
+"""A session as the API sees it (supervisor process): submit a request, get a SessionHandle.
 
 The HTTP layer never builds scheduler sessions nor calls the scheduler: it hands a validated
 request to `Supervisor.submit` and reads what happens from the handle — an async iterator of
