@@ -1,8 +1,8 @@
 """docs/: the design, one benchmarks page of current figures, the sources page, and under
 docs/results/ the raw results. Every relative link resolves (a file, and a heading for `#anchor`);
 the benchmarks page stays a page (500 lines at most: the history is in git); every raw result is
-linked from a page or read by a test or by the package, or it goes; code links the design page's
-sections that exist, or nothing."""
+linked from a page or read by a test or by the package, or it goes; code links the design
+pages' sections that exist, or nothing; the design page is read in one sitting (400 lines)."""
 
 from __future__ import annotations
 
@@ -17,6 +17,9 @@ LINK = re.compile(r"\]\(([^)\s]+)\)")
 PAGE_REF = re.compile(r"docs/([\w.-]+\.md)(#[\w-]+)?")
 CODE_DIRS = ("streamdiff", "tools", "examples", "etc", "tests")
 BENCHMARKS_MAX_LINES = 500
+DESIGN_MAX_LINES = 400
+# The design page and the pages it hands each part's detail to: code may link their sections.
+DESIGN_PAGES = ("design.md", "models.md", "parallel.md", "placement.md", "operations.md", "api.md")
 
 
 def slug(heading: str) -> str:
@@ -93,17 +96,22 @@ def test_every_raw_result_is_cited_by_a_page_or_read_by_the_code():
     assert not loose, f"raw results belong in docs/results/: {loose}"
 
 
+def test_the_design_page_is_read_in_one_sitting():
+    n = len((DOCS / "design.md").read_text().splitlines())
+    assert n <= DESIGN_MAX_LINES, f"docs/design.md is {n} lines: move a part's detail to its page"
+
+
 def test_the_code_links_only_design_sections_that_exist():
-    """A code comment points to the design page's section that gives the reason
-    (`docs/design.md#anchor`, an existing heading) or to nothing. Named whole, only the design
-    page and the sources page (published-models.md). Never the benchmarks page: its sections are
+    """A code comment points to the design pages' section that gives the reason
+    (`docs/placement.md#anchor`, an existing heading) or to nothing. Named whole, only the design
+    pages and the sources page (published-models.md). Never the benchmarks page: its sections are
     figures that change."""
-    design = anchors(DOCS / "design.md")
+    design = {page: anchors(DOCS / page) for page in DESIGN_PAGES}
     bad = []
     for f, text in code_texts():
         for page, anchor in PAGE_REF.findall(text):
-            if anchor and (page != "design.md" or anchor[1:] not in design):
+            if anchor and (page not in design or anchor[1:] not in design[page]):
                 bad.append(f"{f.relative_to(ROOT)}: docs/{page}{anchor}")
-            elif not anchor and page not in ("design.md", "published-models.md"):
+            elif not anchor and page not in (*DESIGN_PAGES, "published-models.md"):
                 bad.append(f"{f.relative_to(ROOT)}: docs/{page}")
     assert not bad, bad
