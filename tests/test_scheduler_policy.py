@@ -391,8 +391,8 @@ def test_a_slow_stage_bounds_what_runs_ahead_and_a_dead_slow_one_fails_at_its_de
 def test_the_session_behind_its_player_goes_first():
     w = World(layout=(["dit0"], [["vae0.0"]]))
     ahead, behind = w.session("ahead", seconds=20), w.session("behind", seconds=20)
-    ahead.fragment_times = [w.now]  # its player just started
-    behind.fragment_times = [w.now - 10]  # its player is 10 s in
+    ahead.playback.fragment_times = [w.now]  # its player just started
+    behind.playback.fragment_times = [w.now - 10]  # its player is 10 s in
     w.submit_together(ahead, behind)
     # One batch running, one queued behind it: both the most urgent session's. The rest wait here,
     # where the next choice is made when a batch finishes.
@@ -500,8 +500,8 @@ def test_decodes_go_earliest_deadline_first_and_in_order_per_session():
     w = World(layout=(["dit0"], [["vae0.0"]]), frame_slots=2)
     a = w.submit("a", seconds=20)
     b = w.submit("b", seconds=20)
-    b.fragment_times = [w.now - 5]  # b's player is 5 s in: behind
-    a.fragment_times = [w.now]
+    b.playback.fragment_times = [w.now - 5]  # b's player is 5 s in: behind
+    a.playback.fragment_times = [w.now]
     w.sched.frame_pool.free.clear()  # the frames are busy elsewhere: decodes wait
     while any(x[0] == "dit0" for x in w.todo):
         w.advance()
@@ -614,7 +614,7 @@ def test_a_live_session_is_paced_to_its_player_and_wakes_the_scheduler_when_a_bl
     live.live = True
     w.submit_together(live)
     w.run()  # everything it may make now, with its player's clock running from the first fragment
-    ahead = live.blocks[live.issued].start_frame / live.fps - (w.now - live.fragment_times[0] - 0.5)
+    ahead = live.blocks[live.issued].start_frame / live.fps - (w.now - live.playback.fragment_times[0] - 0.5)
     assert live.issued < len(live.blocks) and ahead > 1.0  # its next block is more than the lead ahead
     wake = [a for a in w.step() if isinstance(a, s.WakeAt)]
     assert wake and abs(wake[0].at - (w.sched.deadline(live, live.issued) - 1.0)) < 1e-9
@@ -634,14 +634,14 @@ def test_a_fragment_inside_the_players_start_up_buffer_is_not_a_stall():
     behind its player."""
     w = World(layout=(["dit0"], [["vae0.0"]]))
     sess = w.submit("s", seconds=20)
-    sess.fragment_times = [10.0]
+    sess.playback.fragment_times = [10.0]
     b = sess.blocks[3]
     w.sched.now = 10.0 + b.start_frame / sess.fps + 0.3
     w.sched._observe_fragment(sess, b)
-    assert sess.stall_s == 0.0 and sess.stalls == 0
+    assert sess.playback.stall_s == 0.0 and sess.playback.stalls == 0
     w.sched.now += 0.5  # now past the buffer too: a stall of 0.3 s
     w.sched._observe_fragment(sess, sess.blocks[3])
-    assert sess.stalls == 1 and abs(sess.stall_s - 0.3) < 1e-9
+    assert sess.playback.stalls == 1 and abs(sess.playback.stall_s - 0.3) < 1e-9
 
 
 def test_a_hybrid_groups_decodes_carry_band_weights_sized_to_the_dits_slack():
@@ -697,7 +697,7 @@ def test_an_out_of_memory_batch_fails_its_sessions_and_admission_learns_the_budg
     worker, batch = next((wk, x) for wk, x in w.todo if isinstance(x, m.GenerateBatch))
     assert [b.session for b in batch.blocks] == ["a", "b"]
     w.todo.remove((worker, batch))
-    one = w.sched.sessions["a"].demand.memory["dit0"]
+    one = w.sched.sessions["a"].place.demand.memory["dit0"]
     why = "OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB"
     w.step(*(m.Failed("dit0", why, b.session, b.block, "memory") for b in batch.blocks))
     assert {n: (e.state, e.code) for n, e in w.ended.items()} == {

@@ -73,8 +73,8 @@ class Admission(SchedulerState):
         KV cache is sized for no more where that is shorter than the window. 0: a live video.
         Fixed when the session opens, as the worker's cache is: a steer after that replans its
         blocks, and admission keeps pricing the cache that was allocated."""
-        if sess.held_frames is not None:
-            return sess.held_frames
+        if sess.place.held_frames is not None:
+            return sess.place.held_frames
         return 0 if sess.live else most_held_frames(sess.blocks)
 
     def _demand(self, sess: Session, dit: str, group: int) -> Demand:
@@ -92,7 +92,7 @@ class Admission(SchedulerState):
     def _running_demands(self) -> list[Demand]:
         """What the running sessions ask of their units at the costs measured now (a session
         placed on a start-up timing is counted at what its blocks have measured since)."""
-        return [self._demand(s, s.dit, s.group) for s in self.running]
+        return [self._demand(s, s.place.dit, s.place.group) for s in self.running]
 
     def _candidate(self, sess: Session, ready_only: bool = True) -> tuple[str, int] | None:
         """The DiT worker and VAE group a session would go to: the least busy by predicted share
@@ -104,8 +104,8 @@ class Admission(SchedulerState):
         share = self.capacity.load(self._running_demands())
         count: dict[str, int] = {}
         for s in self.running:
-            count[s.dit] = count.get(s.dit, 0) + 1
-            count[self._group_unit(s.group)] = count.get(self._group_unit(s.group), 0) + 1
+            count[s.place.dit] = count.get(s.place.dit, 0) + 1
+            count[self._group_unit(s.place.group)] = count.get(self._group_unit(s.place.group), 0) + 1
 
         def busy(unit: str) -> tuple[float, int, str]:
             return (share.get(unit, 0.0), count.get(unit, 0), unit)
@@ -123,7 +123,10 @@ class Admission(SchedulerState):
             return 0.0  # nothing to go by: the count limits decide
         new = self._demand(sess, *cand)
         running = [
-            (sum(t.block.emit for t in s.tickets if t.state != T_EMITTED) / s.fps, self._demand(s, s.dit, s.group))
+            (
+                sum(t.block.emit for t in s.tickets if t.state != T_EMITTED) / s.fps,
+                self._demand(s, s.place.dit, s.place.group),
+            )
             for s in self.running
         ]
         ahead = [(q.frames / q.fps, self._demand(q, *cand)) for q in self.queue]
@@ -137,26 +140,28 @@ class Admission(SchedulerState):
         demand = self._demand(sess, *cand)
         if not self.capacity.fits(demand, self._running_demands()):
             return False
-        sess.dit, sess.group = cand
-        sess.vae_workers = list(self.topology.vae_groups[sess.group])
-        sess.demand = demand
+        sess.place.dit, sess.place.group = cand
+        sess.place.vae_workers = list(self.topology.vae_groups[sess.place.group])
+        sess.place.demand = demand
         return True
 
     def _start(self, sess: Session) -> None:
-        share = {u: round(x, 2) for u, x in sess.demand.share.items()}
-        log.info("session %s starts on %s and VAE group %d, busy shares %s", sess.id, sess.dit, sess.group, share)
-        sess.state, sess.started = RUNNING, self.now
-        self.metrics.queue_seconds.observe(sess.started - sess.created)
-        sess.held_frames = self._held_frames(sess)
-        opened = m.OpenSession(sess.id, sess.width, sess.height, sess.seed, sess.held_frames)
+        share = {u: round(x, 2) for u, x in sess.place.demand.share.items()}
+        log.info(
+            "session %s starts on %s and VAE group %d, busy shares %s", sess.id, sess.place.dit, sess.place.group, share
+        )
+        sess.state, sess.place.started = RUNNING, self.now
+        self.metrics.queue_seconds.observe(sess.place.started - sess.created)
+        sess.place.held_frames = self._held_frames(sess)
+        opened = m.OpenSession(sess.id, sess.width, sess.height, sess.seed, sess.place.held_frames)
         for w in self._workers_of(sess):
             self._out.append(Send(w, opened))
-        self._out.append(Start(sess.id, {"dit": sess.dit, "vae": list(sess.vae_workers)}))
+        self._out.append(Start(sess.id, {"dit": sess.place.dit, "vae": list(sess.place.vae_workers)}))
         # The encoder opens off the loop (an FFmpeg child or a hardware probe can take a while)
         # while the workers start on the first block; encoding waits for it.
         every = self.cfg.encoder.keyframe_every_blocks
         keyframes = [b.start_frame for b in sess.blocks if b.index % every == 0]
-        sess.encoder = "opening"
+        sess.playback.encoder = "opening"
         self._out.append(OpenEncoder(sess.id, sess.width, sess.height, sess.fps, keyframes))
 
     def _stop_admitting(self, ev: StopAdmitting) -> None:

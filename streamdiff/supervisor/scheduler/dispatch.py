@@ -37,9 +37,9 @@ class Dispatch(Admission):
         """When the session's player needs the block's first frame: its first fragment's arrival
         + the start-up buffer + the stalls so far + the block's media time. Before the first
         fragment, the clock starts at the request."""
-        start = sess.fragment_times[0] if sess.fragment_times else sess.created
+        start = sess.playback.fragment_times[0] if sess.playback.fragment_times else sess.created
         b = sess.blocks[min(block, len(sess.blocks) - 1)]
-        return start + self.cfg.pipeline.startup_buffer_s + sess.stall_s + b.start_frame / sess.fps
+        return start + self.cfg.pipeline.startup_buffer_s + sess.playback.stall_s + b.start_frame / sess.fps
 
     def _dispatch(self) -> None:
         """Decodes first (they hold latent slots the DiT needs), then admissions, then DiT
@@ -64,7 +64,7 @@ class Dispatch(Admission):
                 # to the VAE (the temporal cache needs them in order).
                 cands = []
                 for sess in self.running:
-                    if sess.group != gi:
+                    if sess.place.group != gi:
                         continue
                     t = next((t for t in sess.tickets if t.state in (T_QUEUED, T_DIT, T_LATENT)), None)
                     if t is not None and t.state == T_LATENT:
@@ -85,14 +85,14 @@ class Dispatch(Admission):
 
     def _issuable(self, sess: Session) -> bool:
         limit = self.cfg.pipeline.max_blocks_in_flight
-        if not (sess.issued < len(sess.blocks) and sess.issued - sess.acked < limit):
+        if not (sess.issued < len(sess.blocks) and sess.issued - sess.playback.acked < limit):
             return False
         return self._paced_until(sess) <= self.now
 
     def _paced_until(self, sess: Session) -> float:
         """When a live session's next block may start: at most `live_lead_s` ahead of its
         player's clock (a steer must show soon, not after all that was generated ahead)."""
-        if not sess.live or not sess.fragment_times:
+        if not sess.live or not sess.playback.fragment_times:
             return 0.0
         return self.deadline(sess, sess.issued) - self.cfg.pipeline.live_lead_s
 
@@ -103,11 +103,11 @@ class Dispatch(Admission):
         if not self._ready(dit):
             return
         while self._depth(dit) < STAGE_DEPTH and self.latent_pool.free:
-            cands = [(s, s.tickets[s.issued]) for s in self.running if s.dit == dit and self._issuable(s)]
+            cands = [(s, s.tickets[s.issued]) for s in self.running if s.place.dit == dit and self._issuable(s)]
             if not cands:
                 return
             head = min(cands, key=lambda c: (self.deadline(c[0], c[1].block.index), c[0].created))[0]
-            after = self.capacity.block_ms(self._group_unit(head.group), (head.width, head.height)) or 0.0
+            after = self.capacity.block_ms(self._group_unit(head.place.group), (head.width, head.height)) or 0.0
             batch = self._choose_batch(dit, cands, len(self.latent_pool.free), after, self._generate_key)
             self._send_generates(dit, batch)
 
@@ -168,10 +168,10 @@ class Dispatch(Admission):
             t.sent_at, t.batch = self.now, bid
             sess.issued += 1
             if self.cuts is not None:
-                if b.shot_start or not sess.vae_cut:  # both sides' stage caches start afresh here
+                if b.shot_start or not sess.place.vae_cut:  # both sides' stage caches start afresh here
                     hw = self._latent_hw(sess.width, sess.height)
-                    sess.vae_cut = self.cuts.cut(dit, self._group_unit(sess.group), hw, b.latent_frames)
-                t.vae_cut = sess.vae_cut
+                    sess.place.vae_cut = self.cuts.cut(dit, self._group_unit(sess.place.group), hw, b.latent_frames)
+                t.vae_cut = sess.place.vae_cut
             camera, actions = [], []
             if sess.controls is not None:  # the block takes the controls that have reached it
                 ctl = sess.controls.block(b.index, b.latent_frames, b.shot_start)
@@ -223,7 +223,7 @@ class Dispatch(Admission):
 
     def _encode_next(self, sess: Session) -> None:
         """Encode the session's next block once its frames are ready (one at a time, in order)."""
-        if sess.state != RUNNING or sess.encoder != "open" or any(t.encoding for t in sess.tickets):
+        if sess.state != RUNNING or sess.playback.encoder != "open" or any(t.encoding for t in sess.tickets):
             return
         t = next((t for t in sess.tickets if t.state not in FINAL), None)
         if t is None or t.state != T_FRAMES:

@@ -30,15 +30,15 @@ class Losses(Replies):
         for sess in list(self.sessions.values()):
             lost = []
             for t in sess.tickets:
-                if t.state == T_DIT and sess.dit == name and t.sent_at < since - LOST_AFTER_S:
+                if t.state == T_DIT and sess.place.dit == name and t.sent_at < since - LOST_AFTER_S:
                     lost.append(t)
                 # A group's block is lost when no shard got it: every shard idle since it went
                 # out. (Had some got it, they wait in its collectives and fail at their timeout.)
                 elif (
                     t.state == T_VAE
-                    and name in sess.vae_workers
+                    and name in sess.place.vae_workers
                     and not t.reported
-                    and all(self.idle_since.get(w, 0.0) > t.sent_at + LOST_AFTER_S for w in sess.vae_workers)
+                    and all(self.idle_since.get(w, 0.0) > t.sent_at + LOST_AFTER_S for w in sess.place.vae_workers)
                 ):
                     lost.append(t)
             for t in lost:
@@ -59,7 +59,7 @@ class Losses(Replies):
         # The worker carries on and answers nothing else for this block: its reply stands for
         # the block's (a VAE group's shards each send one).
         _, t = self._ticket(sess.id, msg.block, T_DIT)
-        if t is not None and msg.worker == sess.dit:
+        if t is not None and msg.worker == sess.place.dit:
             self._worker_gone(sess, t)
             if msg.kind == "session":  # a gap: the earlier blocks it never got are lost (FIFO)
                 for e in sess.tickets[: msg.block]:
@@ -68,15 +68,18 @@ class Losses(Replies):
                         self._worker_gone(sess, e)
             return
         _, t = self._ticket(sess.id, msg.block, T_VAE)
-        if t is not None and msg.worker in sess.vae_workers:
-            t.reported.add(sess.vae_workers.index(msg.worker))
+        if t is not None and msg.worker in sess.place.vae_workers:
+            t.reported.add(sess.place.vae_workers.index(msg.worker))
             t.skipped = True
             self._vae_answered(sess, t)
 
     def _learn_out_of_memory(self, sess: Session, msg: m.Failed) -> None:
         """Admission learns from a device that ran out of memory: the worker's budget drops
         below what its running sessions held there (the failed batch's among them)."""
-        on = {s.id: self.capacity.held([self._demand(s, s.dit, s.group)]).get(msg.worker, 0.0) for s in self.running}
+        on = {
+            s.id: self.capacity.held([self._demand(s, s.place.dit, s.place.group)]).get(msg.worker, 0.0)
+            for s in self.running
+        }
         held = {k: v for k, v in on.items() if v}
         budget = self.capacity.out_of_memory(msg.worker, held)
         if budget is not None:
@@ -112,8 +115,8 @@ class Losses(Replies):
     def _workers_lost(self, ev: WorkersLost) -> None:
         """The pool killed these workers and saw them exit: their slots are free again."""
         for sess in list(self.sessions.values()):
-            dit_lost = sess.dit in ev.workers
-            group_lost = bool(ev.workers & set(sess.vae_workers))
+            dit_lost = sess.place.dit in ev.workers
+            group_lost = bool(ev.workers & set(sess.place.vae_workers))
             if not (dit_lost or group_lost):
                 continue
             self._end(sess, FAILED, ev.why)
@@ -137,5 +140,5 @@ class Losses(Replies):
                 continue
             late = next((t for t in sess.tickets if t.state in (T_DIT, T_VAE) and self.now - t.sent_at > limit), None)
             if late is not None:
-                where = sess.dit if late.state == T_DIT else f"VAE group {sess.group}"
+                where = sess.place.dit if late.state == T_DIT else f"VAE group {sess.place.group}"
                 self._end(sess, FAILED, f"block {late.block.index} got no answer from {where} in {limit:.0f}s")

@@ -30,13 +30,13 @@ class Replies(Dispatch):
         self.metrics.stage_seconds.labels("dit").observe(msg.compute_ms / 1000)
         self.metrics.dit_batched_blocks.labels(str(msg.batch)).inc()
         ms, busy = msg.compute_ms, msg.busy_ms
-        predicted = self.capacity.observe(sess.dit, (sess.width, sess.height), ms, msg.batch)
+        predicted = self.capacity.observe(sess.place.dit, (sess.width, sess.height), ms, msg.batch)
         if predicted:
             self.metrics.block_cost_ratio.labels("dit").observe(ms / predicted)
-        self.balance.observe_dit(sess.dit, busy, self._latent_hw(sess.width, sess.height))
+        self.balance.observe_dit(sess.place.dit, busy, self._latent_hw(sess.width, sess.height))
         if self.cuts is not None:
             hw = self._latent_hw(sess.width, sess.height)
-            self.cuts.observe_dit(sess.dit, self._group_unit(sess.group), ms, t.vae_cut, hw)
+            self.cuts.observe_dit(sess.place.dit, self._group_unit(sess.place.group), ms, t.vae_cut, hw)
         self._advance(t, T_LATENT)
         t.shape, t.data_shape = list(msg.shape), list(msg.data_shape)
 
@@ -48,13 +48,13 @@ class Replies(Dispatch):
         t.reported.add(msg.rank)
         t.skipped |= msg.skipped
         if not msg.skipped:
-            shard = self.topology.vae_groups[sess.group][msg.rank]
+            shard = self.topology.vae_groups[sess.place.group][msg.rank]
             self.balance.observe(shard, msg.busy_ms, msg.rows, self._latent_hw(sess.width, sess.height)[1])
         if not msg.skipped and msg.rank == 0:
             self.stage_ms["vae"] += msg.compute_ms
             self.metrics.stage_seconds.labels("vae").observe(msg.compute_ms / 1000)
             self.metrics.vae_batched_blocks.labels(str(msg.batch)).inc()
-            unit, ms = self._group_unit(sess.group), msg.compute_ms
+            unit, ms = self._group_unit(sess.place.group), msg.compute_ms
             predicted = self.capacity.observe(unit, (sess.width, sess.height), ms, msg.batch)
             if predicted:
                 self.metrics.block_cost_ratio.labels("vae").observe(ms / predicted)
@@ -63,7 +63,7 @@ class Replies(Dispatch):
         self._vae_answered(sess, t)
 
     def _vae_answered(self, sess: Session, t: Ticket) -> None:
-        if len(t.reported) < len(sess.vae_workers):
+        if len(t.reported) < len(sess.place.vae_workers):
             return
         self._left_batch(t)
         if t.skipped or sess.state != RUNNING:
@@ -74,14 +74,14 @@ class Replies(Dispatch):
 
     def _encoder_opened(self, ev: EncoderOpened) -> None:
         sess = self.sessions.get(ev.session)
-        if sess is None or sess.encoder != "opening":
+        if sess is None or sess.playback.encoder != "opening":
             return
         if ev.error is not None:
-            sess.encoder = "none"
+            sess.playback.encoder = "none"
             log.error("session %s: the encoder could not open: %s", sess.id, ev.error)
             self._end(sess, FAILED, f"could not start: the encoder did not open: {ev.error}")
             return
-        sess.encoder = "open"
+        sess.playback.encoder = "open"
         if sess.state == RUNNING:
             if ev.init:
                 self._out.append(Emit(sess.id, ev.init, None))
@@ -117,21 +117,21 @@ class Replies(Dispatch):
         fragment that arrives after its first frame was due is a stall, and the player's clock
         slips by the difference."""
         now, mt = self.now, self.metrics
-        if sess.fragment_times:
-            mt.fragment_interval_seconds.observe(now - sess.fragment_times[-1])
+        if sess.playback.fragment_times:
+            mt.fragment_interval_seconds.observe(now - sess.playback.fragment_times[-1])
             due = self.deadline(sess, b.index)
             if now > due:
-                sess.stalls += 1
-                sess.stall_s += now - due
+                sess.playback.stalls += 1
+                sess.playback.stall_s += now - due
                 mt.stalls.inc()
                 mt.stall_seconds.inc(now - due)
         else:
             mt.ttff_seconds.observe(now - sess.created)
-        sess.fragment_times.append(now)
+        sess.playback.fragment_times.append(now)
         mt.fragments.inc()
         mt.frames.inc(b.emit)
 
     def _ack(self, ev: Ack) -> None:
         sess = self.sessions.get(ev.session)
         if sess is not None:
-            sess.acked += ev.blocks
+            sess.playback.acked += ev.blocks

@@ -85,7 +85,7 @@ class SchedulerState:
         return f"vae-group-{group}"
 
     def _workers_of(self, sess: Session) -> list[str]:
-        names = self.topology.members(sess.dit) + self.topology.vae_groups[sess.group]
+        names = self.topology.members(sess.place.dit) + self.topology.vae_groups[sess.place.group]
         return list(dict.fromkeys(names))  # an aggregated worker runs both stages: once
 
     def _ticket(self, session: str, block: int | None, state: str) -> tuple[Session | None, Ticket | None]:

@@ -84,7 +84,34 @@ class Ticket:
 
 
 @dataclass
+class SessionPlace:
+    """Where a session runs, fixed when it is admitted (admission.py)."""
+
+    dit: str | None = None  # its DiT worker (a DiT group's rank 0)
+    group: int | None = None  # its VAE group
+    vae_workers: list[str] = field(default_factory=list)  # the shards of its VAE group
+    vae_cut: int = 0  # its shot's VAE cut (topology.vae_cut; chosen at each shot's start)
+    demand: Demand | None = None  # what it asked of its units when it was placed
+    held_frames: int | None = None  # its KV cache's bound, fixed when it opens (admission._held_frames)
+    started: float | None = None  # when it left the queue (the scheduler's clock)
+
+
+@dataclass
+class SessionPlayback:
+    """How its video reaches its player: the encoder, the fragments, the stalls, the acks."""
+
+    encoder: str = "none"  # none | opening | open
+    fragment_times: list[float] = field(default_factory=list)  # one per block
+    stall_s: float = 0.0  # playback delay accumulated so far (a player rebuffers, then continues)
+    stalls: int = 0
+    acked: int = 0  # fragments taken by the consumer
+
+
+@dataclass
 class Session:
+    """One video in the scheduler: its plan (what was asked, planned into blocks and tickets),
+    where it runs (`place`) and how it plays (`playback`)."""
+
     id: str
     scenes: list[Scene]
     blocks: list[Block]
@@ -95,23 +122,13 @@ class Session:
     created: float  # the scheduler's clock
     state: str = QUEUED
     error: str | None = None
-    dit: str | None = None
-    group: int | None = None
-    vae_workers: list[str] = field(default_factory=list)  # the shards of its VAE group
-    vae_cut: int = 0  # its shot's VAE cut (topology.vae_cut; chosen at each shot's start)
     tickets: list[Ticket] = field(default_factory=list)
     issued: int = 0  # tickets past queued
-    acked: int = 0  # fragments taken by the consumer
-    encoder: str = "none"  # none | opening | open
-    started: float | None = None
-    fragment_times: list[float] = field(default_factory=list)  # one per block
-    stall_s: float = 0.0  # playback delay accumulated so far (a player rebuffers, then continues)
-    stalls: int = 0
-    demand: Demand | None = None  # what it asked of its units when it was placed
     live: bool = False  # open-ended: paced to its player, ends at its cap or a stop
     steered_at: list[int] = field(default_factory=list)  # the blocks where steered scenes start
-    held_frames: int | None = None  # its KV cache's bound, fixed when it opens (admission._held_frames)
     controls: Timeline | None = None  # a world model's controls (controls.py); None: prompts only
+    place: SessionPlace = field(default_factory=SessionPlace)
+    playback: SessionPlayback = field(default_factory=SessionPlayback)
 
     def __post_init__(self) -> None:
         if not self.tickets:
