@@ -27,11 +27,12 @@ from .presets import (
     build_vae_encoder,
     describe_load,
 )
+from .samplers import RollingSampler, sampler_for
 from .wan import rolling
 from .wan.canvas import commit_canvas
 from .wan.kernels import CPU_DECODE_WORKING_SET_BYTES, DecodePlan, plan_block
 from .wan.kv_cache import DiTState
-from .wan.sampler import SHOT_PREFIX, denoise_block, denoise_sessions, sigma_of, step_timesteps, unipc_timesteps
+from .wan.sampler import SHOT_PREFIX, sigma_of
 from .wan.taehv import TAEHVState
 from .wan.vae import to_uint8_frames
 from .wan.vae_blocks import Halo, VAEState
@@ -111,16 +112,8 @@ class DiTEngine:
         cp = self.preset.checkpoint
         self.noise_layout = cp.noise_layout if cp is not None else "fchw"
         self.noise_dtype = self.model.patch_embedding.weight.dtype  # the authors draw in the model's dtype
-        s = self.preset.sampler
-        self.unipc = s.kind == "unipc"
-        timesteps = (
-            (lambda steps: unipc_timesteps(steps, s.shift))
-            if self.unipc
-            else (lambda steps: step_timesteps(steps, s.shift, s.warp))
-        )
-        self.timesteps = timesteps(s.steps)
-        self.first_timesteps = timesteps(s.first_block_steps or s.steps)
-        self.rolling_schedule = rolling.Schedule.of(s) if s.kind == "rolling" else None
+        self.sampler = sampler_for(self.preset.sampler)  # block, UniPC, Krea's recompute or rolling (samplers.py)
+        self.timesteps, self.first_timesteps = self.sampler.timesteps, self.sampler.first_timesteps
         self._prompts: OrderedDict[str, torch.Tensor] = OrderedDict()
         self._prompt_cache = prompt_cache
         self._sigmas: dict[tuple, list[float]] = {}
@@ -157,19 +150,12 @@ class DiTEngine:
 
     @property
     def least_cache_frames(self) -> int:
-        s = self.preset.sampler
-        if self.rolling_schedule is not None or s.canvas:  # its window; the canvas is no planned block
-            return s.window_frames
-        return s.sink_frames + s.frames_per_block
+        return self.sampler.least_cache_frames
 
     def _new_shot(self, h: int, w: int, window: int) -> tuple[DiTState, rolling.RollingState | None]:
         """A session's caches, for `window` frames; with the rolling sampler, its window (whose
         finished history is the session's `state`)."""
-        s = self.preset.sampler
-        if self.rolling_schedule is not None:
-            r = rolling.RollingState(self.model, h, w, s)
-            return r.store, r
-        return self.model.new_state(h, w, window, s.sink_frames), None
+        return self.sampler.new_state(self.model, h, w, window)
 
     def encode_prompt(self, prompt: str) -> torch.Tensor:
         emb = self._prompts.get(prompt)
@@ -251,15 +237,8 @@ class DiTEngine:
                 shape = self._noise_shape(sess, shot_left * self.frames_per_block)
                 sess.shot_noise = self._randn(shape, sess.generator)
                 sess.seeding = "authors"
-        if recache and not new_shot and sess.rolling is not None:
-            rolling.recache(self.model, sess.rolling, self.encode_prompt(prompt), s.context_t)
-            sess.prompt = prompt
-        elif recache and not new_shot and s.kv_recompute:  # the held context again, Krea's way, under the new prompt
-            self.model.set_prompt(sess.state, self.encode_prompt(prompt))
-            self.model.recompute(sess.state, s.frames_per_block, s.context_t)
-            sess.prompt = prompt
-        elif recache and not new_shot:
-            self.model.recache(sess.state, self.encode_prompt(prompt), s.context_t, s.global_sink)
+        if recache and not new_shot:  # the held window again under the new prompt, the sampler's way
+            self.sampler.recache(self.model, sess.state, sess.rolling, self.encode_prompt(prompt))
             sess.prompt = prompt
         elif self.image_condition:  # no text: the context is the shot's image
             if new_shot:
@@ -401,7 +380,7 @@ class DiTEngine:
         and step count; any prompts and cache positions). Each session draws its noise from its
         own generator exactly as alone, so each result equals its session run alone.
         The rolling sampler runs its sessions one after another (`shots_left`: see generate_block)."""
-        if self.rolling_schedule is not None:
+        if isinstance(self.sampler, RollingSampler):
             left = shots_left or [0] * len(sessions)
             return [self._rolling_block(s, frames, n) for s, n in zip(sessions, left, strict=True)]
         if len(sessions) > 1 and any(s.first_latent is not None for s in sessions):  # a held image runs alone
@@ -418,39 +397,18 @@ class DiTEngine:
                 st.cond, st.actions = sess.condition.block(st.next_frame, frames, self.model.cfg.action, sess.actions)
                 sess.actions = None
         steps = [self.steps_of(s) for s in sessions]
-        renoises = 0 if self.unipc else len(steps[0]) - 1  # UniPC draws no noise after the first
+        renoises = self.sampler.renoises(steps[0])
         noise, renoise = [], [[] for _ in range(renoises)]
         for sess in sessions:
             n, r = self.draw_noise(sess, frames, renoises)
             noise.append(n)
             for i, x in enumerate(r):
                 renoise[i].append(x)
-        ctx_t, shift = self.preset.sampler.context_t, self.preset.sampler.shift
-        recompute = self.preset.sampler.kv_recompute  # Krea: the recompute takes the clean pass's place
-        sigmas = [self._sigmas_of(ts, shift) for ts in steps]
-        if len(sessions) == 1:
-            x0 = denoise_block(
-                self.model,
-                sessions[0].state,
-                noise[0],
-                steps[0],
-                [r[0] for r in renoise],
-                ctx_t,
-                sigmas[0],
-                commit=not recompute,
-                unipc=self.unipc,
-                hold=sessions[0].first_latent,
-            )
-            sessions[0].first_latent = None
-        else:
-            states = [s.state for s in sessions]
-            noise_b, renoise_b = torch.cat(noise), [torch.cat(r) for r in renoise]
-            x0 = denoise_sessions(
-                self.model, states, noise_b, steps, renoise_b, ctx_t, sigmas, commit=not recompute, unipc=self.unipc
-            )
-        for i, sess in enumerate(sessions):
-            if recompute:
-                self.model.commit_and_recompute(sess.state, x0[i : i + 1], frames, ctx_t)
+        sigmas = [self._sigmas_of(ts, self.preset.sampler.shift) for ts in steps]
+        hold = sessions[0].first_latent  # a held first frame runs alone (above)
+        x0 = self.sampler.denoise(self.model, [s.state for s in sessions], noise, steps, renoise, sigmas, hold, frames)
+        sessions[0].first_latent = None
+        for sess in sessions:
             sess.shot_blocks += 1
             if sess.shot_prompt is not None:  # a transition's first block is done: the caption alone
                 self.model.set_prompt(sess.state, self.encode_prompt(sess.shot_prompt))
@@ -482,9 +440,7 @@ class DiTEngine:
         def noise_of(i: int) -> torch.Tensor:  # blocks enter in order: the shot's noise, block by block
             return self._initial_noise(sess, fpb)
 
-        last = r.finished + shot_left - 1 if shot_left > 0 else None
-        sched = self.rolling_schedule
-        x0 = rolling.next_block(self.model, r, sched, last, noise_of, lambda s: self._randn(s, g))
+        x0 = self.sampler.next_block(self.model, r, shot_left, noise_of, lambda s: self._randn(s, g))
         sess.shot_blocks += 1
         return to_host(x0)
 

@@ -365,7 +365,7 @@ def test_engine_one_finished_block_per_call_in_the_authors_noise_order(engine):
         rolling.next_block(
             engine.model,
             st,
-            engine.rolling_schedule,
+            engine.sampler.window,
             5,
             lambda i: noise[:, 3 * i : 3 * i + 3].transpose(1, 2),
             lambda s: torch.randn(s, generator=g),

@@ -65,6 +65,8 @@ class SamplerConfig:
                 raise ValueError(
                     f"{name} must be a non-empty list of integers in 1..1000 (a last 0 allowed), got {steps}"
                 )
+        if self.kv_recompute and self.kind != "block":  # Krea's recompute replaces the block sampler's clean pass
+            raise ValueError(f"kv_recompute needs the block sampler, not {self.kind!r}")
         if self.canvas and (self.kind != "block" or self.sink_frames < 1 or self.kv_recompute):
             raise ValueError("canvas needs the block sampler, a sink frame to hold it and no kv_recompute")
         if self.shot_offset < 0:
