@@ -123,7 +123,7 @@ class _Live:
                 "streamdiff_stage_busy_seconds",
                 "Summed compute time per stage",
                 label="stage",
-                series=[(k, ms / 1000) for k, ms in sched.stage_ms.items()],
+                series=[(k, ms / 1000) for k, ms in sched.meters.stage_ms.items()],
             )
         if self.sup.pool is not None:
             workers = self.sup.pool.workers
@@ -150,5 +150,5 @@ class _Live:
             yield gauge(
                 "streamdiff_event_loop_lag_max_seconds",
                 "The longest the supervisor's event loop ran a timer late since the start",
-                sched.metrics.loop_lag_max_s,
+                sched.meters.metrics.loop_lag_max_s,
             )

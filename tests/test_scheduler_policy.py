@@ -16,8 +16,9 @@ from streamdiff.ipc import messages as m
 from streamdiff.models.spec import preset_card
 from streamdiff.plan import Scene, plan_blocks
 from streamdiff.supervisor import scheduler as s
+from streamdiff.supervisor.scheduler.batching import STAGE_DEPTH
 from streamdiff.supervisor.scheduler.capacity import TRIALS
-from streamdiff.supervisor.scheduler.dispatch import STAGE_DEPTH
+from streamdiff.supervisor.scheduler.meters import Meters
 from streamdiff.supervisor.scheduler.tickets import T_DIT, T_EMITTED, T_FRAMES, T_LATENT, T_QUEUED, T_VAE
 from streamdiff.supervisor.topology import Topology
 
@@ -151,15 +152,15 @@ class World:
         self.step(s.WorkersLost(frozenset(workers), "worker died"))
 
     def states(self, name: str) -> list[str]:
-        sess = self.sched.sessions.get(name)
+        sess = self.sched.books.sessions.get(name)
         return [t.state for t in sess.tickets] if sess else []
 
     def assert_clean(self) -> None:
         """Nothing held, nothing tracked: every slot back, every session forgotten."""
-        assert self.sched.latent_pool.used == 0
-        assert self.sched.frame_pool.used == 0
-        assert self.sched.sessions == {}
-        assert self.sched.batches == {}
+        assert self.sched.slots.latent.used == 0
+        assert self.sched.slots.frame.used == 0
+        assert self.sched.books.sessions == {}
+        assert self.sched.batching.out == {}
 
     def fragments(self, name: str) -> list[int]:
         return [a.block.index for a in self.emitted.get(name, []) if a.block is not None]
@@ -261,7 +262,7 @@ def test_a_session_cancelled_while_queued_for_admission_never_starts():
     w = World(cfg=config(limits={"max_sessions": 1}))
     w.submit("first")
     w.submit("second")
-    assert [q.id for q in w.sched.queue] == ["second"]
+    assert [q.id for q in w.sched.admission.queue] == ["second"]
     w.step(s.Cancel("second"))
     w.run()
     assert w.ended["second"].state == "cancelled" and "second" not in w.emitted
@@ -353,7 +354,7 @@ def test_a_send_the_socket_refuses_fails_its_session_at_once(layout, worker, kin
     w.run()
     assert w.ended["victim"].state == "failed" and "could not reach" in w.ended["victim"].error
     if kind is m.DecodeBatch:
-        assert w.sched.latent_pool.used == 1 and w.sched.frame_pool.used == 1  # until the group is gone
+        assert w.sched.slots.latent.used == 1 and w.sched.slots.frame.used == 1  # until the group is gone
         w.kill(set(w.groups[0]))
         w.run()
     if layout == TWO_PIPELINES:
@@ -382,7 +383,7 @@ def test_a_slow_stage_bounds_what_runs_ahead_and_a_dead_slow_one_fails_at_its_de
     w.step(dt=31)
     assert w.ended["s"].state == "failed" and "no answer" in w.ended["s"].error
     # The stuck worker holds what it was sent (two batches); the block waiting for it came back.
-    assert w.sched.frame_pool.used == w.sched.latent_pool.used == STAGE_DEPTH
+    assert w.sched.slots.frame.used == w.sched.slots.latent.used == STAGE_DEPTH
     w.todo.extend(held)
     w.run()
     w.assert_clean()
@@ -419,7 +420,7 @@ def calibrated(world: World, factors: dict[int, float], block_ms: float = 100.0,
     info = m.ReadyInfo(dit=m.DiTReady(m.StageCost(block_ms, [128, 64]), batch_ms))
     world.step(s.WorkerReady("dit0", info))
     if vae_ms:
-        world.sched.capacity.calibrate("vae-group-0", [128, 64], vae_ms, None)
+        world.sched.admission.capacity.calibrate("vae-group-0", [128, 64], vae_ms, None)
 
 
 def first_batches(w: World) -> list[list[str]]:
@@ -441,7 +442,7 @@ def test_no_batch_without_a_measured_gain_nor_across_sizes():
     w = World(layout=(["dit0"], [["vae0.0"]]), cfg=ADMIT_ALL)
     calibrated(w, {2: 1.05})  # a batch of two costs more per block than one alone ...
     for _ in range(2 * TRIALS):  # ... and real pairs confirmed it
-        w.sched.capacity.observe("dit0", (128, 64), 105.0, batch=2)
+        w.sched.admission.capacity.observe("dit0", (128, 64), 105.0, batch=2)
     w.submit_together(w.session("a", seconds=20), w.session("b", seconds=20))
     assert first_batches(w) == [["a"], ["b"]]
     w = World(layout=(["dit0"], [["vae0.0"]]), cfg=ADMIT_ALL)
@@ -491,9 +492,9 @@ def test_admission_rejects_with_the_predicted_wait_when_full():
     calibrated(w, {}, block_ms=600.0, vae_ms=600.0)  # blocks of 12 frames at 16 fps: each stage 80% busy
     w.submit("a", seconds=10)
     w.submit("b", seconds=10)
-    assert "a" in w.sched.sessions and w.sched.sessions["a"].state == "running"
+    assert "a" in w.sched.books.sessions and w.sched.books.sessions["a"].state == "running"
     assert "b" in w.rejected and w.rejected["b"].retry_after_s > 5
-    assert "b" not in w.sched.sessions
+    assert "b" not in w.sched.books.sessions
 
 
 def test_decodes_go_earliest_deadline_first_and_in_order_per_session():
@@ -502,10 +503,10 @@ def test_decodes_go_earliest_deadline_first_and_in_order_per_session():
     b = w.submit("b", seconds=20)
     b.playback.fragment_times = [w.now - 5]  # b's player is 5 s in: behind
     a.playback.fragment_times = [w.now]
-    w.sched.frame_pool.free.clear()  # the frames are busy elsewhere: decodes wait
+    w.sched.slots.frame.free.clear()  # the frames are busy elsewhere: decodes wait
     while any(x[0] == "dit0" for x in w.todo):
         w.advance()
-    w.sched.frame_pool.free.extend([0, 1])
+    w.sched.slots.frame.free.extend([0, 1])
     w.sent.clear()
     w.step()
     decoded = [[(d.session, d.block) for d in msg.blocks] for _, msg in w.sent if isinstance(msg, m.DecodeBatch)]
@@ -617,7 +618,7 @@ def test_a_live_session_is_paced_to_its_player_and_wakes_the_scheduler_when_a_bl
     ahead = live.blocks[live.issued].start_frame / live.fps - (w.now - live.playback.fragment_times[0] - 0.5)
     assert live.issued < len(live.blocks) and ahead > 1.0  # its next block is more than the lead ahead
     wake = [a for a in w.step() if isinstance(a, s.WakeAt)]
-    assert wake and abs(wake[0].at - (w.sched.deadline(live, live.issued) - 1.0)) < 1e-9
+    assert wake and abs(wake[0].at - (w.sched.meters.deadline(live, live.issued) - 1.0)) < 1e-9
     before = live.issued
     w.step(dt=wake[0].at - w.now + 0.001)  # the player's clock reaches it
     assert live.issued == before + 1
@@ -632,15 +633,13 @@ def test_a_fragment_inside_the_players_start_up_buffer_is_not_a_stall():
     media time): a paced live fragment that arrives 0.3 s after its media time, inside the 0.5 s
     buffer, is on time — were it counted late, the deadlines would slip and the live video drift
     behind its player."""
-    w = World(layout=(["dit0"], [["vae0.0"]]))
-    sess = w.submit("s", seconds=20)
+    meters = Meters(startup_buffer_s=0.5)  # a collaborator of the scheduler, driven alone
+    sess = World().session("s", seconds=20)
     sess.playback.fragment_times = [10.0]
     b = sess.blocks[3]
-    w.sched.now = 10.0 + b.start_frame / sess.fps + 0.3
-    w.sched._observe_fragment(sess, b)
+    meters.fragment(sess, b, 10.0 + b.start_frame / sess.fps + 0.3)
     assert sess.playback.stall_s == 0.0 and sess.playback.stalls == 0
-    w.sched.now += 0.5  # now past the buffer too: a stall of 0.3 s
-    w.sched._observe_fragment(sess, sess.blocks[3])
+    meters.fragment(sess, b, 10.0 + b.start_frame / sess.fps + 0.8)  # past the buffer too: a stall of 0.3 s
     assert sess.playback.stalls == 1 and abs(sess.playback.stall_s - 0.3) < 1e-9
 
 
@@ -697,7 +696,7 @@ def test_an_out_of_memory_batch_fails_its_sessions_and_admission_learns_the_budg
     worker, batch = next((wk, x) for wk, x in w.todo if isinstance(x, m.GenerateBatch))
     assert [b.session for b in batch.blocks] == ["a", "b"]
     w.todo.remove((worker, batch))
-    one = w.sched.sessions["a"].place.demand.memory["dit0"]
+    one = w.sched.books.sessions["a"].place.demand.memory["dit0"]
     why = "OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB"
     w.step(*(m.Failed("dit0", why, b.session, b.block, "memory") for b in batch.blocks))
     assert {n: (e.state, e.code) for n, e in w.ended.items()} == {
@@ -707,9 +706,9 @@ def test_an_out_of_memory_batch_fails_its_sessions_and_admission_learns_the_budg
     assert "dit0: OutOfMemoryError: CUDA out of memory" in w.ended["a"].error
     w.run()
     w.assert_clean()
-    assert w.sched.capacity.budget["dit0"] == pytest.approx(0.9 * 2 * one)
+    assert w.sched.admission.capacity.budget["dit0"] == pytest.approx(0.9 * 2 * one)
     w.submit_together(w.session("c", seconds=20), w.session("d", seconds=20))
-    assert w.sched.sessions["c"].state == "running" and w.sched.sessions["d"].state != "running"
+    assert w.sched.books.sessions["c"].state == "running" and w.sched.books.sessions["d"].state != "running"
     w.run()
     assert w.ended["c"].state == w.ended["d"].state == "done"
     w.assert_clean()

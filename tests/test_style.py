@@ -58,6 +58,7 @@ def _imports() -> dict[str, set[str]]:
 
     src = ROOT / "streamdiff"
     out: dict[str, set[str]] = {}
+    modules = {".".join(p.relative_to(src.parent).with_suffix("").parts) for p in src.rglob("*.py")}
     for path in src.rglob("*.py"):
         parts = list(path.relative_to(src.parent).with_suffix("").parts)
         package = parts[:-1]
@@ -68,8 +69,11 @@ def _imports() -> dict[str, set[str]]:
                 base = package[: len(package) - node.level + 1] if node.level else []
                 target = ".".join(base + ([node.module] if node.module else []))
                 if target.startswith("streamdiff"):
-                    seen.add(target)
-                    seen.update(f"{target}.{a.name}" for a in node.names)
+                    names = {f"{target}.{a.name}" for a in node.names}
+                    seen.update(names)
+                    # `from . import events`: the submodule, not what the package's __init__ holds
+                    if node.module or not names <= modules:
+                        seen.add(target)
             elif isinstance(node, ast.Import):
                 seen.update(a.name for a in node.names if a.name.startswith("streamdiff"))
         out[name] = seen

@@ -286,7 +286,7 @@ class Supervisor:
         while True:
             t0 = loop.time()
             await asyncio.sleep(LAG_PROBE_S)
-            self.scheduler.metrics.observe_loop_lag(max(0.0, loop.time() - t0 - LAG_PROBE_S))
+            self.scheduler.meters.metrics.observe_loop_lag(max(0.0, loop.time() - t0 - LAG_PROBE_S))
 
     async def _monitor_loop(self) -> None:
         """Every heartbeat interval: the workers' liveness, then the scheduler's clock. A tick
@@ -324,11 +324,11 @@ class Supervisor:
 
     @property
     def metrics(self):
-        return self.scheduler.metrics if self.scheduler is not None else None
+        return self.scheduler.meters.metrics if self.scheduler is not None else None
 
     @property
     def running_sessions(self) -> int:
-        return len(self.scheduler.running) if self.scheduler is not None else 0
+        return len(self.scheduler.books.running) if self.scheduler is not None else 0
 
     # -- status ---------------------------------------------------------------------------------
     def loops_alive(self) -> bool:
@@ -351,7 +351,7 @@ class Supervisor:
         if self.pool is None or self.pool.serving_pipelines() == 0 or not self.loops_alive():
             return "down\n"
         cap = self.cfg.limits.max_sessions
-        busy = len(self.scheduler.running) + len(self.scheduler.queue)
+        busy = len(self.scheduler.books.running) + len(self.scheduler.admission.queue)
         free = max(0.0, (cap - busy) / cap)
         return f"up ready {max(1, round(100 * free))}%\n"
 
@@ -404,14 +404,14 @@ class Supervisor:
         if self.state != DRAINING:
             return
         deadline = time.monotonic() + timeout_s
-        while self.scheduler.running and time.monotonic() < deadline:
+        while self.scheduler.books.running and time.monotonic() < deadline:
             await asyncio.sleep(0.1)
 
     def cancel_all(self, reason: str = "the server is shutting down") -> None:
         """End every session now (their streams end truncated)."""
         if self.driver is not None:
             self.driver.step(sch.StopAdmitting(reason))
-            for sess in list(self.scheduler.sessions.values()):
+            for sess in list(self.scheduler.books.sessions.values()):
                 self.driver.cancel(sess.id, reason)
 
     async def close(self) -> None:

@@ -57,6 +57,14 @@ class CutBalance:
         self.pending: dict[str, tuple] = {}  # DiT worker -> a timing taken before the VAE's speed was known
         self.changes = 0
 
+    def report(self, dit_workers: list[str]) -> dict:
+        """What /health shows of it: each DiT worker's cut for its next shots, and what a moved
+        ms of decode is taken to cost the DiT (grow) and save the VAE (relief)."""
+        return {
+            "vae_cuts": {w: self.current.get(w, self.start) for w in dit_workers},
+            "vae_cut_exchange": [self.grow, self.relief],
+        }
+
     def seed(self, stages_ms: list[float]) -> None:
         """The VAE worker's start-up timing of each decoder stage (READY)."""
         total = sum(stages_ms)

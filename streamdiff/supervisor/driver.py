@@ -75,7 +75,18 @@ class Driver:
         batch, self._pending = [*self._pending, *events], []
         t0 = time.perf_counter()
         actions = self.scheduler.step(batch, time.monotonic(), self.ready())
-        self.scheduler.metrics.scheduler_seconds.inc(time.perf_counter() - t0)
+        return self._carry_out(actions, t0)
+
+    def _call(self, event: s.Event):
+        """One step over everything pending and then `event`, whose answer the caller waits on."""
+        pending, self._pending = self._pending, []
+        t0 = time.perf_counter()
+        answer, actions = self.scheduler.call(event, time.monotonic(), self.ready(), pending)
+        self._carry_out(actions, t0)
+        return answer
+
+    def _carry_out(self, actions: list[s.Action], t0: float) -> list[s.Action]:
+        self.scheduler.meters.metrics.scheduler_seconds.inc(time.perf_counter() - t0)
         for action in actions:
             try:
                 self._do(action)
@@ -87,30 +98,26 @@ class Driver:
     def submit(self, session: s.Session) -> SessionHandle:
         handle = SessionHandle(session.id, self)
         self.handles[session.id] = handle
-        for a in self.step(s.Submit(session)):
-            if isinstance(a, s.Reject) and a.session == session.id:
-                raise QueueFull(a.message, a.retry_after_s)
+        refused = self._call(s.Submit(session))
+        if refused is not None:
+            self.handles.pop(session.id, None)
+            raise QueueFull(refused.message, refused.retry_after_s)
         return handle
 
     def ack(self, session: str, blocks: int = 1) -> None:
         self.post(s.Ack(session, blocks))
 
     def cancel(self, session: str, reason: str = "cancelled") -> bool:
-        return any(isinstance(a, s.End) and a.session == session for a in self.step(s.Cancel(session, reason)))
+        return self._call(s.Cancel(session, reason))
 
     def steer(self, session: str, scene) -> s.Steered:
-        return self._landing(session, self.step(s.Steer(session, scene)))
+        return self._call(s.Steer(session, scene))
 
     def stop(self, session: str) -> s.Steered:
-        return self._landing(session, self.step(s.Stop(session)))
+        return self._call(s.Stop(session))
 
     def control(self, session: str, control) -> s.ControlLanded:
-        actions = self.step(s.Controlled(session, control))
-        return next(a for a in actions if isinstance(a, s.ControlLanded) and a.session == session)
-
-    @staticmethod
-    def _landing(session: str, actions: list[s.Action]) -> s.Steered:
-        return next(a for a in actions if isinstance(a, s.Steered) and a.session == session)
+        return self._call(s.Controlled(session, control))
 
     # -- actions out ----------------------------------------------------------------------------
     def _do(self, a: s.Action) -> None:
@@ -132,8 +139,6 @@ class Driver:
             handle = self.handles.pop(a.session, None)
             if handle is not None:
                 handle.on_end(a.state, a.error, a.code)
-        elif isinstance(a, s.Reject):
-            self.handles.pop(a.session, None)
         elif isinstance(a, s.WakeAt):
             self._wake_at(a.at)
 

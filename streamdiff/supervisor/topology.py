@@ -30,6 +30,10 @@ class Topology:
         """The processes that run DiT `dit`: its group's ranks, or itself."""
         return self.dit_groups.get(dit, [dit])
 
+    def group_of(self, vae_worker: str) -> int:
+        """The VAE group a shard belongs to."""
+        return next(i for i, g in enumerate(self.vae_groups) if vae_worker in g)
+
 
 def free_port() -> int:
     with socket.socket() as s:

@@ -37,6 +37,11 @@ TRIALS = 3  # batches of a size run before its factor is trusted over a one-off 
 TRIAL_MARGIN = 1.1  # ... where that timing put it within this of no gain (a one-off CPU timing's noise)
 
 
+def group_unit(group: int) -> str:
+    """A VAE group's name as a unit of capacity (a DiT's is its worker's)."""
+    return f"vae-group-{group}"
+
+
 @dataclass
 class Demand:
     """What one session asks of its units: busy share and bytes held, per unit."""

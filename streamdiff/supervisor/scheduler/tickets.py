@@ -10,7 +10,8 @@ slots its state holds:
     latent_ready  latent slot (waits for the VAE) vae           latent + frame slot (the group)
     frames_ready  frame slot (the encoder reads)  emitted, cancelled, failed: none
 
-A block is emitted once its fragment is encoded and handed to its session (one step: no state
+A ticket goes to its workers as the orders below (`generate_order`, `decode_order`). A block is
+emitted once its fragment is encoded and handed to its session (one step: no state
 between the two).
 """
 
@@ -19,8 +20,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ...controls import Timeline
+from ...ipc import messages as m
 from ...ipc.shm import SlotPool
-from ...plan import Block, Scene
+from ...plan import Block, Scene, shot_left
 from ..handle import QUEUED, RUNNING
 from .capacity import Demand
 
@@ -168,3 +170,55 @@ def advance(t: Ticket, to: str, latent: SlotPool, frames: SlotPool) -> None:
     if t.state == T_FRAMES:
         t.encoding = False  # an encode is out only while the frames are ready
     t.state = to
+
+
+class Slots:
+    """The two rings' slots, one collaborator of the scheduler: `advance` moves a ticket and the
+    slots its state holds."""
+
+    def __init__(self, latent: int, frame: int) -> None:
+        self.latent = SlotPool(latent)
+        self.frame = SlotPool(frame)
+
+    def advance(self, t: Ticket, to: str) -> None:
+        advance(t, to, self.latent, self.frame)
+
+
+def generate_order(sess: Session, t: Ticket, camera: list, actions: list) -> m.GenerateBlock:
+    """What the DiT is told to make of the ticket's block: a scene's first block carries the
+    scene (its prompt, seed, image, and whether it starts a shot or re-caches the window)."""
+    b = t.block
+    scene, first = sess.scenes[b.scene], b.first_of_scene
+    return m.GenerateBlock(
+        sess.id,
+        b.index,
+        b.latent_frames,
+        t.latent_slot,
+        prompt=scene.prompt if first else None,
+        new_shot=b.shot_start and first,
+        seed=scene.seed if first else None,
+        recache=first and scene.recache and not b.shot_start,
+        transition=first and scene.keeps_history,
+        vae_cut=t.vae_cut,
+        shot_left=0 if sess.live else shot_left(sess.blocks, b.index),
+        image=scene.image if b.shot_start and first else None,
+        camera=camera,
+        actions=actions,
+    )
+
+
+def decode_order(sess: Session, t: Ticket) -> m.DecodeBlock:
+    """What the VAE group is told to decode: the latent's slot and shape, the frame slot, and
+    where the block sits in its shot's cache."""
+    b = t.block
+    return m.DecodeBlock(
+        sess.id,
+        b.index,
+        t.latent_slot,
+        t.frame_slot,
+        t.shape,
+        b.frames_out,
+        b.shot_start,
+        t.data_shape or [],
+        t.vae_cut,
+    )
