@@ -83,7 +83,7 @@ def test_engines_first_frame_is_the_image_through_the_vae(release, round_trip):
     # two blocks: the image, then one noise frame; the worker passes the F - 1 drawn (DiTStage.run_batch)
     dit.set_scene(sess, "a red square", new_shot=True, shot_left=1)
     assert sess.shot_noise.shape[1] == 1
-    z = dit.start_from_image(sess, torch.from_numpy(img.copy()))
+    z = dit.start_image(sess, torch.from_numpy(img.copy()))
     mean = torch.tensor(ref.config.latents_mean).view(1, -1, 1, 1, 1)
     std = torch.tensor(ref.config.latents_std).view(1, -1, 1, 1, 1)
     assert (z - (mu - mean) / std).abs().max().item() < 1e-5

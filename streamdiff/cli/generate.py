@@ -169,6 +169,7 @@ def generate(cfg: Config, req: VideoRequest, args: argparse.Namespace) -> tuple[
 
     from ..media.encoder import FragmentWriter, open_encoder
     from ..models import engines
+    from ..models.blocks import BlockOrder, BlockRefused
     from ..models.wan.loading import CheckpointError
     from ..supervisor.topology import model_spec
     from ..workers.stage_common import decode_png
@@ -201,26 +202,23 @@ def generate(cfg: Config, req: VideoRequest, args: argparse.Namespace) -> tuple[
         # disable=None: no bar when stderr is not a terminal (a log file gets the summary line only)
         with part.open("wb") as f, tqdm(total=req.frames, unit="frame", disable=None, dynamic_ncols=True) as bar:
             for b in blocks:
-                scene, left = req.scenes[b.scene], shot_left(blocks, b.index)
-                if b.first_of_scene:  # what the scheduler sends with a scene's first block
+                scene, first = req.scenes[b.scene], b.first_of_scene
+                order = BlockOrder(b.latent_frames, shot_left=shot_left(blocks, b.index))
+                if first:  # what the scheduler sends with a scene's first block (scheduler/tickets.py)
                     bar.set_description(f"scene {b.scene + 1}/{len(req.scenes)}")
-                    recache = scene.recache and not b.shot_start
-                    image = scene.image if b.shot_start else None
-                    block_image = image is not None and scene.image_block  # its block is not drawn (F - 1)
-                    # LongLive 2.0's and Matrix-Game's picture is no block of its own: the scene starts from it
-                    cond = decode_png(image) if image is not None and not scene.image_block else None
-                    drawn = left - block_image
-                    kept = scene.keeps_history
-                    dit.set_scene(sess, scene.prompt, b.shot_start, scene.seed, recache, drawn, cond, kept)
-                events = [scene_marker(b, scene)] if b.first_of_scene else []
+                    order.prompt, order.new_shot, order.seed = scene.prompt, b.shot_start, scene.seed
+                    order.recache, order.transition = scene.recache and not b.shot_start, scene.keeps_history
+                    order.image = decode_png(scene.image) if b.shot_start and scene.image is not None else None
+                events = [scene_marker(b, scene)] if first else []
                 if timeline is not None:  # the controls that reach this block, as the scheduler gives them
                     ctl = timeline.block(b.index, b.latent_frames, b.shot_start)
-                    sess.camera, sess.actions = ctl.camera or None, ctl.actions or None
+                    order.camera, order.actions = ctl.camera, ctl.actions
                     events += [control_marker(b, ctl.seq)] if ctl.seq is not None else []
-                if b.shot_start and scene.image is not None and scene.image_block:  # the picture's latent
-                    latent = dit.start_from_image(sess, decode_png(scene.image))
-                else:
-                    latent = dit.generate_block(sess, b.latent_frames, left)  # (1, C, f, h, w) float32, CPU
+                try:  # the worker's check of each block, the engine's own
+                    dit.check(sess, order)
+                except BlockRefused as exc:
+                    raise UsageError(f"block {b.index}: {exc}") from None
+                latent = dit.make([(sess, order)])[0]  # (1, C, f, h, w) float32, CPU
                 if args.latents:
                     latents.append(latent)
                 if b.shot_start or state is None:  # a new shot: the decoder's temporal cache starts afresh

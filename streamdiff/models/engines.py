@@ -1,8 +1,10 @@
 """The two stages as the pipeline uses them: one call = one block of one session.
 
 `DiTEngine` (DiT worker): text encoding with a small prompt cache, per-session KV/cross caches,
-seeded noise, the step lists. `VAEEngine` (VAE worker): per-session temporal caches, uint8
-frames. Sessions are plain objects owned by the caller; engines hold only weights.
+seeded noise, the step lists; its sampler (samplers.py) and its conditionings (conditionings.py)
+are objects chosen when it is built, which it asks. Its callers order blocks as `BlockOrder`s
+(blocks.py), `check` each and `make` them. `VAEEngine` (VAE worker): per-session temporal
+caches, uint8 frames. Sessions are plain objects owned by the caller; engines hold only weights.
 """
 
 from __future__ import annotations
@@ -10,13 +12,12 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
-from ..controls import camera_row
 from ..plan import cache_frames
-from .blocks import check_block
+from .blocks import BlockOrder, BlockRefused, check_block
 from .compiled import Compiler
+from .conditionings import conditionings_for, picture
 from .image_condition import ImageCondition
 from .presets import (
     ModelSpec,
@@ -66,7 +67,8 @@ class DiTSession:
     shot_noise: torch.Tensor | None = None  # (1, F, C, h, w), the authors' layout, model dtype
     shot_pos: int = 0  # latent frames of shot_noise used so far
     rolling: rolling.RollingState | None = None  # the rolling sampler's window (sampler kind "rolling")
-    # A camera model's next block's camera, a row per latent frame (controls.camera_row); None:
+    # What its conditionings (conditionings.py) hold of it, each read only by its own:
+    # a camera model's next block's camera, a row per latent frame (controls.camera_row); None:
     # standing still where the shot is (every frame at the identity pose)
     camera: list[list[float]] | None = None
     # Matrix-Game's: the next block's actions (a row per latent frame: multi-hot, mouse; None: the
@@ -98,17 +100,13 @@ class DiTEngine:
         self.model.compile_blocks(self.compiler)
         self.text = build_text_encoder(spec, device) if text and not probe else None
         self.share_prompt = None  # a DiT group's: rank 0's embedding, given to every rank
-        # image-to-video: the VAE encoder beside the DiT (one image per shot; its latent then
-        # travels to the VAE workers in the ring as the shot's first block). Loaded only where
-        # the preset conditions on an image.
-        self.i2v = self.card.i2v
-        self.encoder = build_vae_encoder(spec, device) if self.i2v else None
-        # How an image starts a shot (card.IMAGE_MODES): a block of its own; the first latent
-        # frame of the first block, held at t = 0 (LongLive 2.0); or, for Matrix-Game, beside every
-        # block's noise with its CLIP tokens as the context
-        self.image_mode = self.card.image or "block"
-        self.image_condition = self.card.image == "condition"
-        self.clip = build_image_encoder(spec, device) if self.image_condition else None
+        # image-to-video: the VAE encoder beside the DiT, and Matrix-Game's CLIP, loaded only
+        # where the card's image mode takes them (one image per shot)
+        self.encoder = build_vae_encoder(spec, device) if self.card.i2v else None
+        self.clip = build_image_encoder(spec, device) if self.card.image == "condition" else None
+        # what its blocks are conditioned on besides their noise (conditionings.py): the prompt or
+        # Matrix-Game's picture, how a picture starts a shot, a camera
+        self.conditionings = conditionings_for(self.card, self.encoder, self.clip)
         cp = self.preset.checkpoint
         self.noise_layout = cp.noise_layout if cp is not None else "fchw"
         self.noise_dtype = self.model.patch_embedding.weight.dtype  # the authors draw in the model's dtype
@@ -118,11 +116,51 @@ class DiTEngine:
         self._prompt_cache = prompt_cache
         self._sigmas: dict[tuple, list[float]] = {}
 
-    def check_block(
-        self, frames: int, shot_start: bool, image: bool, actions, camera, transition: bool, prompt
-    ) -> None:
-        """BlockRefused where this model cannot make the block (blocks.check_block)."""
-        check_block(self.card, frames, shot_start, image, actions, camera, transition, prompt)
+    def check(self, sess: DiTSession, order: BlockOrder) -> None:
+        """BlockRefused where this model cannot make the block for this session: the sampler's
+        rules and each conditioning's (blocks.check_block), and a start picture's size."""
+        check_block(self.card, self.conditionings, order)
+        if order.image is not None:
+            try:
+                picture(self, sess, order.image)
+            except ValueError:
+                h, w = order.image.shape[:2]
+                raise BlockRefused(f"the image is {w}x{h}, not the video's size") from None
+
+    def make(self, orders: list[tuple[DiTSession, BlockOrder]]) -> list[torch.Tensor]:
+        """Each (session, order)'s block, (1, C, f, h, w) float32 on the CPU, in order: the
+        scenes start first; a start picture that is a block of its own is made alone (its
+        conditioning's `start_image`); the rest denoise together where size and step count
+        agree. The caller has checked each (`check`)."""
+        own = next((c for c in self.conditionings if c.own_block), None)
+        for sess, o in orders:
+            if o.prompt is not None:
+                block = own is not None and o.image is not None  # not drawn: the authors draw the F - 1 after it
+                left, image = (max(0, o.shot_left - 1), None) if block else (o.shot_left, o.image)
+                self.set_scene(sess, o.prompt, o.new_shot, o.seed, o.recache, left, image, o.transition)
+        out: list[torch.Tensor | None] = [None] * len(orders)
+        groups: dict[tuple, list[int]] = {}
+        for i, (sess, o) in enumerate(orders):
+            if own is not None and o.image is not None:
+                out[i] = own.start_image(self, sess, o.image)
+                continue
+            sess.camera, sess.actions = o.camera or None, o.actions or None
+            groups.setdefault((sess.latent_hw, o.frames, len(self.steps_of(sess))), []).append(i)
+        for idx in groups.values():
+            left = [orders[i][1].shot_left for i in idx]
+            made = self.generate_blocks([orders[i][0] for i in idx], orders[idx[0]][1].frames, left)
+            for i, x in zip(idx, made, strict=True):
+                out[i] = x
+        return out
+
+    def start_image(self, sess: DiTSession, image: torch.Tensor):
+        """What a start picture costs at a shot's start, its conditioning's way (the profile
+        times it): its latent (a block of its own, or LongLive 2.0's held frame), or Matrix-Game's
+        context and first conditioning latent."""
+        for c in self.conditionings:
+            if "image" in c.takes:
+                return c.start_image(self, sess, image)
+        raise ValueError(f"model {self.preset.name!r} does not condition on an image")
 
     @property
     def frames_per_block(self) -> int:
@@ -192,7 +230,7 @@ class DiTEngine:
         take the caption alone), the RoPE positions move on by `shot_offset`, and the first
         block's first sink frames are pinned after its clean pass (the shot sink).
         A model whose blocks an image conditions (Matrix-Game) ignores the prompt: a cut starts
-        from `image` ((H, W, 3) uint8; `condition_on_image`), or, where none is given (the
+        from `image` ((H, W, 3) uint8; `ImageContext.start_image`), or, where none is given (the
         calibration's and the profile's shots), from a blank picture.
         Otherwise `continue`: keep the visual history, swap the prompt (cross-attention cache),
         and re-cache the window under it (`WanDiT.recache`) as the sampler's `recache` policy
@@ -211,8 +249,6 @@ class DiTEngine:
         next window step on (a restart would stall the stream for a full window). A cut discards
         them with the caches; the new shot fills its window afresh."""
         policy = self.preset.sampler.recache
-        if self.model.cfg.prope and (recache or policy != "never"):  # the held frames' cameras are not kept
-            raise ValueError("a camera model cannot re-cache: sampler.recache must be 'never'")
         if recache and policy == "never":
             raise ValueError("this model's sampler.recache is 'never': a scene cannot ask for recache")
         recache = recache or policy == "every_switch"
@@ -240,72 +276,10 @@ class DiTEngine:
         if recache and not new_shot:  # the held window again under the new prompt, the sampler's way
             self.sampler.recache(self.model, sess.state, sess.rolling, self.encode_prompt(prompt))
             sess.prompt = prompt
-        elif self.image_condition:  # no text: the context is the shot's image
-            if new_shot:
-                h, w = (n * self.preset.vae.spatial_factor for n in sess.latent_hw)
-                self.condition_on_image(sess, image if image is not None else torch.zeros(h, w, 3, dtype=torch.uint8))
-        elif new_shot or prompt != sess.prompt:
-            self.model.set_prompt(sess.state, self.encode_prompt(prompt))
-            sess.prompt = prompt
-        if new_shot:  # LongLive 2.0: the picture is the first latent frame of the shot's first block
-            first = image is not None and self.image_mode == "first_frame"
-            sess.first_latent = self.image_latent(sess, image) if first else None
+        for c in self.conditionings:  # the prompt (unless re-cached under it), a picture
+            c.scene(self, sess, prompt, new_shot, image)
         if new_shot and s.canvas:  # the shot's sink frame, under its first prompt (SamplerConfig.canvas)
             commit_canvas(self.model, sess.state, *sess.latent_hw, s.context_t)
-
-    @torch.no_grad()
-    def condition_on_image(self, sess: DiTSession, image: torch.Tensor) -> None:
-        """Matrix-Game's start: the picture ((H, W, 3) uint8 at the video's size) gives the shot's
-        context (its CLIP tokens through `img_emb`) and the first of its conditioning latents
-        (the VAE encoder's first chunk); every block after is conditioned on the latents of zero
-        frames after it, encoded as the blocks come (`ImageCondition`). Call after the cut's
-        `set_scene`, before the shot's first block."""
-        if not self.image_condition:
-            raise ValueError(f"model {self.preset.name!r} does not condition its blocks on an image")
-        h, w = sess.latent_hw
-        f = self.preset.vae.spatial_factor
-        if tuple(image.shape) != (h * f, w * f, 3) or image.dtype != torch.uint8:
-            raise ValueError(f"the image is {tuple(image.shape)} {image.dtype}, not ({h * f}, {w * f}, 3) uint8")
-        if sess.shot_blocks or sess.state.next_frame:
-            raise ValueError("an image starts a shot: it must come before the shot's first block")
-        self.model.set_prompt(sess.state, self.clip.encode(image))
-        sess.condition = ImageCondition(self.encoder, image)
-
-    def image_latent(self, sess: DiTSession, image: torch.Tensor) -> torch.Tensor:
-        """The picture ((H, W, 3) uint8 at the video's size) through the VAE encoder: (1, C, 1, h, w)
-        float32 on the model's device, by way of the model's dtype (the authors encode under bf16)."""
-        h, w = sess.latent_hw
-        f = self.preset.vae.spatial_factor
-        if tuple(image.shape) != (h * f, w * f, 3) or image.dtype != torch.uint8:
-            raise ValueError(f"the image is {tuple(image.shape)} {image.dtype}, not ({h * f}, {w * f}, 3) uint8")
-        x = image.permute(2, 0, 1)[None, :, None].float() / 127.5 - 1.0  # (1, 3, 1, H, W) in [-1, 1]
-        dev = self.model.patch_embedding.weight.device
-        return self.encoder.encode_image(x).to(dev, self.noise_dtype).float()
-
-    @torch.no_grad()
-    def start_from_image(self, sess: DiTSession, image: torch.Tensor) -> torch.Tensor:
-        """Image-to-video, as the authors' `initial_latent`: encode the picture ((H, W, 3) uint8
-        at the video's size) into the shot's first latent frame, commit it to the KV cache with one
-        forward at t = 0 at position 0 (1 after a position canvas, which holds 0), and return it,
-        (1, C, 1, h, w) float32 on the CPU: the shot's first block, which the VAE decodes as the
-        video's first frame. Call after the cut's `set_scene` (with the noise of the blocks after
-        this one: the authors draw F - 1 frames). The next block is the shot's first denoised one
-        (its own step list, at the position after the picture's)."""
-        if self.encoder is None:
-            raise ValueError(f"model {self.preset.name!r} does not condition on an image")
-        h, w = sess.latent_hw
-        f = self.preset.vae.spatial_factor
-        if tuple(image.shape) != (h * f, w * f, 3) or image.dtype != torch.uint8:
-            raise ValueError(f"the image is {tuple(image.shape)} {image.dtype}, not ({h * f}, {w * f}, 3) uint8")
-        if sess.shot_blocks or sess.state.next_frame != int(self.preset.sampler.canvas):
-            raise ValueError("an image starts a shot: it must be the shot's first block")
-        x = image.permute(2, 0, 1)[None, :, None].float() / 127.5 - 1.0  # (1, 3, 1, H, W) in [-1, 1]
-        z = self.encoder.encode_image(x)
-        dev = self.model.patch_embedding.weight.device
-        # the authors' generator takes the latent in the model's dtype (they encode under bf16)
-        z = z.to(dev, self.noise_dtype).float()
-        self.model.forward_block(z, torch.zeros(1, 1, device=dev), sess.state, True)
-        return z.cpu()
 
     def warm(self, width: int, height: int, batch: bool) -> None:
         """Every shape this engine serves, once, on scratch sessions: compiled (`compiler.on`),
@@ -316,13 +290,14 @@ class DiTEngine:
         sizes are symbols; dynamo specialises only a size of 1)."""
         fpb = self.frames_per_block
         sessions = [self.open_session(width, height, seed=i) for i in range(2 if batch else 1)]
+        blank = torch.zeros(height, width, 3, dtype=torch.uint8)
         for sess in sessions:
-            held = self.image_mode == "first_frame" and sess is sessions[0]  # LongLive 2.0's held picture
-            picture = torch.zeros(height, width, 3, dtype=torch.uint8) if held else None
-            self.set_scene(sess, "warm", new_shot=True, image=picture)
-            if self.i2v and self.image_mode == "block" and sess is sessions[0]:
-                self.start_from_image(sess, torch.zeros(height, width, 3, dtype=torch.uint8))
-            self.generate_block(sess, fpb)  # the shot's first block (its own steps)
+            image = blank if self.card.i2v and sess is sessions[0] else None  # the picture's way, once
+            if image is not None and self.card.image_block:  # its own block, then the shot's first
+                self.make([(sess, BlockOrder(1, "warm", new_shot=True, image=image))])
+                self.generate_block(sess, fpb)
+            else:  # the shot's first block (its own steps)
+                self.make([(sess, BlockOrder(fpb, "warm", new_shot=True, image=image))])
         if self.preset.sampler.recache != "never":
             self.set_scene(sessions[0], "warm again", new_shot=False, recache=True)
         for _ in range(2):
@@ -383,19 +358,13 @@ class DiTEngine:
         if isinstance(self.sampler, RollingSampler):
             left = shots_left or [0] * len(sessions)
             return [self._rolling_block(s, frames, n) for s, n in zip(sessions, left, strict=True)]
-        if len(sessions) > 1 and any(s.first_latent is not None for s in sessions):  # a held image runs alone
+        conds = self.conditionings
+        if len(sessions) > 1 and any(c.alone(s) for c in conds for s in sessions):  # (a held image)
             left = shots_left or [0] * len(sessions)
             return [self.generate_blocks([s], frames, [n])[0] for s, n in zip(sessions, left, strict=True)]
-        if self.model.cfg.prope:
-            for sess in sessions:
-                self._place_camera(sess, frames)
-        if self.image_condition:  # the block's mask and latents beside its noise, and its actions
-            for sess in sessions:
-                if sess.condition is None:
-                    raise ValueError("an image model's shot needs its image first (condition_on_image)")
-                st = sess.state
-                st.cond, st.actions = sess.condition.block(st.next_frame, frames, self.model.cfg.action, sess.actions)
-                sess.actions = None
+        for sess in sessions:
+            for c in conds:
+                c.prepare(self, sess, frames)
         steps = [self.steps_of(s) for s in sessions]
         renoises = self.sampler.renoises(steps[0])
         noise, renoise = [], [[] for _ in range(renoises)]
@@ -405,23 +374,14 @@ class DiTEngine:
             for i, x in enumerate(r):
                 renoise[i].append(x)
         sigmas = [self._sigmas_of(ts, self.preset.sampler.shift) for ts in steps]
-        hold = sessions[0].first_latent  # a held first frame runs alone (above)
+        hold = next((h for c in conds if (h := c.hold(sessions[0])) is not None), None)  # it runs alone (above)
         x0 = self.sampler.denoise(self.model, [s.state for s in sessions], noise, steps, renoise, sigmas, hold, frames)
-        sessions[0].first_latent = None
         for sess in sessions:
             sess.shot_blocks += 1
             if sess.shot_prompt is not None:  # a transition's first block is done: the caption alone
                 self.model.set_prompt(sess.state, self.encode_prompt(sess.shot_prompt))
                 sess.prompt, sess.shot_prompt = sess.shot_prompt, None
         return list(to_host(x0).split(1))
-
-    def _place_camera(self, sess: DiTSession, frames: int) -> None:
-        """The block's camera on the session's DiT state, where every pass of the block reads it."""
-        rows = sess.camera or [camera_row(np.eye(4))] * frames
-        sess.camera = None
-        if len(rows) != frames:
-            raise ValueError(f"a camera of {len(rows)} latent frames for a block of {frames}")
-        sess.state.camera = torch.tensor(rows, dtype=torch.float32)
 
     def _sigmas_of(self, timesteps: list[float], shift: float) -> list[float]:
         """`sigma_of` once per step list (a search of the schedule: host work, not per block)."""

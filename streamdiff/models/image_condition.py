@@ -5,7 +5,7 @@ latent frame) and the conditioning latents of the VAE encoder run over the start
 then frames of zeros, four frames a latent frame (the release encodes that whole video up front;
 we encode it as the blocks come, equal by tests/models/test_vae_encoder.py). And its actions,
 from every latent frame's action so far (`action.block_actions`). One `ImageCondition` per
-session's shot; the engine (`DiTEngine.condition_on_image`) makes it and puts each block's
+session's shot; the engine (`conditionings.ImageContext.start_image`) makes it and puts each block's
 conditioning on the session's DiT state.
 """
 

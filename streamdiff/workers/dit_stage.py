@@ -12,7 +12,7 @@ import torch
 
 from ..ipc import messages as m
 from ..ipc.shm import Ring
-from ..models.blocks import BlockRefused
+from ..models.blocks import BlockOrder, BlockRefused
 from ..models.compiled import compile_stats
 from ..parallel.vae_group import group_max
 from ..platform import select
@@ -49,7 +49,6 @@ class DiTStageSession(StageSession):
     """What the DiT stage holds of one session."""
 
     dit: DiTSession  # the model's: its caches, noise and scene (models/engines.py)
-    image: torch.Tensor | None = None  # its checked start image, until its block runs
     vae_state: VAEState | None = None  # with a VAE cut: the decoder's first stages' caches
 
 
@@ -219,25 +218,21 @@ class DiTStage:
                 out[i] = y[j]
         return out
 
-    def check(self, msg: m.GenerateBlock, held: DiTStageSession) -> None:
+    def check(self, msg: m.GenerateBlock, held: DiTStageSession) -> BlockOrder:
+        """The block as the engine takes it, checked by the engine and for this stage's ring,
+        group and cut (RequestError where it cannot run)."""
         self.faults.hit("check", msg.session)
         in_order(held, msg)
         sess = held.dit
-        c = self.engine.model.cfg.out_channels  # the latent the ring carries
-        shape = (c, msg.frames, *sess.latent_hw)
-        if msg.frames < 1:
-            raise RequestError(f"a block of {msg.frames} latent frames")
+        order = BlockOrder(
+            msg.frames, msg.prompt, msg.new_shot, msg.seed, msg.recache, msg.transition, msg.shot_left,
+            decode_png(msg.image) if msg.image is not None else None, msg.camera, msg.actions,
+        )  # fmt: skip
         try:
-            self.engine.check_block(
-                msg.frames, msg.new_shot, msg.image is not None, msg.actions, msg.camera, msg.transition, msg.prompt
-            )
+            self.engine.check(sess, order)
         except BlockRefused as exc:
             raise RequestError(str(exc)) from None
-        if msg.image is not None:
-            img, f = decode_png(msg.image), self.engine.preset.vae.spatial_factor
-            if tuple(img.shape) != (sess.latent_hw[0] * f, sess.latent_hw[1] * f, 3):
-                raise RequestError(f"the image is {img.shape[1]}x{img.shape[0]}, not the video's size")
-            held.image = img
+        shape = (self.engine.model.cfg.out_channels, msg.frames, *sess.latent_hw)  # the latent the ring carries
         rows = sess.latent_hw[0] // self.engine.model.cfg.patch_size[1]
         if rows < self.world:  # each rank of a DiT group computes at least one row of patches
             raise RequestError(f"{rows} rows of patches cannot be split over a DiT group of {self.world}")
@@ -251,6 +246,7 @@ class DiTStage:
             out = stage_shapes(self.vae.cfg, msg.frames, *sess.latent_hw)[cut - 1]
             if np.prod(out) * 4 > self.ring.spec.slot_bytes:
                 raise RequestError(f"the VAE's first {cut} stages make {list(out)} of a block: too big for a ring slot")
+        return order
 
     def run_batch(self, msgs: list[m.GenerateBlock], closed: set[str]) -> tuple[list, list]:
         """The next block of each message's session (the supervisor's batch: one block per
@@ -259,13 +255,13 @@ class DiTStage:
         per block refused at its check. Any other error propagates: the worker's own. In a DiT
         group the ranks agree on each block first (a cancel wins over a refusal); rank 0 answers
         for the group, and a rank that refused a block reports it (the others skip it)."""
-        verdicts, refused = [], {}
+        verdicts, refused, orders = [], {}, {}
         for msg in msgs:
             held = self.sessions.get(msg.session)
             verdict = SKIP if msg.session in closed or held is None else RUN
             if verdict == RUN:
                 try:
-                    self.check(msg, held)
+                    orders[msg.session] = self.check(msg, held)
                 except RequestError as exc:
                     verdict, refused[msg.block, msg.session] = REFUSE, exc
             verdicts.append(verdict)
@@ -280,33 +276,10 @@ class DiTStage:
         sp = self.engine.model.parallel if self.world > 1 else None
         waited = sp.wait_s if sp else 0.0
         self.clock.start()
-        image_block = self.engine.card.image_block  # the image is a block of its own, else it goes with one
-        for msg, held in run:
+        for msg, _ in run:
             self.faults.hit("compute", msg.session)
-            if msg.prompt is not None:
-                # an image block is not drawn: the authors draw the F - 1 frames after it
-                left = max(0, msg.shot_left - 1) if msg.image is not None and image_block else msg.shot_left
-                image = None
-                if msg.image is not None and not image_block:  # it goes with this block
-                    image, held.image = held.image, None
-                self.engine.set_scene(
-                    held.dit, msg.prompt, msg.new_shot, msg.seed, msg.recache, left, image, msg.transition
-                )
-        latents, blocks = {}, []
-        for msg, held in run:  # image-to-video: the picture's latent is the shot's first block
-            if msg.image is not None and image_block:
-                latents[msg.session] = self.engine.start_from_image(held.dit, held.image)[0]
-                held.image = None
-            else:
-                blocks.append((msg, held.dit))
-        groups: dict[tuple, list] = {}  # sessions denoise together where size and step count agree
-        for msg, sess in blocks:
-            sess.camera, sess.actions = msg.camera or None, msg.actions or None
-            groups.setdefault((sess.latent_hw, msg.frames, len(self.engine.steps_of(sess))), []).append((msg, sess))
-        for group in groups.values():
-            left = [msg.shot_left for msg, _ in group]
-            outs = self.engine.generate_blocks([sess for _, sess in group], group[0][0].frames, left)
-            latents.update({msg.session: out[0] for (msg, _), out in zip(group, outs, strict=True)})
+        made = self.engine.make([(held.dit, orders[msg.session]) for msg, held in run])
+        latents = {msg.session: x[0] for (msg, _), x in zip(run, made, strict=True)}  # (C, f, h, w)
         if self.engine.compiler.active:  # a shape compiled after READY: `DiTEngine.warm` missed it
             stats = compile_stats()
             if stats["graphs"] != self.graphs:

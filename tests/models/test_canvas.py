@@ -63,14 +63,14 @@ def test_an_image_starts_the_shot_after_the_canvas():
     sess = eng.open_session(64, 48, seed=7)
     eng.set_scene(sess, "a red ball moving left on a white background", new_shot=True)
     image = torch.randint(0, 256, (48, 64, 3), dtype=torch.uint8, generator=torch.Generator().manual_seed(1))
-    z = eng.start_from_image(sess, image)
+    z = eng.start_image(sess, image)
     assert sess.state.next_frame == 2
     c, (h, w) = eng.model.cfg.in_channels, sess.latent_hw
     held = sess.state.kv.latents_at(range(0, 2))
     assert torch.equal(held[:, :, :1], position_canvas(c, h, w))
     torch.testing.assert_close(held[:, :, 1:2], z.to(held.dtype))
     with pytest.raises(ValueError, match="first block"):
-        eng.start_from_image(sess, image)
+        eng.start_image(sess, image)
     assert eng.generate_block(sess, 3).shape == (1, c, 3, h, w)
 
 

@@ -82,13 +82,17 @@ CAMERA = [[1.0, 0, 0, 0, 0, 1, 0, 0, 0, 0, 1, 0, 0, 0, 0, 1, 0.5, 0.5, 0.5, 0.5]
     ],
 )
 def test_a_block_the_model_cannot_make_is_refused_with_its_reason(preset, block, refused):
-    """The DiT worker's check of each block, read off the card (models/blocks.py)."""
-    from streamdiff.models.blocks import BlockRefused, check_block
+    """The DiT worker's check of each block: the sampler's rules and each conditioning's, read
+    off the card (models/blocks.py, models/conditionings.py)."""
+    from streamdiff.models.blocks import BlockOrder, BlockRefused, check_block
+    from streamdiff.models.conditionings import conditionings_for
 
-    args = {"shot_start": False, "image": False, "actions": [], "camera": [], "transition": False, "prompt": None}
-    args.update(block)
+    args = dict(block)
+    args["new_shot"] = args.pop("shot_start", False)
+    args["image"] = "a picture" if args.pop("image", False) else None  # the check asks only whether there is one
+    card = preset_card(preset)
     if refused is None:
-        check_block(preset_card(preset), **args)
+        check_block(card, conditionings_for(card), BlockOrder(**args))
     else:
         with pytest.raises(BlockRefused, match=refused):
-            check_block(preset_card(preset), **args)
+            check_block(card, conditionings_for(card), BlockOrder(**args))

@@ -363,7 +363,7 @@ def served_mix(e: DiTEngine, w: int, h: int) -> list[torch.Tensor]:
     sessions = [e.open_session(w, h, seed=i) for i in range(4)]
     for s in sessions:
         e.set_scene(s, "a red ball", new_shot=True)
-    outs = [e.start_from_image(sessions[0], torch.zeros(h, w, 3, dtype=torch.uint8))]
+    outs = [e.start_image(sessions[0], torch.zeros(h, w, 3, dtype=torch.uint8))]
     for n in (1, 2, 3, 4):
         outs += e.generate_blocks(sessions[:n], 3)
     e.set_scene(sessions[1], "a blue ball", new_shot=False)  # every_switch: the switch re-caches
@@ -383,7 +383,7 @@ def test_after_the_warm_up_a_served_mix_compiles_nothing_and_equals_eager(monkey
     torch._dynamo.reset()
     spec = dict(preset="tiny-random", dtype="float32", sampler={"recache": "every_switch"})
     eager, eng = DiTEngine(ModelSpec(**spec, compile="off")), DiTEngine(ModelSpec(**spec, compile="on"))
-    assert eng.i2v and eng.compiler.active and not eager.compiler.on
+    assert eng.card.i2v and eng.compiler.active and not eager.compiler.on
     before = compile_stats()["graphs"]  # the process's count: other tests here may have compiled
     eng.warm(256, 144, batch=True)
     graphs = compile_stats()["graphs"]

@@ -104,21 +104,18 @@ def dit_child(spec, device, cpus, threads, sizes, batches, rank, world, addr, ho
 
 
 def _image_ms(eng, w: int, h: int, timed) -> float:
-    """An image-to-video shot's start on the DiT's device, once a request: the image encoded into
-    the shot's first latent frame and committed to the cache (`DiTEngine.start_from_image`), or,
-    for Matrix-Game, its CLIP tokens and first conditioning latent (`condition_on_image`)."""
+    """An image-to-video shot's start on the DiT's device, once a request, its conditioning's way
+    (`DiTEngine.start_image`): the image encoded into the shot's first latent frame (and committed
+    to the cache where it is a block of its own), or, for Matrix-Game, its CLIP tokens and first
+    conditioning latent."""
     import torch
 
     img = torch.randint(0, 256, (h, w, 3), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
     runs = []
-    if eng.card.image == "first_frame":  # the picture's latent alone: the block is an ordinary one
-        start = eng.image_latent
-    else:
-        start = eng.condition_on_image if eng.card.image == "condition" else eng.start_from_image
     for i in range(FIRST_BLOCKS):
         s = eng.open_session(w, h, seed=20 + i)
         eng.set_scene(s, "profile", new_shot=True)
-        runs.append(timed(lambda s=s: start(s, img))[0])
+        runs.append(timed(lambda s=s: eng.start_image(s, img))[0])
     return median(runs)
 
 
