@@ -151,19 +151,31 @@ def test_a_device_without_its_index_is_device_zero_for_the_runtime(runtime):
     on_one_device(rt.calls, 0)
 
 
-def test_a_cuda_worker_sets_an_allocator_for_sessions_of_mixed_sizes_unless_told(monkeypatch):
+def test_a_cuda_worker_sets_an_allocator_for_sessions_of_mixed_sizes_unless_told(monkeypatch, caplog):
+    """Under both names: torch 2.8 and 2.9.0 read only PYTORCH_CUDA_ALLOC_CONF, later ones
+    PYTORCH_ALLOC_CONF; what the environment gives stays and goes to the other name too."""
+    import logging
+    import os
+
+    from streamdiff.platform import cuda
     from streamdiff.platform.cuda import CudaPlatform
 
     for var in ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF", "OMP_NUM_THREADS"):
         monkeypatch.delenv(var, raising=False)
-    CudaPlatform.setup_process(object.__new__(CudaPlatform), 2)
-    import os
-
-    assert os.environ["PYTORCH_ALLOC_CONF"] == "expandable_segments:True" and os.environ["OMP_NUM_THREADS"] == "2"
-    monkeypatch.delenv("PYTORCH_ALLOC_CONF")
-    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "backend:cudaMallocAsync")
-    CudaPlatform.setup_process(object.__new__(CudaPlatform), 2)
-    assert "PYTORCH_ALLOC_CONF" not in os.environ
+    monkeypatch.setattr(cuda, "_logged", False)
+    with caplog.at_level(logging.INFO, logger="streamdiff.platform"):
+        CudaPlatform.setup_process(object.__new__(CudaPlatform), 2)
+        CudaPlatform.setup_process(object.__new__(CudaPlatform), 2)
+    assert os.environ["PYTORCH_ALLOC_CONF"] == os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
+    assert os.environ["OMP_NUM_THREADS"] == "2"
+    said = [r.getMessage() for r in caplog.records if "allocator" in r.getMessage()]
+    assert len(said) == 1 and "expandable_segments:True (the default)" in said[0]  # once a process
+    for old in (True, False):
+        monkeypatch.delenv("PYTORCH_ALLOC_CONF")
+        monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF")
+        monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF" if old else "PYTORCH_ALLOC_CONF", "backend:cudaMallocAsync")
+        CudaPlatform.setup_process(object.__new__(CudaPlatform), 2)
+        assert os.environ["PYTORCH_ALLOC_CONF"] == os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "backend:cudaMallocAsync"
 
 
 def test_one_budget_per_device_taken_after_every_stage_with_the_largest_transient_kept(runtime):
