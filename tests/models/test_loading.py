@@ -196,6 +196,28 @@ def test_umt5_from_both_layouts(checkpoints):
     assert (eb - ref).abs().max() < 1e-5 and ref[0, :4].abs().min() > 0
 
 
+def test_umt5_beside_a_float16_dit_runs_in_bf16(checkpoints):
+    """T5 outgrows float16 (transformers clamps its hidden states there, the values are lost):
+    beside a float16 DiT the encoder runs in bf16, Wan's dtype for it. With activations past
+    float16's range, as umT5-XXL's grow, bf16 stays near float32 and float16 does not."""
+
+    def scaled(enc):  # feed-forward outputs past 65504
+        for layer in enc.model.encoder.block:
+            layer.layer[-1].DenseReluDense.wo.weight.data *= 3e5
+        return enc.encode(["a red fox runs"]).float()
+
+    enc = UMT5TextEncoder(checkpoints / "diffusers", text_len=16, dtype=torch.float16)
+    assert next(enc.model.parameters()).dtype == torch.bfloat16
+    ref = scaled(UMT5TextEncoder(checkpoints / "diffusers", text_len=16, dtype=torch.float32))
+    f16 = UMT5TextEncoder(checkpoints / "diffusers", text_len=16, dtype=torch.float32)
+    f16.model.to(torch.float16)
+
+    def err(x):
+        return ((x - ref).norm() / ref.norm()).item()
+
+    assert err(scaled(enc)) < 0.05 and not err(scaled(f16)) < 0.05  # float16's: NaN here
+
+
 def test_real_preset_engines_generate_from_a_diffusers_directory(checkpoints):
     spec = ModelSpec(preset="wan2.1-t2v-1.3b", path=str(checkpoints / "diffusers"))
     dit, vae = DiTEngine(spec), VAEEngine(spec)

@@ -144,6 +144,14 @@ def t5_key_from_original(key: str) -> str:
     return key
 
 
+def text_dtype(dit_dtype: torch.dtype) -> torch.dtype:
+    """umT5's dtype beside a DiT of `dit_dtype`: the same, but bf16 for a float16 DiT. T5's
+    activations outgrow float16's range (its feed-forward output overflows to inf; the reason
+    transformers keeps T5's `wo` in fp32), and Wan runs it in bf16; the DiT casts the embedding
+    to its own dtype (`WanDiT.set_prompt`)."""
+    return torch.bfloat16 if dit_dtype == torch.float16 else dit_dtype
+
+
 class UMT5TextEncoder:
     def __init__(
         self,
@@ -153,7 +161,9 @@ class UMT5TextEncoder:
         dtype: torch.dtype = torch.bfloat16,
         t5_config: dict | None = None,
     ) -> None:
-        """t5_config: the encoder's shape for the original layout (default umT5-XXL)."""
+        """t5_config: the encoder's shape for the original layout (default umT5-XXL). `dtype`: the
+        DiT's; the encoder runs in `text_dtype(dtype)`."""
+        dtype = text_dtype(dtype)
         from transformers import AutoTokenizer, UMT5Config, UMT5EncoderModel
 
         root = Path(root)
