@@ -25,7 +25,9 @@ class Compiler:
     `auto` (not `strict`): the first compile error (no C compiler, no Triton, an inductor bug)
     turns every function of the model eager for good, and the call is run again eagerly;
     `fallback` says why, for the log and /health. `on` (`strict`) raises it: the worker fails at
-    start (calibration compiles), naming it."""
+    start (calibration compiles), naming it. A device out of memory while compiling (inductor's
+    autotuning allocates; dynamo wraps the error as a backend's) is no compile error: the
+    out-of-memory error itself is raised, for the worker's memory path, and compile stays on."""
 
     def __init__(self, mode: str, device: str | torch.device, backend: str | None = None) -> None:
         self.mode = mode
@@ -49,6 +51,9 @@ class Compiler:
                 try:
                     return compiled(*args)
                 except Exception as exc:
+                    oom = out_of_memory(exc)
+                    if oom is not None and oom is not exc:
+                        raise oom from exc  # the memory path's, not a reason to run eager
                     if self.strict or not is_compile_error(exc):
                         raise
                     self.fallback = describe_error(exc)
@@ -76,10 +81,23 @@ def describe_error(exc: BaseException) -> str:
     return type(exc).__name__ + cause
 
 
+def out_of_memory(exc: BaseException) -> BaseException | None:
+    """The device's out-of-memory error in `exc` or what it wraps (dynamo's `inner_exception`,
+    a cause, a context), if any."""
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if type(exc).__name__ == "OutOfMemoryError":  # torch's, for CUDA and XPU
+            return exc
+        exc = getattr(exc, "inner_exception", None) or exc.__cause__ or exc.__context__
+    return None
+
+
 def is_compile_error(exc: BaseException) -> bool:
     """An error of torch.compile's own making (dynamo, a backend, inductor's C++ or Triton build),
-    not of the computation it runs (an out-of-memory error, a bad shape, a device fault)."""
-    if "torch._dynamo" not in sys.modules:
+    not of the computation it runs (an out-of-memory error, a bad shape, a device fault), even
+    where it happened while compiling."""
+    if "torch._dynamo" not in sys.modules or out_of_memory(exc) is not None:
         return False
     from torch._dynamo.exc import TorchDynamoException
 

@@ -69,6 +69,35 @@ def test_on_raises_the_compile_error_at_the_first_block(wanted_but_failing):
         eng.generate_block(s, 3)
 
 
+def test_out_of_memory_while_compiling_reaches_the_memory_path_and_compile_stays_on(monkeypatch):
+    """Inductor allocates while it autotunes; dynamo wraps a device's out-of-memory error there as
+    its backend's (BackendCompilerFailed). That is the worker's memory path (errors.classify:
+    MEMORY, the batch's sessions fail, the budget drops), not a reason to serve eager for good."""
+    from streamdiff.workers.errors import MEMORY, classify
+
+    calls = []
+
+    def short_of_memory(gm, example_inputs):
+        calls.append(1)
+        if len(calls) == 1:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return gm.forward  # compiles the second time
+
+    monkeypatch.setattr(toolchain, "decide", lambda mode, kind: (True, mode))
+    torch._dynamo.reset()
+    try:
+        c = compiled.Compiler("auto", "cpu", backend=short_of_memory)
+        fn = c.wrap(lambda x: x * 2 + 1)
+        with pytest.raises(torch.OutOfMemoryError) as caught:
+            fn(torch.ones(3))
+        assert isinstance(caught.value.__cause__, torch._dynamo.exc.BackendCompilerFailed)
+        assert classify(caught.value, sharded=False) == MEMORY
+        assert c.active and c.fallback is None  # compile stays on
+        assert torch.equal(fn(torch.ones(3)), torch.full((3,), 3.0)) and len(calls) == 2  # compiled again
+    finally:
+        torch._dynamo.reset()
+
+
 def test_an_error_of_the_computation_is_never_taken_for_a_compile_error():
     assert not compiled.is_compile_error(torch.OutOfMemoryError("CUDA out of memory"))
     assert not compiled.is_compile_error(ValueError("bad shape"))
