@@ -9,8 +9,13 @@ import traceback
 from functools import partial
 from pathlib import Path
 
+from ...config import PipelineConfig
 from ...platform import for_device
 from .harness import FIRST_BLOCKS, FIRST_IDLE_S, STEADY_BLOCKS, leave, median, pin
+
+# A group probe's collective timeout: the workers' (pipeline.collective_timeout_s), which covers
+# a rank that compiles cold while its peers wait in the first collective.
+GROUP_TIMEOUT_S = PipelineConfig().collective_timeout_s
 
 
 def dit_child(spec, device, cpus, threads, sizes, batches, rank, world, addr, host, out) -> None:
@@ -24,9 +29,9 @@ def dit_child(spec, device, cpus, threads, sizes, batches, rank, world, addr, ho
         from ...parallel.vae_group import init_group
 
         plat = for_device(device)
-        if world > 1:
-            init_group(addr, rank, world, device, 120.0)
         eng = DiTEngine(spec, device, probe=True)
+        if world > 1:  # after the load, as a worker joins: a slow load is no peer's wait
+            init_group(addr, rank, world, device, GROUP_TIMEOUT_S)
         heads = eng.model.cfg.num_heads
         sp = eng.model.parallel = SeqParallel(rank, world, heads, plat.wait_clock()) if world > 1 else None
         fpb = eng.frames_per_block
@@ -176,9 +181,9 @@ def vae_child(spec, device, cpus, threads, rank, world, addr, sizes, splits, bat
         from ...parallel.vae_group import ExchangeHalo, init_group
 
         plat = for_device(device)
-        if world > 1:
-            init_group(addr, rank, world, device, 120.0)
         eng = VAEEngine(spec, device, working_set)
+        if world > 1:  # after the load, as a worker joins
+            init_group(addr, rank, world, device, GROUP_TIMEOUT_S)
         p = eng.preset
         fpb, sf = p.sampler.frames_per_block, p.vae.spatial_factor
         clock = plat.stopwatch(threads)
