@@ -160,14 +160,18 @@ def test_a_cuda_worker_sets_an_allocator_for_sessions_of_mixed_sizes_unless_told
     from streamdiff.platform import cuda
     from streamdiff.platform.cuda import CudaPlatform
 
-    for var in ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF", "OMP_NUM_THREADS"):
+    for var in ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF", "OMP_NUM_THREADS", "TORCHINDUCTOR_COMPILE_THREADS"):
         monkeypatch.delenv(var, raising=False)
     monkeypatch.setattr(cuda, "_logged", False)
     with caplog.at_level(logging.INFO, logger="streamdiff.platform"):
         CudaPlatform.setup_process(object.__new__(CudaPlatform), 2)
         CudaPlatform.setup_process(object.__new__(CudaPlatform), 2)
     assert os.environ["PYTORCH_ALLOC_CONF"] == os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
-    assert os.environ["OMP_NUM_THREADS"] == "2"
+    cores = min(32, len(os.sched_getaffinity(0)))
+    assert os.environ["OMP_NUM_THREADS"] == "2" and os.environ["TORCHINDUCTOR_COMPILE_THREADS"] == str(max(2, cores))
+    monkeypatch.delenv("TORCHINDUCTOR_COMPILE_THREADS")
+    CudaPlatform.setup_process(object.__new__(CudaPlatform), 1, host_processes=64)  # a share of the host's cores
+    assert os.environ["TORCHINDUCTOR_COMPILE_THREADS"] == "1"
     said = [r.getMessage() for r in caplog.records if "allocator" in r.getMessage()]
     assert len(said) == 1 and "expandable_segments:True (the default)" in said[0]  # once a process
     for old in (True, False):

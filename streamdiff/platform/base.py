@@ -71,12 +71,20 @@ class Platform:
     def select(self) -> None:
         """Make this device the process's current one (accelerators)."""
 
-    def setup_process(self, threads: int, cpus: tuple[int, ...] = (), low_priority: bool = False) -> None:
+    def setup_process(
+        self, threads: int, cpus: tuple[int, ...] = (), low_priority: bool = False, host_processes: int = 1
+    ) -> None:
         """Before any model is built: the math libraries' thread pools sized to the worker's
         threads (on accelerators too: host-side copies and the like, and several workers share
-        the host's cores)."""
+        the host's cores). And Inductor's compile workers, unless the environment sets them: by
+        default it starts min(32, cores) in every process, so each of a host's workers would
+        compile with all its cores at once; each gets its share of the cores it may run on
+        (`cpus`, else its affinity), among the `host_processes` that start together."""
         for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
             os.environ[var] = str(threads)
+        cores = len(cpus) if cpus else len(os.sched_getaffinity(0))
+        share = max(threads, min(32, cores) // max(1, host_processes))
+        os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", str(max(1, share)))
 
     def sync(self) -> None:
         """Wait until the device has done everything queued so far."""

@@ -70,8 +70,10 @@ class CpuPlatform(Platform):
     low_priority_runs = True
     idle_timing = True
 
-    def setup_process(self, threads: int, cpus: tuple[int, ...] = (), low_priority: bool = False) -> None:
-        super().setup_process(threads)
+    def setup_process(
+        self, threads: int, cpus: tuple[int, ...] = (), low_priority: bool = False, host_processes: int = 1
+    ) -> None:
+        super().setup_process(threads, cpus, host_processes=host_processes)
         pin(cpus)
         if low_priority:
             yield_cpu()

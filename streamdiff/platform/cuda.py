@@ -37,12 +37,14 @@ def allocator_conf(environ=os.environ) -> str:
 class CudaPlatform(AcceleratorPlatform):
     kind = runtime_name = "cuda"
 
-    def setup_process(self, threads: int, cpus: tuple[int, ...] = (), low_priority: bool = False) -> None:
+    def setup_process(
+        self, threads: int, cpus: tuple[int, ...] = (), low_priority: bool = False, host_processes: int = 1
+    ) -> None:
         """The caching allocator grows segments in place (`expandable_segments`): sessions of
         mixed sizes each allocate a window of large buffers, and fixed segments fragment between
         them. Read when the allocator starts, so before the first allocation; what the
         environment sets stays (`allocator_conf`)."""
-        super().setup_process(threads, cpus, low_priority)
+        super().setup_process(threads, cpus, low_priority, host_processes)
         allocator_conf()
 
 

@@ -160,6 +160,7 @@ def build_topology(
             roles=roles,
             device=_device(t.device, i),
             threads=t.threads_per_worker,
+            host_processes=len(lay.procs),
             cpus=worker_cores(i, t.threads_per_worker, pin),  # shared cores: its own ones, and more to borrow
             model=spec,
             control_addr=control_addr,

@@ -68,6 +68,7 @@ PER_START = (
     "heartbeat_interval_s",
     "log_level",
     "incarnation",
+    "host_processes",  # how many compile beside it: its start-up's time, not its figures
     "supervisor_pid",
     "calibration_dir",
     "calibration_given",  # given timings are never stored: a start with them measures nothing to keep

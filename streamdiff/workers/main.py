@@ -65,7 +65,7 @@ def _setup_process(spec: WorkerSpec) -> None:
     priority), then logging."""
     from ..platform import for_device
 
-    for_device(spec.device).setup_process(spec.threads, spec.cpus, spec.low_priority)
+    for_device(spec.device).setup_process(spec.threads, spec.cpus, spec.low_priority, spec.host_processes)
     logging.basicConfig(
         level=spec.log_level.upper(),
         stream=sys.stderr,

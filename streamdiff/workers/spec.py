@@ -42,6 +42,7 @@ class WorkerSpec:
     cpu_memory_budget_bytes: int = 8 * 2**30  # cpu: what one worker's sessions may hold (caches)
     max_batch: int = 4  # blocks of different sessions in one DiT forward or VAE call, at most this many
     incarnation: int = 0  # 0 for the first start, +1 at each restart
+    host_processes: int = 1  # the worker processes of this host, which start (and compile) together
     low_priority: bool = False  # hybrid DiT: yields its device's CPU to the VAE shard beside it
     lend: LendSpec | None = None  # shared cores: borrows waiting workers' cores (platform/cpu_lending.py)
     vae_cut: int = 0  # the DiT runs the VAE decoder's first vae_cut stages, the VAE the rest (topology.vae_cut)
