@@ -18,6 +18,7 @@ from ..plan import cache_frames
 from .blocks import BlockOrder, BlockRefused, check_block
 from .compiled import Compiler
 from .conditionings import conditionings_for, picture
+from .host import to_host
 from .image_condition import ImageCondition
 from .presets import (
     ModelSpec,
@@ -35,20 +36,13 @@ from .wan.kernels import CPU_DECODE_WORKING_SET_BYTES, DecodePlan, plan_block
 from .wan.kv_cache import DiTState
 from .wan.sampler import SHOT_PREFIX, sigma_of
 from .wan.taehv import TAEHVState
-from .wan.vae import to_uint8_frames
+from .wan.vae import uint8_frames
 from .wan.vae_blocks import Halo, VAEState
 
 
-def to_host(x: torch.Tensor) -> torch.Tensor:
-    """A block's latent (float32) on the CPU: the one copy out of an accelerator per block, issued
-    non-blocking into pinned memory (page-locked: a DMA with no staging copy) and waited for once,
-    here, where the caller needs it for the ring. On the CPU it is the tensor itself."""
-    if x.device.type == "cpu":
-        return x.float()
-    out = torch.empty(x.shape, dtype=torch.float32, pin_memory=True)
-    out.copy_(x, non_blocking=True)
-    getattr(torch, x.device.type).current_stream(x.device).synchronize()
-    return out
+def latents_to_host(x: torch.Tensor) -> torch.Tensor:
+    """A batch's latents (float32) on the CPU, for the ring: one copy off the device a batch."""
+    return to_host(x, torch.float32)
 
 
 @dataclass
@@ -381,7 +375,7 @@ class DiTEngine:
             if sess.shot_prompt is not None:  # a transition's first block is done: the caption alone
                 self.model.set_prompt(sess.state, self.encode_prompt(sess.shot_prompt))
                 sess.prompt, sess.shot_prompt = sess.shot_prompt, None
-        return list(to_host(x0).split(1))
+        return list(latents_to_host(x0).split(1))
 
     def _sigmas_of(self, timesteps: list[float], shift: float) -> list[float]:
         """`sigma_of` once per step list (a search of the schedule: host work, not per block)."""
@@ -402,7 +396,7 @@ class DiTEngine:
 
         x0 = self.sampler.next_block(self.model, r, shot_left, noise_of, lambda s: self._randn(s, g))
         sess.shot_blocks += 1
-        return to_host(x0)
+        return latents_to_host(x0)
 
 
 class VAEEngine:
@@ -479,4 +473,4 @@ class VAEEngine:
             x = self.model.decode_rows(z, states[0], plan, rank, halo, shard_front)
         else:
             x = self.model.decode_sessions(z, states, plan, rank, halo, shard_front)
-        return [to_uint8_frames(x[i : i + 1]) for i in range(x.shape[0])]
+        return list(uint8_frames(x))  # one copy off the device for the batch

@@ -284,16 +284,17 @@ class VAEStage:
         """With a cut: the decoder's stages after it on the blocks' first-stages outputs, in one
         call (`run_batch` grouped them by shape and cache phase; a group of one shard: no
         neighbours to wait for)."""
-        from ..models.wan.vae import decode_stages_sessions, to_uint8_frames
+        from ..models.wan.vae import decode_stages_sessions, uint8_frames
 
         sf = self.engine.preset.vae.spatial_factor
         _, f, h, w = msgs[0].shape
         x = take_activations(self.latents, [msg.latent_slot for msg in msgs], msgs[0].data_shape)
         states = [self.sessions[msg.session].state for msg in msgs]
         y = decode_stages_sessions(self.engine.model, x, states, cut_of(msgs[0], self.vae_cut), self.stages, f)
+        frames = uint8_frames(y)  # one copy off the device for the batch
         for i, msg in enumerate(msgs):
             out = self.frames.array(msg.frame_slot, (msg.frames_out, h * sf, w * sf, 3), np.uint8)
-            out[...] = to_uint8_frames(y[i : i + 1]).numpy()
+            out[...] = frames[i].numpy()
         return 0.0
 
     def shutdown(self) -> None:

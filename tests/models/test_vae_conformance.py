@@ -10,6 +10,7 @@ from streamdiff.models.wan.vae import (
     decode_stages_sessions,
     decoder_stages,
     to_uint8_frames,
+    uint8_frames,
 )
 from streamdiff.models.wan.vae_blocks import Ctx
 from streamdiff.models.wan.vae_shapes import stage_shapes
@@ -70,12 +71,18 @@ def test_sessions_are_independent(vae_pair):
 
 
 def test_uint8_frames_layout(vae_pair):
+    """Frames leave the decoder as the ring holds them: uint8, channels interleaved, contiguous
+    (laid out where they were decoded, then one copy for the batch), not a permuted view whose
+    interleaving is left to the host."""
     _, ours = vae_pair
-    x = ours.decode(torch.randn(1, 16, 2, 4, 6), ours.new_state())
-    frames = to_uint8_frames(x)
-    assert frames.dtype == torch.uint8 and frames.shape == (5, 32, 48, 3)
-    expected = ((x[0, :, 3].permute(1, 2, 0) + 1) * 127.5).round().to(torch.uint8)
-    assert torch.equal(frames[3], expected)
+    g = torch.Generator().manual_seed(4)
+    x = torch.cat([ours.decode(torch.randn(1, 16, 2, 4, 6, generator=g), ours.new_state()) for _ in range(2)])
+    frames = uint8_frames(x)
+    assert frames.dtype == torch.uint8 and frames.shape == (2, 5, 32, 48, 3) and frames.is_contiguous()
+    assert frames.stride() == (5 * 32 * 48 * 3, 32 * 48 * 3, 48 * 3, 3, 1)
+    expected = ((x[1, :, 3].permute(1, 2, 0) + 1) * 127.5).round().clamp(0, 255).to(torch.uint8)
+    assert torch.equal(frames[1, 3], expected)
+    assert torch.equal(to_uint8_frames(x[1:]), frames[1]) and to_uint8_frames(x[1:]).is_contiguous()
 
 
 def test_a_decode_cut_between_stages_equals_the_whole(vae_pair):

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from ..host import to_host
 from .kernels import DecodePlan, conv2d, frames, layout, unframes
 from .vae_blocks import (
     AttentionBlock,
@@ -363,6 +364,18 @@ def decode_clip(vae: WanVAEDecoder, z: torch.Tensor, state: VAEState | None = No
     return out
 
 
+def uint8_frames(x: torch.Tensor) -> torch.Tensor:
+    """(B, 3, T, H, W) in [-1, 1] -> (B, T, H, W, 3) uint8 on the CPU, contiguous: converted and
+    laid out where `x` is (frame by frame, so float32 only a frame at a time), then one copy off
+    the device for the whole batch (models/host.py). The frames' channels come interleaved from
+    the device, so the ring's writes are plain copies."""
+    b, _, t, h, w = x.shape
+    out = torch.empty(b, t, h, w, 3, dtype=torch.uint8, device=x.device)
+    for i in range(t):
+        out[:, i] = ((x[:, :, i].float() + 1.0) * 127.5).round_().clamp_(0, 255).permute(0, 2, 3, 1)
+    return to_host(out, torch.uint8)
+
+
 def to_uint8_frames(x: torch.Tensor) -> torch.Tensor:
-    """(1, 3, T, H, W) in [-1, 1] -> (T, H, W, 3) uint8 on the CPU."""
-    return ((x[0].float() + 1.0) * 127.5).round_().clamp_(0, 255).to(torch.uint8).permute(1, 2, 3, 0).cpu()
+    """(1, 3, T, H, W) in [-1, 1] -> (T, H, W, 3) uint8 on the CPU, contiguous (`uint8_frames`)."""
+    return uint8_frames(x)[0]
