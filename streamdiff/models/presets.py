@@ -44,6 +44,7 @@ from .wan.loading import (
     read_state_dict,
     read_state_dicts,
     select_weight_set,
+    strip_prefixes,
     vae_config_from_json,
     vae_config_from_state_dict,
 )
@@ -346,10 +347,18 @@ def _vae_weights(spec: ModelSpec) -> dict[str, torch.Tensor]:
     root = Path(spec.path)
     if (root / "vae").is_dir():
         return read_state_dict(root / "vae")
-    files = sorted(root.glob("Wan2.1_VAE*.pth")) + sorted(root.glob("*VAE*.safetensors"))
+    # the releases' own files: Wan2.1_VAE.pth, and Wan 2.2 TI2V 5B's Wan2.2_VAE.pth
+    files = sorted(root.glob("Wan2.[0-9]_VAE*.pth")) + sorted(root.glob("*VAE*.safetensors"))
     if not files:
-        raise CheckpointError(f"{root}: no VAE weights (vae/ or Wan2.1_VAE.pth)")
+        raise CheckpointError(f"{root}: no VAE weights (vae/, Wan2.1_VAE.pth or Wan2.2_VAE.pth)")
     return read_state_dict(files[0])
+
+
+def _release_vae_config(raw: dict[str, torch.Tensor], base: VAEConfig) -> VAEConfig:
+    """A release's VAE file carries no config: its widths off its weights, the decoder's keys and
+    the encoder's first conv (which the decoder's normalised keys leave out)."""
+    enc = {k: v for k, v in strip_prefixes(raw).items() if k == "encoder.conv1.weight"}
+    return vae_config_from_state_dict({**normalize_vae_state_dict(raw, base), **enc}, base)
 
 
 def build_dit(spec: ModelSpec, device: str = "cpu") -> tuple[WanDiT, Preset]:
@@ -458,9 +467,10 @@ def build_vae(spec: ModelSpec, device: str = "cpu") -> tuple[WanVAEDecoder | TAE
         if trained is not None:
             load_embedded_vae(model, trained)
     else:
-        sd = normalize_vae_state_dict(_vae_weights(spec), preset.vae)
+        raw = _vae_weights(spec)
+        sd = normalize_vae_state_dict(raw, preset.vae)
         if not (Path(spec.path) / "vae" / "config.json").exists():  # original release: no config
-            preset = replace(preset, vae=vae_config_from_state_dict(sd, preset.vae))
+            preset = replace(preset, vae=_release_vae_config(raw, preset.vae))
         with torch.device("meta"):
             model = WanVAEDecoder(preset.vae)
         model.to_empty(device="cpu")
@@ -495,7 +505,7 @@ def build_vae_encoder(spec: ModelSpec, device: str = "cpu") -> WanVAEEncoder:
         raw = _vae_weights(spec)
         cfg = preset.vae
         if not (Path(spec.path) / "vae" / "config.json").exists():  # original release: no config
-            cfg = vae_config_from_state_dict(normalize_vae_state_dict(raw, cfg), cfg)
+            cfg = _release_vae_config(raw, cfg)
         with torch.device("meta"):
             model = WanVAEEncoder(cfg)
         model.to_empty(device="cpu")

@@ -176,3 +176,24 @@ def test_a_wan22_directory_is_the_5b_preset(tmp_path):
     # the card the supervisor plans by before any worker starts is the one the loaded model reports
     assert p.card() == preset_card("wan2.2-ti2v-5b")
     assert p.card().size_multiple == 32 and p.card().tokens_per_frame(1280, 704) == 880
+
+
+def test_the_wan22_release_folder_loads_its_vae_and_reads_the_encoders_widths(pair, tmp_path):
+    """Wan-Video/Wan2.2's TI2V 5B folder: `Wan2.2_VAE.pth` at the root, no `vae/config.json`. Both
+    halves load from it, at the widths its weights have (these narrow ones, not the preset's
+    160 and 256: the encoder's read off its own first conv), and decode and encode as the
+    diffusers reference's modules do."""
+    from streamdiff.models.presets import build_vae, build_vae_encoder
+
+    ref, dec, enc = pair
+    torch.save({**dec.state_dict(), **enc.state_dict()}, tmp_path / "Wan2.2_VAE.pth")
+    spec = ModelSpec(preset="wan2.2-ti2v-5b", path=str(tmp_path), dtype="float32")
+    vae, preset = build_vae(spec)
+    encoder = build_vae_encoder(spec)
+    assert preset.vae == CFG and encoder.cfg.base_dim == 8 and encoder.cfg == CFG
+    z = torch.randn(1, 48, 2, 4, 6, generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        # within float32's rounding: the served decoder runs its norms through the decode kernels
+        torch.testing.assert_close(vae.decode(z, vae.new_state()), dec.decode(z, dec.new_state()), atol=1e-5, rtol=0)
+        x = torch.rand(1, 3, 1, 64, 96, generator=torch.Generator().manual_seed(6)) * 2 - 1
+        assert torch.equal(encoder.encode_image(x), enc.encode_image(x))
