@@ -275,16 +275,17 @@ class DiTEngine:
         if new_shot and s.canvas:  # the shot's sink frame, under its first prompt (SamplerConfig.canvas)
             commit_canvas(self.model, sess.state, *sess.latent_hw, s.context_t)
 
-    def warm(self, width: int, height: int, batch: bool) -> None:
-        """Every shape this engine serves, once, on scratch sessions: compiled (`compiler.on`),
-        each is a graph that would otherwise compile in the middle of a live stream. A shot's
-        first and steady blocks and its re-cache at a batch of one, the image block (a 1-frame
-        forward) where the preset takes an image, and with `batch` a block of two sessions: a
-        batch of more, another frame size or a re-cache's frame count reuse these graphs (their
-        sizes are symbols; dynamo specialises only a size of 1)."""
+    def warm(self, sessions: list[DiTSession]) -> None:
+        """Every shape this engine serves, once, on the caller's sessions (calibration's: no more
+        caches than it holds already), each starting a new shot: compiled (`compiler.on`), each is
+        a graph that would otherwise compile in the middle of a live stream. A shot's first and
+        steady blocks and its re-cache at a batch of one, the image block (a 1-frame forward)
+        where the preset takes an image, and with two sessions a block of both: a batch of
+        more, another frame size or a re-cache's frame count reuse these graphs (their sizes are
+        symbols; dynamo specialises only a size of 1)."""
         fpb = self.frames_per_block
-        sessions = [self.open_session(width, height, seed=i) for i in range(2 if batch else 1)]
-        blank = torch.zeros(height, width, 3, dtype=torch.uint8)
+        h, w = (n * self.preset.vae.spatial_factor for n in sessions[0].latent_hw)
+        blank = torch.zeros(h, w, 3, dtype=torch.uint8)
         for sess in sessions:
             image = blank if self.card.i2v and sess is sessions[0] else None  # the picture's way, once
             if image is not None and self.card.image_block:  # its own block, then the shot's first
@@ -296,8 +297,8 @@ class DiTEngine:
             self.set_scene(sessions[0], "warm again", new_shot=False, recache=True)
         for _ in range(2):
             self.generate_block(sessions[0], fpb)  # steady, behind a fuller window
-        if batch:
-            self.generate_blocks(sessions, fpb)
+        if len(sessions) > 1:
+            self.generate_blocks(sessions[:2], fpb)
 
     def steps_of(self, sess: DiTSession) -> list[float]:
         """The step list of the session's next block (a shot's first block has its own)."""

@@ -107,6 +107,10 @@ class AcceleratorPlatform(Platform):
         self.rt.empty_cache()
         return max(0, int(0.9 * self.rt.mem_get_info(self.torch_device)[0]) - reserve)
 
+    def free_cache(self) -> None:
+        if hasattr(self.rt, "empty_cache"):
+            self.rt.empty_cache()
+
     @property
     def counts_transients(self) -> bool:
         return hasattr(self.rt, "max_memory_allocated")

@@ -95,6 +95,9 @@ class Platform:
     def wait_clock(self) -> WaitClock:
         return WaitClock()
 
+    def free_cache(self) -> None:
+        """Give the allocator's cached blocks back to the device (accelerators)."""
+
     def memory_budget(self, cpu_budget: int, reserve: int = 0) -> int:
         """What the sessions of this device's worker may hold, asked once its stages have all
         loaded and calibrated; `reserve`: the transients of its largest batch (`peak_during`).

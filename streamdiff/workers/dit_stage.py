@@ -135,7 +135,7 @@ class DiTStage:
         # Per-block share of a batched forward of two sessions (larger batches are measured as
         # the supervisor runs them), if half the memory free now holds a second session (the
         # worker's budget is taken once all its stages have loaded and calibrated: Worker.start).
-        batch_ms, pair_t = ({}, None) if given is None else (dict(given.batch_ms), None)
+        batch_ms, pair_t, pair = ({} if given is None else dict(given.batch_ms)), None, [sess]
         budget = self.platform.memory_budget(self.cpu_budget, alone_t)
         fits = int(self.max_batch > 1 and budget // 2 >= 2 * (per_token * tokens + cross))
         if given is None and -self._agree([-fits])[0]:  # a group's ranks all time the pair or none does
@@ -149,7 +149,9 @@ class DiTStage:
             )
             batch_ms["2"] = ms2 / 2
         if self.engine.compiler.active:  # every shape it serves, so that none compiles after READY
-            self.engine.warm(w, h, batch=bool(batch_ms))
+            if batch_ms and len(pair) == 1:  # given timings: a second session for the batch's graph
+                pair.append(self.engine.open_session(w, h, seed=1))
+            self.engine.warm(pair)  # on calibration's sessions: no more caches than it held
         return {
             "cost": m.StageCost(ms, [w, h], busy_ms=own_ms),
             "batch_ms": batch_ms,

@@ -385,7 +385,7 @@ def test_after_the_warm_up_a_served_mix_compiles_nothing_and_equals_eager(monkey
     eager, eng = DiTEngine(ModelSpec(**spec, compile="off")), DiTEngine(ModelSpec(**spec, compile="on"))
     assert eng.card.i2v and eng.compiler.active and not eager.compiler.on
     before = compile_stats()["graphs"]  # the process's count: other tests here may have compiled
-    eng.warm(256, 144, batch=True)
+    eng.warm([eng.open_session(256, 144, seed=i) for i in range(2)])
     graphs = compile_stats()["graphs"]
     # Each half, one graph for every layer: a block of one frame and of three at a batch of one,
     # and a batch (dynamo specialises a size of 1; docs/design.md, "Compile").

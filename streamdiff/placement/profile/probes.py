@@ -54,15 +54,15 @@ def dit_child(spec, device, cpus, threads, sizes, batches, rank, world, addr, ho
                 wall, own = clock.stop(waited)
                 return 1000 * wall, 1000 * own, 1000 * waited
 
-            warm = eng.open_session(w, h, seed=99)  # the first forward at a size is cold
-            eng.set_scene(warm, "warm up", new_shot=True)
-            eng.generate_block(warm, fpb)
-
             def shot_start(s):
                 plat.idle(FIRST_IDLE_S)
                 return timed(lambda: (eng.set_scene(s, "profile", new_shot=True), eng.generate_block(s, fpb)))[0]
 
+            # One session held through the probe, the others one at a time (a batch's beside
+            # it): what it holds at once is what the figures need, never a spare window.
             sess = eng.open_session(w, h, seed=0)
+            eng.set_scene(sess, "warm up", new_shot=True)
+            _, alone_t = plat.peak_during(lambda s=sess: eng.generate_block(s, fpb))  # cold: untimed
             shot_start(sess)
             # Blocks alone and beside the host alternate, so a machine whose speed drifts
             # within seconds slows both alike.
@@ -76,21 +76,15 @@ def dit_child(spec, device, cpus, threads, sizes, batches, rank, world, addr, ho
             firsts = [shot_start(eng.open_session(w, h, seed=i)) for i in range(1, FIRST_BLOCKS + 1)]
             image_ms = _image_ms(eng, w, h, timed) if eng.card.i2v else None
             cut_stages = _cut_stages(vae, eng, sess, fpb, device) if vae is not None else None
-            batch_ms = {}
-            for b in batches:
-                group = [eng.open_session(w, h, seed=10 + i) for i in range(b)]
-                for s in group:
-                    eng.set_scene(s, "profile", new_shot=True)
-                    eng.generate_block(s, fpb)
-                eng.generate_blocks(group, fpb)  # cold: a new batch shape
-                runs = [timed(lambda g=group: eng.generate_blocks(g, fpb))[0] / b for _ in range(2)]
-                batch_ms[str(b)] = median(runs)
+            batch_ms, unfit = _batches(eng, plat, sess, w, h, batches, alone_t, timed)
             res[f"{w}x{h}"] = {
                 "first_ms": median(firsts),
                 "block_ms": median([x[0] for x in steady]),
                 "own_ms": median([x[1] for x in steady]),
                 "batch_ms": batch_ms,
             }
+            if unfit:
+                res[f"{w}x{h}"]["unfit_batches"] = unfit
             if beside:
                 res[f"{w}x{h}"]["host_block_ms"] = median(beside)
             if image_ms is not None:
@@ -106,6 +100,41 @@ def dit_child(spec, device, cpus, threads, sizes, batches, rank, world, addr, ho
         if host is not None:
             host.put(None)
         leave(world)
+
+
+def _batches(eng, plat, sess, w: int, h: int, batches, alone_t: int, timed) -> tuple[dict[str, float], list[int]]:
+    """Per-block ms in a batch of each size, `sess` and fresh sessions beside it, each batch's
+    freed before the next; and the sizes that do not fit the device. A batch is tried only where
+    the memory free covers its other sessions' caches and its transients (`alone_t`, a block's,
+    times the batch); an out-of-memory error in one says it does not fit, and the probe goes on."""
+    from ...models.compiled import out_of_memory
+
+    fpb = eng.frames_per_block
+    held = sum(c.nbytes for c in sess.caches()) + sum(k.nbytes + v.nbytes for k, v in sess.state.cross)
+    batch_ms, unfit = {}, []
+    for b in batches:
+        need = (b - 1) * held + b * alone_t
+        if plat.memory_budget(need) < need:  # the CPU's budget is what is asked: no device to fill
+            unfit.append(b)
+            continue
+        group = [sess]
+        try:
+            for i in range(b - 1):
+                s = eng.open_session(w, h, seed=10 + i)
+                group.append(s)
+                eng.set_scene(s, "profile", new_shot=True)
+                eng.generate_block(s, fpb)
+            eng.generate_blocks(group, fpb)  # cold: a new batch shape
+            runs = [timed(lambda g=group: eng.generate_blocks(g, fpb))[0] / b for _ in range(2)]
+            batch_ms[str(b)] = median(runs)
+        except Exception as exc:
+            if out_of_memory(exc) is None:
+                raise
+            unfit.append(b)
+        finally:
+            del group[1:]  # freed before the next batch is built
+            plat.free_cache()
+    return batch_ms, unfit
 
 
 def _image_ms(eng, w: int, h: int, timed) -> float:
