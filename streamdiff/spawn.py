@@ -29,7 +29,38 @@ def torch_context():
     return ctx
 
 
-def _answer(fn, args, out) -> None:
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except (ProcessLookupError, PermissionError):  # gone (another user's: the pid was reused)
+        return False
+    return True
+
+
+def exit_with(pid: int, every_s: float = 0.5) -> None:
+    """This process exits once process `pid` (the daemon) is gone, SIGKILLed included: a thread
+    that watches it. A child of the fork server has the server as its parent, so no
+    PR_SET_PDEATHSIG would fire when the daemon dies, and the server outlives it while a child
+    holds its pipes (the workers watch the same way: workers/main.py)."""
+    import threading
+    import time
+
+    def watch() -> None:
+        while alive(pid):
+            time.sleep(every_s)
+        os._exit(70)
+
+    threading.Thread(target=watch, name="exit-with-daemon", daemon=True).start()
+
+
+def watched(pid: int, fn, *args) -> None:
+    """`fn(*args)` in a child that exits with process `pid` (`exit_with`)."""
+    exit_with(pid)
+    fn(*args)
+
+
+def _answer(asker: int, fn, args, out) -> None:
+    exit_with(asker)
     try:
         out.put(fn(*args))
     except Exception as exc:  # raised again in the parent
@@ -42,7 +73,7 @@ def in_child(fn, *args, timeout_s: float = 300.0):
     must be a module-level function and its result picklable."""
     ctx = torch_context()
     out = ctx.Queue()
-    p = ctx.Process(target=_answer, args=(fn, args, out), daemon=True)
+    p = ctx.Process(target=_answer, args=(os.getpid(), fn, args, out), daemon=True)
     p.start()
     try:
         got = out.get(timeout=timeout_s)

@@ -37,19 +37,12 @@ import traceback
 import msgspec
 
 from ..ipc import messages as m
+from ..spawn import alive
 from .errors import MEMORY, WORKER, classify
 from .faults import Faults
 from .spec import WorkerSpec
 
 log = logging.getLogger("streamdiff.worker")
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except (ProcessLookupError, PermissionError):  # gone (another user's: the pid was reused)
-        return False
-    return True
 
 
 def _die_with_parent() -> None:
@@ -149,7 +142,7 @@ class Worker:
         sock.setsockopt(zmq.LINGER, 0)
         sock.connect(self.spec.control_addr)
         while not self.stop:
-            if not _alive(self.supervisor):
+            if not alive(self.supervisor):
                 os._exit(1)
             busy = time.monotonic() - self.busy_since if self.busy_since else 0.0
             waiting = self.waiting_since

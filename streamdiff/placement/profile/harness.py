@@ -3,10 +3,11 @@ one measurement at a time so none competes."""
 
 from __future__ import annotations
 
+import os
 import statistics
 
 from ...platform import for_device, select
-from ...spawn import torch_context
+from ...spawn import torch_context, watched
 
 STEADY_BLOCKS = 6  # steady blocks timed per measurement (after a shot's first): the DiT's window fills
 GROUP_SIZES_MAX = 4
@@ -48,7 +49,8 @@ def run_children(targets: list[tuple], timeout_s: float) -> list:
     """Start one process per (fn, args), wait for each one's result; raise on any error."""
     ctx = torch_context()
     out = ctx.Queue()
-    procs = [ctx.Process(target=fn, args=(*args, out), daemon=True) for fn, args in targets]
+    me = os.getpid()  # each child exits with this process (a daemon killed while it profiles)
+    procs = [ctx.Process(target=watched, args=(me, fn, *args, out), daemon=True) for fn, args in targets]
     for p in procs:
         p.start()
     results = []
