@@ -5,6 +5,7 @@ The CPU has no runtime to call; the fake stands in for it, and nothing else is f
 
 from __future__ import annotations
 
+import msgspec
 import pytest
 import torch
 
@@ -189,7 +190,7 @@ def test_one_budget_per_device_taken_after_every_stage_with_the_largest_transien
     from streamdiff.ipc import messages as m
     from streamdiff.workers.main import Worker
     from streamdiff.workers.spec import WorkerSpec
-    from streamdiff.workers.stage_common import transient_at
+    from streamdiff.workers.stage_common import transient_at, transient_each
 
     rt = runtime()
     plat = platform.select("cuda:2")
@@ -200,10 +201,12 @@ def test_one_budget_per_device_taken_after_every_stage_with_the_largest_transien
         return "done"
 
     assert plat.peak_during(block) == ("done", 300 * 2**20)
-    assert transient_at(4, 300, 500) == 300 + 3 * 200 and transient_at(4, 300, None) == 1200
+    assert transient_each(300, 500) == 200 and transient_each(300, None) == 300
+    assert transient_at(4, 300, 200) == 300 + 3 * 200
     worker = object.__new__(Worker)
     worker.spec = WorkerSpec.__new__(WorkerSpec)
     object.__setattr__(worker.spec, "cpu_memory_budget_bytes", 8 * 2**30)
+    object.__setattr__(worker.spec, "max_batch", 1)
     worker.stages = {"dit": type("Stage", (), {"platform": plat})()}
     cost = m.StageCost(100.0, [256, 144])
     ready = {
@@ -215,3 +218,51 @@ def test_one_budget_per_device_taken_after_every_stage_with_the_largest_transien
     assert out["dit"].memory.budget_bytes == out["vae"].memory.budget_bytes == int(0.9 * 10 * 2**30) - int(5e8)
     assert ("empty_cache", 2) in rt.calls
     on_one_device(rt.calls, 2)
+
+
+def test_the_budget_keeps_transients_for_the_largest_batch_whose_sessions_it_still_holds(runtime):
+    """Kept for four blocks' transients, the rest of the device would hold no session of a big
+    model (Krea's 14B aggregated on one device): the worker keeps them for the largest batch
+    whose sessions the rest holds, says so, and the supervisor batches no more there."""
+    from streamdiff.ipc import messages as m
+    from streamdiff.models.spec import preset_card
+    from streamdiff.supervisor.scheduler.capacity import CapacityModel
+    from streamdiff.workers.main import Worker
+    from streamdiff.workers.spec import WorkerSpec
+
+    runtime()
+    plat = platform.select("cuda:0")
+    card = preset_card("tiny")
+    tokens = card.tokens_per_frame(256, 144)
+    worker = object.__new__(Worker)
+    worker.spec = WorkerSpec.__new__(WorkerSpec)
+    object.__setattr__(worker.spec, "cpu_memory_budget_bytes", 8 * 2**30)
+    object.__setattr__(worker.spec, "max_batch", 4)
+    worker.stages = {"dit": type("Stage", (), {"platform": plat})()}
+    one = 1000.0 * 12 * tokens  # a session's KV window, bytes
+    gb = 2**30
+    # 0.9 x 10 GiB free: a block alone takes 1 GiB of transients, each more session 2 GiB
+    dit = m.DiTReady(m.StageCost(100.0, [256, 144]), {}, m.DiTMemory(1000.0, 12, 0.0, 0.0, 0, gb, 2 * gb), card=card)
+    plat.rt.free = 10 * gb
+    for per_session, batch in ((one, 4), (gb, 3), (2 * gb, 2), (5 * gb, 1)):
+        scaled = msgspec.structs.replace(dit.memory, kv_bytes_per_token=per_session / (12 * tokens))
+        out = worker._one_budget({"dit": msgspec.structs.replace(dit, memory=scaled)})["dit"].memory
+        reserve = gb + 2 * gb * (batch - 1)
+        assert (out.batch, out.budget_bytes) == (batch, int(0.9 * 10 * gb) - reserve), per_session
+    capacity = CapacityModel(1.0)
+    capacity.calibrate("dit0", [256, 144], 100.0, out)
+    assert capacity.batch_limit("dit0") == 1 and CapacityModel(1.0).batch_limit("dit0") is None
+
+
+def test_an_accelerators_decode_working_set_is_a_share_of_its_free_memory(runtime):
+    """The VAE's frames per call on a device follow a quarter of its free memory at its peak
+    (platform/accel.py DECODE_SHARE, PEAK_PER_ESTIMATE), never less than the CPU's."""
+    from streamdiff.platform.accel import DECODE_SHARE, PEAK_PER_ESTIMATE
+
+    rt = runtime()
+    rt.free = 80 * 10**9
+    plat = platform.for_device("cuda:1")
+    assert plat.decode_working_set(48 * 2**20) == int(DECODE_SHARE * 80e9 / PEAK_PER_ESTIMATE)
+    assert ("mem_get_info", 1) in rt.calls
+    rt.free = 2**20
+    assert plat.decode_working_set(48 * 2**20) == 48 * 2**20

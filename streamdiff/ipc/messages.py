@@ -130,7 +130,9 @@ class DiTMemory(msgspec.Struct, frozen=True):
     cross_bytes: float
     budget_bytes: float  # the worker's (its device's), shared by its stages: Worker.start
     least_frames: int = 0  # the fewest frames a cache is sized for (sinks and a block; plan.cache_frames)
-    transient_bytes: float = 0.0  # a block's activations and workspaces at the worker's largest batch
+    transient_bytes: float = 0.0  # a block's activations and workspaces, alone
+    transient_each: float = 0.0  # what each more session of a batch adds to them
+    batch: int = 0  # the largest batch the budget keeps transients for (Worker.start; 0: not set)
 
 
 class VAEMemory(msgspec.Struct, frozen=True):
@@ -138,7 +140,9 @@ class VAEMemory(msgspec.Struct, frozen=True):
 
     cache_bytes_per_latent_pixel: float
     budget_bytes: float  # the worker's (its device's), shared by its stages: Worker.start
-    transient_bytes: float = 0.0  # a decode's activations at the worker's largest batch
+    transient_bytes: float = 0.0  # a decode's activations, alone
+    transient_each: float = 0.0  # what each more session of a batch adds to them
+    batch: int = 0  # the largest batch the budget keeps transients for (Worker.start; 0: not set)
 
 
 class GivenTimes(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

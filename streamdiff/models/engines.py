@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from ..plan import cache_frames
+from ..platform import for_device
 from .blocks import BlockOrder, BlockRefused, check_block
 from .compiled import Compiler
 from .conditionings import conditionings_for, picture
@@ -405,7 +406,9 @@ class VAEEngine:
         self.device = device
         self.model, self.preset = build_vae(spec, device)  # the Wan VAE, or TAEHV (spec.decoder)
         self.decoder = spec.decoder
-        self.working_set_bytes = working_set_bytes
+        # what a decode call's activations may take here: the CPU's cache, or a share of the
+        # device memory free now that the decoder has loaded (frames per call follow from it)
+        self.working_set_bytes = for_device(device).decode_working_set(working_set_bytes)
         # The Wan VAE's norms compiled (lazily, at the first blocks); TAEHV's convolutions and
         # ReLUs have no chain of passes to fuse, and it runs eager.
         self.compiler = Compiler(spec.compile if spec.decoder == "wan" else "off", device)

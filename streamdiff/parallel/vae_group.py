@@ -59,6 +59,13 @@ def group_max(values: list[int], device: str) -> list[int]:
     return [int(v) for v in t.tolist()]
 
 
+def agreed_working_set(working_set_bytes: int, device: str) -> int:
+    """The smallest of the ranks' decode working sets (MiB-rounded, for the all-reduce's int32):
+    every rank's decode plan is a function of the block's shape and this, so all run the same
+    number of halo exchanges (models/wan/kernels.py)."""
+    return -group_max([-(working_set_bytes >> 20)], device)[0] << 20
+
+
 class ExchangeHalo(Halo):
     def __init__(self, rank: int, bands: list[tuple[int, int]], clock: WaitClock | None = None) -> None:
         self.rank, self.world, self.bands = rank, len(bands), bands

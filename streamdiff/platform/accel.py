@@ -67,6 +67,16 @@ class EventWaitClock(WaitClock):
         return self._total
 
 
+# Of the device memory free once the VAE has loaded, what one decode call may take at its peak:
+# Wan 2.2's second upsample alone is 3.7 G elements for LongLive 2.0's 8-frame block at
+# 1280x704, more than an 80 GB device holds beside its sessions, in one call.
+DECODE_SHARE = 0.25
+# A decode call's peak bytes per latent frame over the working-set estimate the frames per call
+# are sized by (kernels.plan_block): 2.2 for the Wan 2.1 decoder, 2.75 for Wan 2.2's, counted
+# storage by storage (tests/models/test_vae_memory.py holds the bound).
+PEAK_PER_ESTIMATE = 3.0
+
+
 class AcceleratorPlatform(Platform):
     runtime_name = ""
 
@@ -106,6 +116,17 @@ class AcceleratorPlatform(Platform):
             return cpu_budget
         self.rt.empty_cache()
         return max(0, int(0.9 * self.rt.mem_get_info(self.torch_device)[0]) - reserve)
+
+    def decode_working_set(self, cpu_bytes: int) -> int:
+        """A share of the device memory free once the decoder has loaded (DECODE_SHARE), as the
+        working-set estimate counts it (PEAK_PER_ESTIMATE): the frames per call follow from it,
+        so a block's activations never outgrow the device, and the calibration's measured
+        transient, reserved out of the sessions' budget, is bounded by it. Where the runtime does
+        not say, all the frames of a block in one call."""
+        if not hasattr(self.rt, "mem_get_info"):
+            return 2**40
+        free = self.rt.mem_get_info(self.torch_device)[0]
+        return max(cpu_bytes, int(DECODE_SHARE * free / PEAK_PER_ESTIMATE))
 
     def free_cache(self) -> None:
         if hasattr(self.rt, "empty_cache"):

@@ -95,6 +95,11 @@ class Platform:
     def wait_clock(self) -> WaitClock:
         return WaitClock()
 
+    def decode_working_set(self, cpu_bytes: int) -> int:
+        """The bytes of activations a VAE decode call may work in (models/wan/kernels.py sizes
+        its frames per call by it): on the CPU `cpu_bytes`, what stays in cache."""
+        return cpu_bytes
+
     def free_cache(self) -> None:
         """Give the allocator's cached blocks back to the device (accelerators)."""
 

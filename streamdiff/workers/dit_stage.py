@@ -34,7 +34,7 @@ from .stage_common import (
     phase,
     put_activation,
     timed_ms,
-    transient_at,
+    transient_each,
 )
 
 if TYPE_CHECKING:
@@ -162,7 +162,8 @@ class DiTStage:
                 cross,
                 0.0,
                 self.engine.least_cache_frames,
-                transient_at(self.max_batch, alone_t, pair_t),
+                alone_t,
+                transient_each(alone_t, pair_t),
             ),
         }
 

@@ -116,18 +116,35 @@ class Worker:
     def _one_budget(self, ready: dict) -> dict:
         """One memory budget for the device, shared by the stages on it: taken once every stage
         has loaded and calibrated (a stage that measured free memory before the other had
-        loaded would count it twice), less the largest of their transients at the worker's
-        largest batch (stages run one at a time, so their transients never meet). The
-        supervisor checks the caches of all the sessions on this worker, whichever stage holds
-        them, against it (`CapacityModel.fits`)."""
+        loaded would count it twice), less the largest of their transients at the largest
+        batch it can hold (stages run one at a time, so their transients never meet): the
+        worker's max_batch where the rest holds that many sessions at the preset's size, else
+        fewer (Krea's 14B on one device: kept for four blocks' transients, none of its sessions
+        would fit). The supervisor checks the caches of all the sessions on this worker,
+        whichever stage holds them, against it (`CapacityModel.fits`), and batches no more."""
+        from .stage_common import session_bytes, transient_at
+
         plat = next(iter(self.stages.values())).platform
-        reserve = max((int(r.memory.transient_bytes) for r in ready.values() if r.memory is not None), default=0)
-        budget = float(plat.memory_budget(self.spec.cpu_memory_budget_bytes, reserve))
-        log.info("memory budget for sessions: %.0f MB (%.0f MB kept for transients)", budget / 1e6, reserve / 1e6)
+        mems = [r for r in ready.values() if r.memory is not None]
+        one = sum(session_bytes(r) for r in mems)  # a session at the preset's size, in every stage here
+
+        def reserve(b: int) -> int:
+            return max((transient_at(b, r.memory.transient_bytes, r.memory.transient_each) for r in mems), default=0)
+
+        for batch in range(max(1, self.spec.max_batch), 0, -1):
+            budget = float(plat.memory_budget(self.spec.cpu_memory_budget_bytes, reserve(batch)))
+            if budget >= batch * one or batch == 1:
+                break
+        log.info(
+            "memory budget for sessions: %.0f MB (%.0f MB kept for the transients of a batch of %d)",
+            budget / 1e6,
+            reserve(batch) / 1e6,
+            batch,
+        )
         return {
             k: r
             if r.memory is None
-            else msgspec.structs.replace(r, memory=msgspec.structs.replace(r.memory, budget_bytes=budget))
+            else msgspec.structs.replace(r, memory=msgspec.structs.replace(r.memory, budget_bytes=budget, batch=batch))
             for k, r in ready.items()
         }
 

@@ -58,13 +58,29 @@ def timed_ms(plat, fn) -> float:
     return 1000 * (time.perf_counter() - t0)
 
 
-def transient_at(max_batch: int, alone: int, pair: int | None) -> int:
-    """A block's transients (the bytes it allocates beyond the sessions' caches: activations,
-    the batched attention's gathered windows, workspaces) at the worker's largest batch, from a
-    block alone and, where one ran, a pair: each session more adds what the second added; with
-    no pair, what one alone takes."""
-    more = alone if pair is None else max(0, pair - alone)
-    return int(alone + more * (max(1, max_batch) - 1))
+def transient_each(alone: int, pair: int | None) -> int:
+    """What each more session of a batch adds to a block's transients (the bytes it allocates
+    beyond the sessions' caches: activations, the batched attention's gathered windows,
+    workspaces), from a block alone and, where one ran, a pair: what the second added; with no
+    pair, what one alone takes."""
+    return int(alone if pair is None else max(0, pair - alone))
+
+
+def transient_at(batch: int, alone: float, each: float) -> int:
+    """A block's transients in a batch of `batch`."""
+    return int(alone + each * (max(1, batch) - 1))
+
+
+def session_bytes(ready: m.DiTReady | m.VAEReady) -> float:
+    """What one session's caches hold in the stage that reported `ready`, at its calibration's
+    size (the preset's): as admission prices it (CapacityModel.demand), with a full window."""
+    w, h = ready.cost.size
+    mem = ready.memory
+    if isinstance(mem, m.DiTMemory):
+        tokens = ready.card.tokens_per_frame(w, h) if ready.card is not None else 0
+        return mem.kv_bytes_per_token * mem.window_frames * tokens + mem.cross_bytes
+    sf = ready.spatial_factor
+    return mem.cache_bytes_per_latent_pixel * (h // sf) * (w // sf)
 
 
 def leave_group(world: int) -> None:

@@ -32,7 +32,7 @@ from .stage_common import (
     phase,
     take_activations,
     timed_ms,
-    transient_at,
+    transient_each,
 )
 
 log = logging.getLogger(__name__)
@@ -62,9 +62,10 @@ class VAEStage:
         self.rank, self.world = (g.rank, g.world) if g else (0, 1)
         self.shard_front = bool(g and g.shard_front)
         if self.world > 1:
-            from ..parallel.vae_group import init_group
+            from ..parallel.vae_group import agreed_working_set, init_group
 
             init_group(g.init_addr, g.rank, g.world, spec.device, g.timeout_s)
+            self.engine.working_set_bytes = agreed_working_set(self.engine.working_set_bytes, spec.device)
         self.sessions: dict[str, VAEStageSession] = {}
         self.slots = self.engine.model.band_slots(self.shard_front)
         # topology.vae_cut: the DiT ran the decoder's first stages; this worker runs the rest.
@@ -129,22 +130,22 @@ class VAEStage:
         else:
             ms, alone_t = given.block_ms, self.platform.peak_during(lambda: decode([state], fpb))[1]
         cache = sum(c.numel() * c.element_size() for c in state.cache if c is not None)
-        # A pair decoded in one call, if half the memory free now holds it on every rank (their
+        # A pair decoded in one call, if half the memory free now holds its caches and the
+        # second block's transient (the budget is less the first's already) on every rank (their
         # free memory differs; all must run the same calibration collectives or none). The
         # worker's budget is taken once all its stages have loaded and calibrated (Worker.start).
         batch_ms, pair_t = ({}, None) if given is None else (dict(given.batch_ms), None)
         budget = self.platform.memory_budget(self.cpu_budget, alone_t)
-        fits = int(self.max_batch > 1 and budget // 2 >= 2 * cache)
+        fits = int(self.max_batch > 1 and budget // 2 >= 2 * cache + alone_t)
         if given is None and -self._agree([-fits])[0]:
             other = copy.deepcopy(state)  # the same cache phase, without decoding its blocks again
             decode([state, other], fpb)  # cold: a new shape
             ms2, pair_t = self.platform.peak_during(lambda: decode([state, other], fpb))
             batch_ms["2"] = ms2 / 2
-        transient = transient_at(self.max_batch, alone_t, pair_t)
         out = {
             "cost": m.StageCost(ms, [w, h]),
             "batch_ms": batch_ms,
-            "memory": m.VAEMemory(cache / (lh * lw), 0.0, transient),
+            "memory": m.VAEMemory(cache / (lh * lw), 0.0, alone_t, transient_each(alone_t, pair_t)),
         }
         if self.vae_cut:  # each decoder stage's time: what the supervisor moves a cut by (supervisor/cut.py)
             from ..models.wan.stage_times import stage_times

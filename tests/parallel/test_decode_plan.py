@@ -94,4 +94,6 @@ def test_the_plan_is_sized_for_the_largest_band():
     per_row_frame = 4 * 4 * 8 * 52 * 8 * 4 * 3  # base_dim * temporal * (8 px per row) * 8 w * bytes * 3
     plan = plan_block((1, 16, 3, 40, 52), 3, "cpu", 4, 8, 4, 4, 3 * 13 * per_row_frame)
     assert plan.bands == ((0, 14), (14, 27), (27, 40)) and plan.frames_per_call == 2
-    assert plan_block((1, 16, 3, 40, 52), 3, "cuda", 4, 8, 4, 4, 1).frames_per_call == 3
+    # the same rule off the CPU, with the device's working set (a share of its free memory)
+    assert plan_block((1, 16, 3, 40, 52), 3, "cuda", 4, 8, 4, 4, 3 * 13 * per_row_frame).frames_per_call == 2
+    assert plan_block((1, 16, 3, 40, 52), 3, "cuda", 4, 8, 4, 4, 2**40).frames_per_call == 3

@@ -38,7 +38,7 @@ class DecodePlan:
     """How a group decodes one block; identical on every rank (a function of the global shape)."""
 
     bands: tuple[tuple[int, int], ...]  # latent rows [r0, r1) of each rank
-    frames_per_call: int  # latent frames decoded per call (all of them off the CPU)
+    frames_per_call: int  # latent frames decoded per call (as many as the working set holds)
 
     def rows(self, rank: int) -> tuple[int, int]:
         return self.bands[rank]
@@ -60,11 +60,11 @@ def plan_block(
     by `world` shards, with bands in proportion to `weights` (None: equal).
 
     The chunk size is sized for the largest band, so a group's chunking is what its busiest
-    shard needs and every shard agrees on it."""
+    shard needs and every shard agrees on it. The same rule on every device, with the device's
+    working set (`Platform.decode_working_set`: the CPU's cache, a share of an accelerator's
+    free memory)."""
     t, h, w = latent_shape[-3:]
     bands = tuple(split_rows(h, world, weights))
-    if device_type != "cpu":
-        return DecodePlan(bands, t)
     rows = max(r1 - r0 for r0, r1 in bands)
     px = rows * spatial_factor * w * spatial_factor
     per_frame = base_dim * temporal_factor * px * element_size * 3 * batch

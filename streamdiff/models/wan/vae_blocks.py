@@ -215,7 +215,9 @@ class Resample(nn.Module):
     def forward(self, x: torch.Tensor, ctx: Ctx) -> torch.Tensor:
         if self.time_conv is not None:
             x = self._double_frames(x, ctx)
-        y = F.interpolate(frames(x).float(), scale_factor=2.0, mode="nearest-exact").to(x.dtype)
+        # in the served dtype: a nearest upsample copies values (no rounding to save), and a
+        # float32 round trip made three full-resolution copies of each upsampler's output
+        y = F.interpolate(frames(x), scale_factor=2.0, mode="nearest-exact")
         y = with_halo(y, ctx.halo)
         conv = self.resample[1]
         return unframes(conv2d(y, conv.weight, conv.bias, (1 - ctx.halo.rows, 1), ctx.checkpoint), x.shape[0])
@@ -284,10 +286,13 @@ class ResidualUpStage(nn.Module):
         self.upsamples = nn.Sequential(*mods)
 
     def forward(self, x: torch.Tensor, ctx: Ctx) -> torch.Tensor:
-        short = self.avg_shortcut(x, ctx.state.latent_frames == 0) if self.avg_shortcut is not None else None
+        # The shortcut is made from the stage's input once its blocks are done, and added in
+        # place: it is as large as the stage's output, and made first it stayed alive through
+        # every block of the stage (the input it is made from is a fraction of that).
+        first, x0 = ctx.state.latent_frames == 0, x
         for m in self.upsamples:
             x = m(x, ctx)
-        return x if short is None else x + short
+        return x if self.avg_shortcut is None else x.add_(self.avg_shortcut(x0, first))
 
 
 def unpatchify(x: torch.Tensor, p: int) -> torch.Tensor:

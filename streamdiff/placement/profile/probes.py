@@ -207,12 +207,13 @@ def vae_child(spec, device, cpus, threads, rank, world, addr, sizes, splits, bat
 
         from ...models.engines import VAEEngine
         from ...models.wan.stage_times import stage_times
-        from ...parallel.vae_group import ExchangeHalo, init_group
+        from ...parallel.vae_group import ExchangeHalo, agreed_working_set, init_group
 
         plat = for_device(device)
         eng = VAEEngine(spec, device, working_set)
-        if world > 1:  # after the load, as a worker joins
+        if world > 1:  # after the load, as a worker joins; one decode plan for all the ranks
             init_group(addr, rank, world, device, GROUP_TIMEOUT_S)
+            eng.working_set_bytes = agreed_working_set(eng.working_set_bytes, device)
         p = eng.preset
         fpb, sf = p.sampler.frames_per_block, p.vae.spatial_factor
         clock = plat.stopwatch(threads)
@@ -265,12 +266,32 @@ def vae_child(spec, device, cpus, threads, rank, world, addr, sizes, splits, bat
                     z = (1, p.dit.out_channels, fpb, h // sf, w // sf)
                     entry["stages_ms"] = stage_times(eng.model, state, partial(torch.randn, z, generator=g), device)
                 if weights is None and batches:
-                    entry["batch_ms"] = {}
+                    # a batch only where its caches and transients fit (the pair's gate at the
+                    # worker's, VAEStage.calibrate); out of memory in one: it does not fit
+                    from ...models.compiled import out_of_memory
+
+                    _, alone_t = plat.peak_during(lambda s=state: decode([s]))
+                    cache = sum(c.numel() * c.element_size() for c in state.cache if c is not None)
+                    entry["batch_ms"], unfit = {}, []
                     for b in batches:
+                        need = b * (cache + alone_t)
+                        if plat.memory_budget(need) < need:  # one shard's (a group probes no batch)
+                            unfit.append(b)
+                            continue
                         states = [eng.open_session() for _ in range(b)]
-                        decode(states)  # each a shot's first block
-                        decode(states)  # cold: a new shape
-                        entry["batch_ms"][str(b)] = median([decode(states)[0] / b for _ in range(2)])
+                        try:
+                            decode(states)  # each a shot's first block
+                            decode(states)  # cold: a new shape
+                            entry["batch_ms"][str(b)] = median([decode(states)[0] / b for _ in range(2)])
+                        except Exception as exc:
+                            if out_of_memory(exc) is None:
+                                raise
+                            unfit.append(b)
+                        finally:
+                            states = None
+                            plat.free_cache()
+                    if unfit:
+                        entry["unfit_batches"] = unfit
                 per_split["equal" if weights is None else ":".join(f"{x:g}" for x in weights)] = entry
             res[f"{w}x{h}"] = per_split
         out.put(("ok", {"stage": "vae", "rank": rank, "sizes": res}))

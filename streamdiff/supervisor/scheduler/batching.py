@@ -55,7 +55,7 @@ class Batching:
         head = cands[0]
         size = (head[0].width, head[0].height)
         base = self.capacity.block_ms(unit, size)
-        cap = min(self.max_batch, slots)
+        cap = min(self.max_batch, slots, self.capacity.batch_limit(unit) or self.max_batch)
         batch = [head]
         if base is None or cap < 2:
             return batch

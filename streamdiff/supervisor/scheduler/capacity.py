@@ -77,6 +77,11 @@ class CapacityModel:
             self.memory[unit] = memory
             self.workers[unit] = tuple(workers) or (unit,)
 
+    def batch_limit(self, unit: str) -> int | None:
+        """The largest batch the unit's worker kept transients for (None: no limit said)."""
+        mem = self.memory.get(unit)
+        return mem.batch if mem is not None and mem.batch > 0 else None
+
     def worker_budget(self, worker: str, budget_bytes: float) -> None:
         """A worker process's memory budget, as its READY says (one for all its stages)."""
         self.budget[worker] = budget_bytes
