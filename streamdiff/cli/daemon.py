@@ -54,8 +54,13 @@ async def serve(cfg: Config, api_keys: list[bytes]) -> int:
     waiter = asyncio.create_task(stop.wait())
     placing = loop.run_in_executor(None, place, cfg, log.info)
     await asyncio.wait({placing, waiter}, return_when=asyncio.FIRST_COMPLETED)
-    if not placing.done():  # stopped while profiling: the profile's processes are daemonic
+    if not placing.done():  # stopped while profiling: its probes are killed, and it stops
+        from ..placement.profile.harness import STOP
+
+        STOP.set()
         extender.cancel()
+        await asyncio.gather(placing, return_exceptions=True)
+        log.info("stopped while profiling the machine: no profile kept")
         return 0
     try:
         cfg, placement = placing.result()

@@ -7,8 +7,8 @@ import os
 import time
 import traceback
 
-from ...spawn import torch_context
-from .harness import cpus_of, median, pin, run_children
+from ...spawn import torch_context, watched
+from .harness import cpus_of, median, pin, result, run_children
 from .probes import vae_child
 
 ALONE_BLOCKS = 3  # the hybrid probe's DiT: blocks timed alone just before the shards start
@@ -70,10 +70,14 @@ def hybrid_probe(spec, sizes, ws, timeout_s: float) -> dict:
     res = {}
     for size in sizes:
         out, stop = ctx.Queue(), ctx.Event()
-        dit = ctx.Process(target=dit_beside_child, args=(spec, "cpu", cpus_of(0, 1), size, stop, out), daemon=True)
+        dit = ctx.Process(
+            target=watched,
+            args=(os.getpid(), dit_beside_child, spec, "cpu", cpus_of(0, 1), size, stop, out),
+            daemon=True,
+        )
         dit.start()
         try:
-            status, value = out.get(timeout=timeout_s)
+            status, value = result(out, timeout_s)
             if status != "ok":
                 raise RuntimeError(f"profiling failed:\n{value}")
             addr = f"tcp://127.0.0.1:{free_port()}"
@@ -83,7 +87,7 @@ def hybrid_probe(spec, sizes, ws, timeout_s: float) -> dict:
             ]
             shards = [s["sizes"] for s in sorted(run_children(targets, timeout_s), key=lambda s: s["rank"])]
             stop.set()
-            status, value = out.get(timeout=timeout_s)
+            status, value = result(out, timeout_s)
             if status != "ok":
                 raise RuntimeError(f"profiling failed:\n{value}")
         finally:
@@ -219,7 +223,10 @@ def levels(
     out = ctx.Queue()
     cmds = {r: ctx.Queue() for r in ("dit", "vae")}
     procs = [
-        ctx.Process(target=level_child, args=(r, spec, sizes, working_set, cmds[r], out), daemon=True) for r in cmds
+        ctx.Process(
+            target=watched, args=(os.getpid(), level_child, r, spec, sizes, working_set, cmds[r], out), daemon=True
+        )
+        for r in cmds
     ]
     for pr in procs:
         pr.start()
@@ -227,7 +234,7 @@ def levels(
 
     def answers(n: int) -> None:
         for _ in range(n):
-            status, value = out.get(timeout=timeout_s)
+            status, value = result(out, timeout_s)
             if status == "error":
                 raise RuntimeError(f"profiling failed:\n{value}")
             if status == "ok":

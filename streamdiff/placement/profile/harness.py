@@ -4,7 +4,10 @@ one measurement at a time so none competes."""
 from __future__ import annotations
 
 import os
+import queue
 import statistics
+import threading
+import time
 
 from ...platform import for_device, select
 from ...spawn import torch_context, watched
@@ -45,6 +48,28 @@ def leave(world: int) -> None:
             dist.destroy_process_group()
 
 
+# Set when the daemon is told to stop while it profiles (cli/daemon.py): the probes running are
+# killed at once, and the profile raises Stopped.
+STOP = threading.Event()
+
+
+class Stopped(Exception):
+    """The profile was stopped (the daemon was told to stop while it measured)."""
+
+
+def result(out, timeout_s: float):
+    """The next child's result, watching STOP meanwhile (queue.Empty past `timeout_s`)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if STOP.is_set():
+            raise Stopped("stopped while profiling")
+        try:
+            return out.get(timeout=max(0.0, min(0.25, deadline - time.monotonic())))
+        except queue.Empty:
+            if time.monotonic() >= deadline:
+                raise
+
+
 def run_children(targets: list[tuple], timeout_s: float) -> list:
     """Start one process per (fn, args), wait for each one's result; raise on any error."""
     ctx = torch_context()
@@ -56,13 +81,13 @@ def run_children(targets: list[tuple], timeout_s: float) -> list:
     results = []
     try:
         for _ in procs:
-            status, value = out.get(timeout=timeout_s)
+            status, value = result(out, timeout_s)
             if status != "ok":
                 raise RuntimeError(f"profiling failed:\n{value}")
             results.append(value)
     finally:
         for p in procs:
-            p.join(timeout=30)
+            p.join(timeout=0 if STOP.is_set() else 30)
             if p.is_alive():
                 p.kill()
     return results
