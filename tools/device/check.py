@@ -274,8 +274,10 @@ def check_longlive2(dev: str, a) -> dict:
     """LongLive 2.0 on the Wan 2.2 TI2V 5B (random bf16 weights built on the device) at its
     1280x704: one 8-frame block of its UniPC sampler (4 steps, then the clean pass) in its
     32-frame window, and the Wan 2.2 VAE (real widths) decoding that block's 8 latent frames to
-    32, each with ms a block and peak memory beside what the planner priced. On the CPU the same
-    loop at tiny widths and 128x64 (the code path, not the figure)."""
+    32 in the frames per call the worker would choose from the device's memory (a quarter of
+    its free memory at the peak: the result says the share it took), each with ms a block and
+    peak memory beside what the planner priced. On the CPU the same loop at tiny widths and
+    128x64 (the code path, not the figure)."""
     from dataclasses import replace
 
     from streamdiff.models.catalog import checkpoint_preset
@@ -342,17 +344,41 @@ def check_longlive2(dev: str, a) -> dict:
     vstate = vae.new_state()
     z = latents.to(dtype)
     vae.decode(z[:, :, :1], vstate)  # a shot's first latent frame: then steady blocks
+    # The block decoded as the VAE worker plans it: frames per call from the device's working
+    # set (a quarter of its free memory at the peak, platform/accel.py), the peak beside it.
+    from streamdiff.models.wan.kernels import CPU_DECODE_WORKING_SET_BYTES, plan_block
+    from streamdiff.platform import for_device
+
+    plat = for_device(dev if dev == "cpu" or ":" in dev else f"{dev}:0")
+    working_set = plat.decode_working_set(CPU_DECODE_WORKING_SET_BYTES)
+    width = vcfg.decoder_dim // vcfg.patch_size**2
+    plan = plan_block(
+        tuple(z.shape[1:]), 1, torch.device(dev).type, width, vcfg.spatial_factor, vcfg.temporal_factor,
+        z.element_size(), working_set,
+    )  # fmt: skip
+    before = torch.cuda.memory_allocated() if dev.startswith("cuda") else 0
+    free = torch.cuda.mem_get_info()[0] if dev.startswith("cuda") else 0
+    if dev.startswith("cuda"):
+        torch.cuda.reset_peak_memory_stats()
     vtimes = []
     for _ in range(1 if a.quick else 3):
         sync(dev)
         t0 = time.perf_counter()
-        frames = vae.decode(z, vstate)
+        with torch.no_grad():
+            frames = vae.decode_rows(z, vstate, plan, 0, None, False)
         sync(dev)
         vtimes.append(1000 * (time.perf_counter() - t0))
     out["vae_block_ms"] = round(statistics.median(vtimes), 1)
     out["vae_frames"] = frames.shape[2]
+    out["vae_frames_per_call"] = plan.frames_per_call
+    out["vae_working_set_gib"] = round(min(working_set, 2**40) / GIB, 2)
     if dev.startswith("cuda"):
-        out["vae_peak_gib"] = round(torch.cuda.max_memory_allocated() / GIB, 2)
+        from streamdiff.platform.accel import DECODE_SHARE
+
+        peak = torch.cuda.max_memory_allocated() - before
+        out["vae_peak_gib"] = round(peak / GIB, 2)
+        out["vae_peak_share_of_free"] = round(peak / max(free, 1), 3)  # the plan aims at DECODE_SHARE
+        out["vae_peak_within_share"] = peak <= DECODE_SHARE * free
     print(f"longlive2: {out}", flush=True)
     return out
 
