@@ -42,8 +42,9 @@ class Conditioning:
     def start_image(self, eng, sess, image: torch.Tensor):
         """What a start picture costs at a shot's start, once (the profile times it)."""
 
-    def prepare(self, eng, sess, frames: int) -> None:
-        """Its part of the session's next block, on the session's DiT state, before the denoise."""
+    def prepare(self, eng, sess, frames: int, order: BlockOrder | None) -> None:
+        """Its part of the session's next block, on the session's DiT state, before the denoise
+        (`order`: the block's, with its controls; None: none given)."""
 
     def alone(self, sess) -> bool:
         """Whether the session's next block must run in a batch of its own."""
@@ -109,15 +110,16 @@ class ImageContext(Conditioning):
         if sess.shot_blocks or sess.state.next_frame:
             raise ValueError("an image starts a shot: it must come before the shot's first block")
         eng.model.set_prompt(sess.state, self.clip.encode(image))
-        sess.condition = ImageCondition(self.encoder, image)
+        sess.conditioned["image_context"] = ImageCondition(self.encoder, image)
 
-    def prepare(self, eng, sess, frames) -> None:
-        """The block's mask and latents beside its noise, and its actions."""
-        if sess.condition is None:
+    def prepare(self, eng, sess, frames, order) -> None:
+        """The block's mask and latents beside its noise, and its actions (the idle action
+        where the block brings none)."""
+        cond = sess.conditioned.get("image_context")
+        if cond is None:
             raise ValueError("an image model's shot needs its image first")
-        st = sess.state
-        st.cond, st.actions = sess.condition.block(st.next_frame, frames, eng.model.cfg.action, sess.actions)
-        sess.actions = None
+        st, actions = sess.state, (order.actions if order is not None else None) or None
+        st.cond, st.actions = cond.block(st.next_frame, frames, eng.model.cfg.action, actions)
 
 
 class ImageBlock(Conditioning):
@@ -158,8 +160,8 @@ class FirstFrame(Conditioning):
         check_shot_start(order)
 
     def scene(self, eng, sess, prompt, new_shot, image) -> None:
-        if new_shot:
-            sess.first_latent = self.start_image(eng, sess, image) if image is not None else None
+        if new_shot:  # held as the first latent frame of the shot's first block, at t = 0
+            sess.conditioned["first_frame"] = self.start_image(eng, sess, image) if image is not None else None
 
     def start_image(self, eng, sess, image) -> torch.Tensor:
         """The picture through the VAE encoder: (1, C, 1, h, w) float32 on the model's device, by
@@ -169,11 +171,10 @@ class FirstFrame(Conditioning):
         return self.encoder.encode_image(to_unit(image)).to(dev, eng.noise_dtype).float()
 
     def alone(self, sess) -> bool:
-        return sess.first_latent is not None
+        return sess.conditioned.get("first_frame") is not None
 
     def hold(self, sess) -> torch.Tensor | None:
-        held, sess.first_latent = sess.first_latent, None
-        return held
+        return sess.conditioned.pop("first_frame", None)
 
 
 class Camera(Conditioning):
@@ -183,11 +184,10 @@ class Camera(Conditioning):
         if not rows_fit(order.camera, order.frames, CAMERA_ROW):
             raise BlockRefused(f"a camera model's block needs {order.frames} finite camera rows of {CAMERA_ROW} values")
 
-    def prepare(self, eng, sess, frames) -> None:
+    def prepare(self, eng, sess, frames, order) -> None:
         """The block's camera on the session's DiT state, where every pass of the block reads it
         (standing still where the shot is, with none given)."""
-        rows = sess.camera or [camera_row(np.eye(4))] * frames
-        sess.camera = None
+        rows = (order.camera if order is not None else None) or [camera_row(np.eye(4))] * frames
         if len(rows) != frames:
             raise ValueError(f"a camera of {len(rows)} latent frames for a block of {frames}")
         sess.state.camera = torch.tensor(rows, dtype=torch.float32)

@@ -10,7 +10,7 @@ caches, uint8 frames. Sessions are plain objects owned by the caller; engines ho
 from __future__ import annotations
 
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -20,7 +20,6 @@ from .blocks import BlockOrder, BlockRefused, check_block
 from .compiled import Compiler
 from .conditionings import conditionings_for, picture
 from .host import to_host
-from .image_condition import ImageCondition
 from .presets import (
     ModelSpec,
     build_dit,
@@ -62,17 +61,9 @@ class DiTSession:
     shot_noise: torch.Tensor | None = None  # (1, F, C, h, w), the authors' layout, model dtype
     shot_pos: int = 0  # latent frames of shot_noise used so far
     rolling: rolling.RollingState | None = None  # the rolling sampler's window (sampler kind "rolling")
-    # What its conditionings (conditionings.py) hold of it, each read only by its own:
-    # a camera model's next block's camera, a row per latent frame (controls.camera_row); None:
-    # standing still where the shot is (every frame at the identity pose)
-    camera: list[list[float]] | None = None
-    # Matrix-Game's: the next block's actions (a row per latent frame: multi-hot, mouse; None: the
-    # idle action), and the shot's conditioning on its start picture
-    actions: list[list[float]] | None = None
-    condition: ImageCondition | None = None
-    # LongLive 2.0's image-to-video: the picture's latent, held as the first latent frame of the
-    # shot's first block (its next block) at t = 0 through every step
-    first_latent: torch.Tensor | None = None
+    # what each conditioning (conditionings.py) keeps of the session's shot, under its own key,
+    # read by it alone: Matrix-Game's conditioning on its start picture, LongLive 2.0's held frame
+    conditioned: dict[str, object] = field(default_factory=dict)
 
     def caches(self) -> list:
         """The keys/values it holds: the history, and the rolling sampler's window's context."""
@@ -139,11 +130,10 @@ class DiTEngine:
             if own is not None and o.image is not None:
                 out[i] = own.start_image(self, sess, o.image)
                 continue
-            sess.camera, sess.actions = o.camera or None, o.actions or None
             groups.setdefault((sess.latent_hw, o.frames, len(self.steps_of(sess))), []).append(i)
         for idx in groups.values():
-            left = [orders[i][1].shot_left for i in idx]
-            made = self.generate_blocks([orders[i][0] for i in idx], orders[idx[0]][1].frames, left)
+            left, blocks = [orders[i][1].shot_left for i in idx], [orders[i][1] for i in idx]
+            made = self.generate_blocks([orders[i][0] for i in idx], orders[idx[0]][1].frames, left, blocks)
             for i, x in zip(idx, made, strict=True):
                 out[i] = x
         return out
@@ -345,22 +335,30 @@ class DiTEngine:
         return self.generate_blocks([sess], frames, [shot_left])[0]
 
     def generate_blocks(
-        self, sessions: list[DiTSession], frames: int, shots_left: list[int] | None = None
+        self,
+        sessions: list[DiTSession],
+        frames: int,
+        shots_left: list[int] | None = None,
+        orders: list[BlockOrder] | None = None,
     ) -> list[torch.Tensor]:
         """The next block of several sessions in one batched forward per step (same latent size
         and step count; any prompts and cache positions). Each session draws its noise from its
-        own generator exactly as alone, so each result equals its session run alone.
+        own generator exactly as alone, so each result equals its session run alone. `orders`:
+        each block's, for its controls (None: a camera standing still, the idle action).
         The rolling sampler runs its sessions one after another (`shots_left`: see generate_block)."""
         if isinstance(self.sampler, RollingSampler):
             left = shots_left or [0] * len(sessions)
             return [self._rolling_block(s, frames, n) for s, n in zip(sessions, left, strict=True)]
         conds = self.conditionings
+        orders = orders or [None] * len(sessions)
         if len(sessions) > 1 and any(c.alone(s) for c in conds for s in sessions):  # (a held image)
             left = shots_left or [0] * len(sessions)
-            return [self.generate_blocks([s], frames, [n])[0] for s, n in zip(sessions, left, strict=True)]
-        for sess in sessions:
+            return [
+                self.generate_blocks([s], frames, [n], [o])[0] for s, n, o in zip(sessions, left, orders, strict=True)
+            ]
+        for sess, order in zip(sessions, orders, strict=True):
             for c in conds:
-                c.prepare(self, sess, frames)
+                c.prepare(self, sess, frames, order)
         steps = [self.steps_of(s) for s in sessions]
         renoises = self.sampler.renoises(steps[0])
         noise, renoise = [], [[] for _ in range(renoises)]
