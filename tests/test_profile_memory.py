@@ -50,7 +50,7 @@ def probed():
     sess = eng.open_session(128, 64, seed=0)
     eng.set_scene(sess, "a red ball", new_shot=True)
     eng.generate_block(sess, eng.frames_per_block)
-    held = sum(c.nbytes for c in sess.caches()) + sum(k.nbytes + v.nbytes for k, v in sess.state.cross)
+    held = sess.nbytes
     return eng, sess, alive, held
 
 

@@ -69,6 +69,16 @@ class DiTSession:
         """The keys/values it holds: the history, and the rolling sampler's window's context."""
         return [self.state.kv] + ([self.rolling.scratch.kv] if self.rolling is not None else [])
 
+    @property
+    def cross_nbytes(self) -> int:
+        """Its prompt's cross-attention keys and values."""
+        return sum(k.nbytes + v.nbytes for k, v in self.state.cross)
+
+    @property
+    def nbytes(self) -> int:
+        """Everything it holds: its caches and its prompt's keys and values (DiTMemory prices it)."""
+        return sum(c.nbytes for c in self.caches()) + self.cross_nbytes
+
 
 class DiTEngine:
     def __init__(

@@ -131,7 +131,7 @@ class DiTStage:
         # allocated when the session opens and reused by its shots, and scales with the tokens
         # per frame: bytes per token of the window, exact at any frame size.
         per_token = sum(c.nbytes for c in sess.caches()) / tokens
-        cross = sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in sess.state.cross)
+        cross = sess.cross_nbytes
         # Per-block share of a batched forward of two sessions (larger batches are measured as
         # the supervisor runs them), if half the memory free now holds a second session (the
         # worker's budget is taken once all its stages have loaded and calibrated: Worker.start).

@@ -129,7 +129,7 @@ class VAEStage:
             ms, alone_t = self.platform.peak_during(lambda: decode([state], fpb))
         else:
             ms, alone_t = given.block_ms, self.platform.peak_during(lambda: decode([state], fpb))[1]
-        cache = sum(c.numel() * c.element_size() for c in state.cache if c is not None)
+        cache = state.nbytes
         # A pair decoded in one call, if half the memory free now holds its caches and the
         # second block's transient (the budget is less the first's already) on every rank (their
         # free memory differs; all must run the same calibration collectives or none). The

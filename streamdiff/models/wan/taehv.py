@@ -77,6 +77,10 @@ class TAEHVState:
         """The held tensors, as `VAEState.cache` lists them (what admission counts in memory)."""
         return list(self.memory.values())
 
+    @property
+    def nbytes(self) -> int:
+        return sum(c.nbytes for c in self.cache if c is not None)
+
 
 def conv3x3(cin: int, cout: int, bias: bool = True, stride: int = 1) -> nn.Conv2d:
     return nn.Conv2d(cin, cout, 3, stride=stride, padding=1, bias=bias)

@@ -28,6 +28,11 @@ class VAEState:
     cache: list[torch.Tensor | None]
     latent_frames: int = 0  # latent frames decoded so far in this shot
 
+    @property
+    def nbytes(self) -> int:
+        """What the cache holds (what admission prices: VAEMemory)."""
+        return sum(c.nbytes for c in self.cache if c is not None)
+
 
 class Halo:
     """Unsharded behaviour: zero rows at the top and bottom, whole frames already local.

@@ -36,6 +36,29 @@ def pin(device: str, cpus: tuple[int, ...], threads: int) -> None:
     torch.set_num_threads(threads)
 
 
+def measured_batches(plat, batches, need, run) -> tuple[dict[str, float], list[int]]:
+    """`run(b)` (per-block ms in a batch of b) for each batch size whose `need(b)` bytes the
+    device's free memory covers; the others, and one that runs out of memory, do not fit (the
+    probe goes on). The allocator's cache is given back after each batch (its sessions freed)."""
+    from ...models.compiled import out_of_memory
+
+    ms, unfit = {}, []
+    for b in batches:
+        n = need(b)
+        if plat.memory_budget(n) < n:  # the CPU's budget is what is asked: no device to fill
+            unfit.append(b)
+            continue
+        try:
+            ms[str(b)] = run(b)
+        except Exception as exc:
+            if out_of_memory(exc) is None:
+                raise
+            unfit.append(b)
+        finally:
+            plat.free_cache()
+    return ms, unfit
+
+
 def median(xs: list[float]) -> float:
     return statistics.median(xs) if xs else 0.0
 

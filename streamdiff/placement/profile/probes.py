@@ -11,7 +11,7 @@ from pathlib import Path
 
 from ...config import PipelineConfig
 from ...platform import for_device
-from .harness import FIRST_BLOCKS, FIRST_IDLE_S, STEADY_BLOCKS, leave, median, pin
+from .harness import FIRST_BLOCKS, FIRST_IDLE_S, STEADY_BLOCKS, leave, measured_batches, median, pin
 
 # A group probe's collective timeout: the workers' (pipeline.collective_timeout_s), which covers
 # a rank that compiles cold while its peers wait in the first collective.
@@ -104,37 +104,21 @@ def dit_child(spec, device, cpus, threads, sizes, batches, rank, world, addr, ho
 
 def _batches(eng, plat, sess, w: int, h: int, batches, alone_t: int, timed) -> tuple[dict[str, float], list[int]]:
     """Per-block ms in a batch of each size, `sess` and fresh sessions beside it, each batch's
-    freed before the next; and the sizes that do not fit the device. A batch is tried only where
-    the memory free covers its other sessions' caches and its transients (`alone_t`, a block's,
-    times the batch); an out-of-memory error in one says it does not fit, and the probe goes on."""
-    from ...models.compiled import out_of_memory
-
+    freed before the next; and the sizes that do not fit the device (`try_batch`: its other
+    sessions' caches and its transients, `alone_t` a block's, times the batch)."""
     fpb = eng.frames_per_block
-    held = sum(c.nbytes for c in sess.caches()) + sum(k.nbytes + v.nbytes for k, v in sess.state.cross)
-    batch_ms, unfit = {}, []
-    for b in batches:
-        need = (b - 1) * held + b * alone_t
-        if plat.memory_budget(need) < need:  # the CPU's budget is what is asked: no device to fill
-            unfit.append(b)
-            continue
+
+    def run(b: int) -> float:
         group = [sess]
-        try:
-            for i in range(b - 1):
-                s = eng.open_session(w, h, seed=10 + i)
-                group.append(s)
-                eng.set_scene(s, "profile", new_shot=True)
-                eng.generate_block(s, fpb)
-            eng.generate_blocks(group, fpb)  # cold: a new batch shape
-            runs = [timed(lambda g=group: eng.generate_blocks(g, fpb))[0] / b for _ in range(2)]
-            batch_ms[str(b)] = median(runs)
-        except Exception as exc:
-            if out_of_memory(exc) is None:
-                raise
-            unfit.append(b)
-        finally:
-            del group[1:]  # freed before the next batch is built
-            plat.free_cache()
-    return batch_ms, unfit
+        for i in range(b - 1):
+            s = eng.open_session(w, h, seed=10 + i)
+            group.append(s)
+            eng.set_scene(s, "profile", new_shot=True)
+            eng.generate_block(s, fpb)
+        eng.generate_blocks(group, fpb)  # cold: a new batch shape
+        return median([timed(lambda: eng.generate_blocks(group, fpb))[0] / b for _ in range(2)])
+
+    return measured_batches(plat, batches, lambda b: (b - 1) * sess.nbytes + b * alone_t, run)
 
 
 def _image_ms(eng, w: int, h: int, timed) -> float:
@@ -267,29 +251,17 @@ def vae_child(spec, device, cpus, threads, rank, world, addr, sizes, splits, bat
                     entry["stages_ms"] = stage_times(eng.model, state, partial(torch.randn, z, generator=g), device)
                 if weights is None and batches:
                     # a batch only where its caches and transients fit (the pair's gate at the
-                    # worker's, VAEStage.calibrate); out of memory in one: it does not fit
-                    from ...models.compiled import out_of_memory
-
+                    # worker's, VAEStage.calibrate); a group probes no batch
                     _, alone_t = plat.peak_during(lambda s=state: decode([s]))
-                    cache = sum(c.numel() * c.element_size() for c in state.cache if c is not None)
-                    entry["batch_ms"], unfit = {}, []
-                    for b in batches:
-                        need = b * (cache + alone_t)
-                        if plat.memory_budget(need) < need:  # one shard's (a group probes no batch)
-                            unfit.append(b)
-                            continue
+
+                    def run(b: int, decode=decode) -> float:
                         states = [eng.open_session() for _ in range(b)]
-                        try:
-                            decode(states)  # each a shot's first block
-                            decode(states)  # cold: a new shape
-                            entry["batch_ms"][str(b)] = median([decode(states)[0] / b for _ in range(2)])
-                        except Exception as exc:
-                            if out_of_memory(exc) is None:
-                                raise
-                            unfit.append(b)
-                        finally:
-                            states = None
-                            plat.free_cache()
+                        decode(states)  # each a shot's first block
+                        decode(states)  # cold: a new shape
+                        return median([decode(states)[0] / b for _ in range(2)])
+
+                    need = lambda b, s=state, t=alone_t: b * (s.nbytes + t)  # noqa: E731
+                    entry["batch_ms"], unfit = measured_batches(plat, batches, need, run)
                     if unfit:
                         entry["unfit_batches"] = unfit
                 per_split["equal" if weights is None else ":".join(f"{x:g}" for x in weights)] = entry
